@@ -1,0 +1,97 @@
+"""The policy contract and registry.
+
+Compression of one segment runs in two phases because layer budgets (LAVa, PyramidKV) need every
+layer's statistics before any layer is cut:
+
+1. per layer, during the engine's forward: ``compressor.observe(layer, stats)`` reduces the
+   ``WindowStats`` to a compact per-layer record (candidate scores ``[H_kv, n]`` in fp32, LAVa
+   entropy, DBudgetKV stop index, ...);
+2. once, after the last layer: ``compressor.plan()`` returns the ``CompressionPlan``.
+
+A ``Policy`` is immutable configuration plus a factory of per-segment compressors, so one policy
+object serves every concurrent request of an engine. A new method is one module that subclasses
+``Policy`` and decorates it with ``@register_policy("name")``.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, ClassVar, TypeVar
+
+from sgl_kvevict.plan import CompressionPlan
+from sgl_kvevict.scoring.window import StatsRequest, WindowStats
+
+if TYPE_CHECKING:
+    from sgl_kvevict.config import EvictionConfig
+
+
+@dataclass(frozen=True)
+class SegmentSpec:
+    """Shape of one compression job: the segment ``[start, end)`` of a context of ``end`` tokens."""
+
+    start: int
+    end: int
+    num_layers: int
+    num_kv_heads: int
+    num_q_heads: int
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+
+class SegmentCompressor(abc.ABC):
+    """Per-segment state of a policy between ``observe`` calls."""
+
+    def __init__(self, spec: SegmentSpec):
+        self.spec = spec
+
+    @abc.abstractmethod
+    def observe(self, layer: int, stats: WindowStats) -> None:
+        """Reduce one layer's statistics; must not keep ``stats`` tensors larger than ``[H_kv, L]``."""
+
+    @abc.abstractmethod
+    def plan(self) -> CompressionPlan:
+        """Decide kept positions for every (layer, KV head); called once after the last layer."""
+
+
+class Policy(abc.ABC):
+    name: ClassVar[str]
+
+    def __init__(self, config: "EvictionConfig"):
+        self.config = config
+
+    @abc.abstractmethod
+    def stats_request(self) -> StatsRequest:
+        """The window statistics ``observe`` needs (engines compute nothing else)."""
+
+    @abc.abstractmethod
+    def start(self, spec: SegmentSpec) -> SegmentCompressor:
+        """A fresh compressor for one segment."""
+
+
+_P = TypeVar("_P", bound=type[Policy])
+_POLICY_REGISTRY: dict[str, type[Policy]] = {}
+
+
+def register_policy(name: str) -> Callable[[_P], _P]:
+    def decorator(cls: _P) -> _P:
+        if name in _POLICY_REGISTRY:
+            raise ValueError(f"policy {name!r} is already registered by {_POLICY_REGISTRY[name].__qualname__}")
+        cls.name = name
+        _POLICY_REGISTRY[name] = cls
+        return cls
+
+    return decorator
+
+
+def registered_policies() -> list[str]:
+    return sorted(_POLICY_REGISTRY)
+
+
+def get_policy_class(name: str) -> type[Policy]:
+    try:
+        return _POLICY_REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"unknown policy {name!r}; registered: {', '.join(registered_policies())}") from None
