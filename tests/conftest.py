@@ -1,0 +1,41 @@
+"""Shared fixtures: model folders built once per test session, CPU mode, thread count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sgl_kvevict.compat import prepare_transformers
+
+prepare_transformers()
+# One thread is faster than two for these small models on the 2-core machines (measured in
+# cpu-environment.md), and leaves the other core to the server processes the tests start.
+torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Triton-interpreter tests run only in a process that has the interpreter on (their module's
+    driver test starts one); elsewhere they are deselected, so nothing is reported as skipped."""
+    from sgl_kvevict.kernels.runtime import TRITON_INTERPRETED
+
+    excluded_mark = "triton_interpreter_driver" if TRITON_INTERPRETED else "triton_interpreter"
+    selected = [item for item in items if item.get_closest_marker(excluded_mark) is None]
+    if len(selected) != len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item not in selected])
+        items[:] = selected
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> "Path":
+    """A random-weight fp32 Llama (2 layers, 4 query heads, 2 KV heads, head_dim 16) with a tokenizer."""
+    from sgl_kvevict.reference.checkpoints import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> "Path":
+    """The bundled SmolLM2-135M-Instruct as a safetensors folder (converted once, then cached)."""
+    from sgl_kvevict.models import resolve_model
+
+    return resolve_model("smollm2")

@@ -1,0 +1,74 @@
+"""Bad input to the launcher: non-zero exit, one-line reason, before any model is loaded."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+
+import pytest
+
+from serving import free_port, launcher_command
+
+# Validation happens before SGLang is imported; a run that got as far as loading would take >20 s.
+FAST_EXIT_SECONDS = 15
+
+
+def run_launcher(*args: str) -> tuple[int, str, float]:
+    start = time.monotonic()
+    result = subprocess.run(launcher_command(*args), capture_output=True, text=True, timeout=120)
+    return result.returncode, result.stdout + result.stderr, time.monotonic() - start
+
+
+def error_lines(output: str) -> list[str]:
+    return [line for line in output.splitlines() if "error:" in line]
+
+
+def test_unknown_policy_is_refused_with_the_valid_names(tiny_llama_dir):
+    code, output, elapsed = run_launcher("--model", str(tiny_llama_dir), "--kv-evict-policy", "nonsense")
+    assert code != 0
+    [line] = error_lines(output)
+    assert "nonsense" in line and "valid: none" in line
+    assert elapsed < FAST_EXIT_SECONDS and "Load weight" not in output
+
+
+def test_missing_model_path_is_refused(tmp_path):
+    code, output, elapsed = run_launcher("--model", str(tmp_path / "no-such-model"))
+    assert code != 0
+    [line] = error_lines(output)
+    assert "no-such-model" in line
+    assert elapsed < FAST_EXIT_SECONDS
+
+
+def test_folder_without_config_is_refused(tmp_path):
+    code, output, _ = run_launcher("--model", str(tmp_path))
+    assert code != 0
+    [line] = error_lines(output)
+    assert "config.json" in line
+
+
+def test_port_in_use_is_refused(tiny_llama_dir):
+    port = free_port()
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", port))
+        holder.listen()
+        code, output, elapsed = run_launcher("--model", str(tiny_llama_dir), "--port", str(port))
+    assert code != 0
+    [line] = error_lines(output)
+    assert str(port) in line and "in use" in line
+    assert elapsed < FAST_EXIT_SECONDS and "Load weight" not in output
+
+
+@pytest.mark.parametrize("flag", ["--model-path", "--port=0", "--host"])
+def test_flags_the_launcher_owns_are_refused_or_checked(tiny_llama_dir, flag):
+    args = ["--model", str(tiny_llama_dir), flag] + ([] if "=" in flag else ["x"])
+    code, output, _ = run_launcher(*args)
+    assert code != 0
+    assert len(error_lines(output)) == 1
+
+
+def test_bad_sglang_flag_fails_startup_with_a_reason(tiny_llama_dir):
+    code, output, _ = run_launcher("--model", str(tiny_llama_dir), "--port", str(free_port()), "--no-such-flag")
+    assert code != 0
+    assert "no-such-flag" in output
+    assert "before becoming healthy" in error_lines(output)[-1]
