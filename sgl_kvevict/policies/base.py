@@ -19,6 +19,7 @@ import abc
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, ClassVar, TypeVar
 
+from sgl_kvevict.config import PolicyDefaults
 from sgl_kvevict.plan import CompressionPlan
 from sgl_kvevict.scoring.window import StatsRequest, WindowStats
 
@@ -42,7 +43,14 @@ class SegmentSpec:
 
 
 class SegmentCompressor(abc.ABC):
-    """Per-segment state of a policy between ``observe`` calls."""
+    """Per-segment state of a policy between ``observe`` calls.
+
+    ``needs_stats`` is False when ``plan()`` does not depend on any statistics (the segment is kept
+    whole, or the policy is position-based): engines may then skip computing ``WindowStats`` and
+    ``observe`` altogether.
+    """
+
+    needs_stats: bool = True
 
     def __init__(self, spec: SegmentSpec):
         self.spec = spec
@@ -58,9 +66,15 @@ class SegmentCompressor(abc.ABC):
 
 class Policy(abc.ABC):
     name: ClassVar[str]
+    # Paper defaults the config resolves unset fields from (window, pooling, GQA, valid scores).
+    defaults: ClassVar[PolicyDefaults] = PolicyDefaults()
 
     def __init__(self, config: "EvictionConfig"):
         self.config = config
+
+    @classmethod
+    def validate_config(cls, config: "EvictionConfig") -> None:
+        """Raise ``ConfigError`` for a combination of knobs this policy cannot honour (called by the config)."""
 
     @abc.abstractmethod
     def stats_request(self) -> StatsRequest:

@@ -1,0 +1,72 @@
+"""DBudgetKV (Ni et al. 2025): no budget; each layer evicts its oldest non-sink tokens until the
+norm of the last query's attention row would drop by more than ``t`` (1%).
+
+Per layer the kept set is ``sinks ∪ [start_l, end)``: StreamingLLM with a window chosen per layer
+and input. Sinks are the absolute positions ``[0, m)`` (a later segment of a sequence has none);
+the observation window and any prefix before the segment are never evicted, which is the digest's
+guard (§6 item 4) generalised. Layers ``dbudget_frozen_layers`` (0 and 1) are never pruned. All KV
+heads of a layer keep the same positions (one stopping index per layer, heads combined "joint").
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sgl_kvevict.budget.dbudget import evicted_prefix_length, reduced_attention_mass
+from sgl_kvevict.config import ConfigError, EvictionConfig, PolicyDefaults
+from sgl_kvevict.plan import CompressionPlan
+from sgl_kvevict.policies.base import Policy, SegmentCompressor, SegmentSpec, register_policy
+from sgl_kvevict.policies.layout import SegmentLayout
+from sgl_kvevict.scoring.window import StatsRequest, WindowStats
+
+
+class _NormDropCompressor(SegmentCompressor):
+    def __init__(self, layout: SegmentLayout, config: EvictionConfig):
+        super().__init__(layout.spec)
+        self.layout = layout
+        self.threshold = config.dbudget_threshold
+        self.frozen_layers = frozenset(config.dbudget_frozen_layers)
+        self.needs_stats = layout.compresses
+        # Evictable positions, least important (oldest) first: after the sinks, before the window.
+        self.first_evictable = min(max(layout.spec.start, config.dbudget_sinks), layout.window_start)
+        self.eviction_order = torch.arange(self.first_evictable, layout.window_start)
+        self.evicted_per_layer: dict[int, int] = {}
+
+    def observe(self, layer: int, stats: WindowStats) -> None:
+        if self.layout.compresses and layer not in self.frozen_layers:
+            mass = reduced_attention_mass(stats.tail_attn).cpu()
+            self.evicted_per_layer[layer] = evicted_prefix_length(mass, self.eviction_order, self.threshold)
+
+    def plan(self) -> CompressionPlan:
+        layout, spec = self.layout, self.spec
+        if not layout.compresses:
+            return layout.keep_all()
+        missing = sorted(set(range(spec.num_layers)) - self.frozen_layers - set(self.evicted_per_layer))
+        if missing:
+            raise RuntimeError(f"plan() before observe() of layers {missing}")
+        sinks = torch.arange(self.first_evictable - spec.start)  # candidate offsets, like `kept` below
+        layers = []
+        for layer in range(spec.num_layers):
+            first_kept = self.first_evictable - spec.start + self.evicted_per_layer.get(layer, 0)
+            kept = torch.cat([sinks, torch.arange(first_kept, layout.num_candidates)])
+            layers.append(layout.layer_plan([kept] * spec.num_kv_heads))
+        return layout.plan(layers)
+
+
+@register_policy("dbudget")
+class DBudgetKVPolicy(Policy):
+    defaults = PolicyDefaults(window=1, pooling="none", takes_budget=False)
+
+    @classmethod
+    def validate_config(cls, config: EvictionConfig) -> None:
+        if config.dbudget_query_rows > config.window:
+            raise ConfigError(
+                f"dbudget query rows ({config.dbudget_query_rows}) must not exceed the window ({config.window}): "
+                "the rows are the window's last queries"
+            )
+
+    def stats_request(self) -> StatsRequest:
+        return StatsRequest(tail_rows=self.config.dbudget_query_rows)
+
+    def start(self, spec: SegmentSpec) -> SegmentCompressor:
+        return _NormDropCompressor(SegmentLayout.of(spec, self.config), self.config)

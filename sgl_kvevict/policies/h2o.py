@@ -1,0 +1,14 @@
+"""H2O, prefill version (OBCache digest §3): attention accumulated over the observation window only
+(full-history accumulation is incompatible with a fused prefill), no pooling; the window tokens are
+the "recent" tokens and the rest of the budget goes to the heavy hitters. SnapKV without pooling."""
+
+from __future__ import annotations
+
+from sgl_kvevict.config import SCORES, PolicyDefaults
+from sgl_kvevict.policies.base import register_policy
+from sgl_kvevict.policies.scored import ScoredPolicy
+
+
+@register_policy("h2o")
+class H2OPolicy(ScoredPolicy):
+    defaults = PolicyDefaults(window=32, pooling="none", gqa="mean", scores=SCORES)

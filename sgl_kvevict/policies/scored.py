@@ -1,0 +1,79 @@
+"""ScoredPolicy: the base of score-based policies (kvpress "press" style).
+
+A score-based method is three choices, each a hook with a default:
+
+* ``build_scorer``: the score hook (default: the window's mean attention, or the OBCache score the
+  config names);
+* ``layer_budgets``: candidates kept per layer (default: the same in every layer);
+* ``head_counts``: how a layer's budget splits over its KV heads (default: evenly).
+
+The compressor stores one ``[H_kv, n_candidates]`` score tensor per layer during the forward pass
+and decides everything in ``plan()``: layer budgets that depend on every layer (LAVa, PyramidKV)
+are computed once after the last layer (LAVa digest §2.5: one-shot equals the cascade).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sgl_kvevict.budget.heads import kept_offsets, rank_candidates, uniform_head_counts
+from sgl_kvevict.config import EvictionConfig
+from sgl_kvevict.plan import CompressionPlan
+from sgl_kvevict.policies.base import Policy, SegmentCompressor, SegmentSpec
+from sgl_kvevict.policies.layout import SegmentLayout
+from sgl_kvevict.scoring import Scorer, StatsRequest, WindowStats, scorer_for
+
+
+class ScoredPolicy(Policy):
+    """Scores candidates with ``self.scorer``, splits the budget over layers, then over KV heads."""
+
+    def __init__(self, config: EvictionConfig):
+        super().__init__(config)
+        self.scorer = self.build_scorer()
+
+    def build_scorer(self) -> Scorer:
+        return scorer_for(self.config)
+
+    def layer_budgets(self, layout: SegmentLayout, layer_scores: list[torch.Tensor]) -> list[int]:
+        """Candidates kept in each layer, summed over its KV heads (``layer_scores``: ``[H_kv, n]`` each)."""
+        return [layout.spec.num_kv_heads * layout.selected_per_head] * layout.spec.num_layers
+
+    def head_counts(self, sorted_scores: torch.Tensor, layer_budget: int) -> torch.Tensor:
+        """int64 ``[H_kv]`` candidates kept per KV head; ``sorted_scores`` ``[H_kv, n]`` descending per head."""
+        return uniform_head_counts(layer_budget, sorted_scores.shape[0])
+
+    def stats_request(self) -> StatsRequest:
+        return self.scorer.request
+
+    def start(self, spec: SegmentSpec) -> SegmentCompressor:
+        return ScoredCompressor(self, SegmentLayout.of(spec, self.config))
+
+
+class ScoredCompressor(SegmentCompressor):
+    """Keeps one ``[H_kv, n_candidates]`` fp32 score tensor per observed layer until ``plan()``."""
+
+    def __init__(self, policy: ScoredPolicy, layout: SegmentLayout):
+        super().__init__(layout.spec)
+        self.policy = policy
+        self.layout = layout
+        self.needs_stats = layout.compresses
+        self.layer_scores: dict[int, torch.Tensor] = {}
+
+    def observe(self, layer: int, stats: WindowStats) -> None:
+        if self.layout.compresses:
+            self.layer_scores[layer] = self.policy.scorer(stats, self.layout.candidate_columns, self.spec.num_kv_heads)
+
+    def plan(self) -> CompressionPlan:
+        layout = self.layout
+        if not layout.compresses:
+            return layout.keep_all()
+        missing = sorted(set(range(self.spec.num_layers)) - set(self.layer_scores))
+        if missing:
+            raise RuntimeError(f"plan() before observe() of layers {missing}")
+        scores = [self.layer_scores[layer] for layer in range(self.spec.num_layers)]
+        layers = []
+        for layer_scores, layer_budget in zip(scores, self.policy.layer_budgets(layout, scores)):
+            sorted_scores, ranked_offsets = rank_candidates(layer_scores)
+            counts = self.policy.head_counts(sorted_scores, int(layer_budget))
+            layers.append(layout.layer_plan(kept_offsets(ranked_offsets.cpu(), counts)))
+        return layout.plan(layers)

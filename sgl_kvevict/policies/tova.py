@@ -1,0 +1,28 @@
+"""TOVA (Oren et al. 2024), prefill version: keep the tokens the last query attends to most.
+
+The window is the last query alone (OBCache digest §3: no recent window, the whole budget goes to
+the scored tokens; the last token itself is kept). OBCache scores with window 1 are their TOVA form.
+"""
+
+from __future__ import annotations
+
+from sgl_kvevict.config import OBC_SCORES, SCORES, ConfigError, EvictionConfig, PolicyDefaults
+from sgl_kvevict.policies.base import register_policy
+from sgl_kvevict.policies.scored import ScoredPolicy
+from sgl_kvevict.scoring import LastQueryScorer, Scorer, scorer_for
+
+
+@register_policy("tova")
+class TOVAPolicy(ScoredPolicy):
+    defaults = PolicyDefaults(window=1, pooling="none", gqa="mean", scores=SCORES)
+
+    @classmethod
+    def validate_config(cls, config: EvictionConfig) -> None:
+        if config.score in OBC_SCORES and config.window != 1:
+            raise ConfigError(
+                f"tova scores with the last query only, but {config.score} sums over the whole window: "
+                f"use window 1 with tova (got {config.window})"
+            )
+
+    def build_scorer(self) -> Scorer:
+        return scorer_for(self.config, attention=LastQueryScorer)

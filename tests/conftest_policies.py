@@ -1,0 +1,51 @@
+"""Helpers shared by the policy-library tests (config, scoring, budget, policies).
+
+Random inputs are small and seeded; attention is made peaky (queries scaled up) so that scores
+differ enough for rankings to be meaningful.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sgl_kvevict.config import EvictionConfig, build_policy
+from sgl_kvevict.plan import CompressionPlan
+from sgl_kvevict.policies import SegmentSpec
+from sgl_kvevict.scoring import StatsRequest, WindowStats, window_stats
+
+HEAD_DIM = 8
+SCALING = HEAD_DIM**-0.5
+ALL_STATS = StatsRequest(attn_sum=True, tail_rows=3, obc_value=True, obc_key=True, obc_joint=True, value_l1=True)
+
+
+def random_window_inputs(
+    num_q_heads: int, num_kv_heads: int, context: int, window: int, seed: int, dtype=torch.float32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q_window ``[H_q, w, D]``, keys ``[H_kv, L, D]``, values ``[H_kv, L, D]``)."""
+    generator = torch.Generator().manual_seed(seed)
+    q_window = 2.5 * torch.randn(num_q_heads, window, HEAD_DIM, generator=generator, dtype=dtype)
+    keys = torch.randn(num_kv_heads, context, HEAD_DIM, generator=generator, dtype=dtype)
+    values = torch.randn(num_kv_heads, context, HEAD_DIM, generator=generator, dtype=dtype)
+    return q_window, keys, values
+
+
+def random_stats(spec: SegmentSpec, window: int, request: StatsRequest, seed: int) -> list[WindowStats]:
+    """One ``WindowStats`` per layer of ``spec`` (context = ``spec.end``), from random q/k/v."""
+    stats = []
+    for layer in range(spec.num_layers):
+        q_window, keys, values = random_window_inputs(
+            spec.num_q_heads, spec.num_kv_heads, spec.end, window, seed=seed * 1000 + layer
+        )
+        stats.append(window_stats(q_window, keys, values, SCALING, request))
+    return stats
+
+
+def run_policy(config: EvictionConfig, spec: SegmentSpec, seed: int = 0) -> CompressionPlan:
+    """Compress a random segment with ``config`` the way an engine does: observe every layer, then plan."""
+    policy = build_policy(config)
+    compressor = policy.start(spec)
+    if compressor.needs_stats:
+        window = min(config.window, spec.length)
+        for layer, stats in enumerate(random_stats(spec, window, policy.stats_request(), seed)):
+            compressor.observe(layer, stats)
+    return compressor.plan()

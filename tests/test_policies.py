@@ -1,0 +1,330 @@
+"""Policies end to end: budgets add up, windows are kept, short segments are untouched, plans are
+deterministic, and each method keeps what its paper says (against scorer outputs ranked in Python,
+LAVa's cascade, DBudgetKV's suffix-norm form)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest_policies import random_stats, run_policy
+from sgl_kvevict.budget import (
+    adaptive_head_counts,
+    entropy_layer_budgets,
+    rank_candidates,
+    reduced_attention_mass,
+    score_entropy,
+)
+from sgl_kvevict.config import EvictionConfig, build_policy
+from sgl_kvevict.plan import CompressionPlan
+from sgl_kvevict.policies import SegmentSpec, registered_policies
+from sgl_kvevict.policies.layout import SegmentLayout
+from sgl_kvevict.scoring import WindowStats
+
+WINDOW = 8
+SPECS = [
+    pytest.param(SegmentSpec(start=0, end=97, num_layers=3, num_kv_heads=3, num_q_heads=3), id="mha"),
+    pytest.param(SegmentSpec(start=11, end=130, num_layers=4, num_kv_heads=2, num_q_heads=6), id="gqa-prefix"),
+]
+BUDGETS = ["0.3", "40t"]
+# (policy, score, window): every policy with a fixed budget, and OBCache scores where they apply.
+FIXED_BUDGET = [
+    ("snapkv", "attn", WINDOW),
+    ("snapkv", "obc-joint", WINDOW),
+    ("h2o", "attn", WINDOW),
+    ("h2o", "obc-key", WINDOW),
+    ("tova", "attn", 1),
+    ("tova", "obc-value", 1),
+    ("pyramidkv", "attn", WINDOW),
+    ("ada-snapkv", "attn", WINDOW),
+    ("ada-snapkv", "obc-value", WINDOW),
+    ("ada-pyramidkv", "attn", WINDOW),
+    ("ada-pyramidkv", "obc-key", WINDOW),
+    ("lava", "attn", WINDOW),
+    ("streaming", "attn", WINDOW),
+]
+SAME_BUDGET_EVERY_LAYER = {"snapkv", "h2o", "tova", "ada-snapkv", "streaming"}
+FIXED_IDS = [f"{policy}-{score}" for policy, score, _ in FIXED_BUDGET]
+
+
+def candidate_mask(plan: CompressionPlan, layer: int, layout: SegmentLayout) -> torch.Tensor:
+    """bool ``[H_kv, n_candidates]``: which candidates ``layer`` keeps."""
+    return plan.keep_mask(layer)[:, : layout.num_candidates]
+
+
+def assert_window_kept(plan: CompressionPlan, window: int) -> None:
+    for layer in range(plan.num_layers):
+        assert torch.all(plan.keep_mask(layer)[:, plan.segment_length - window :]), layer
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("budget", BUDGETS)
+@pytest.mark.parametrize("policy, score, window", FIXED_BUDGET, ids=FIXED_IDS)
+def test_budgets_add_up_and_windows_are_kept(spec, budget, policy, score, window):
+    config = EvictionConfig.for_policy(policy, budget=budget, score=score, window=window)
+    plan = run_policy(config, spec)
+    per_head = config.budget.per_head(spec.length)
+    assert window < per_head < spec.length  # the case under test: a real compression
+    counts = plan.counts()
+    assert counts.shape == (spec.num_layers, spec.num_kv_heads)
+    assert plan.total_kept() == per_head * spec.num_layers * spec.num_kv_heads
+    if policy in SAME_BUDGET_EVERY_LAYER:
+        assert counts.sum(1).tolist() == [per_head * spec.num_kv_heads] * spec.num_layers
+    assert_window_kept(plan, window)
+    for layer in plan.layers:
+        assert torch.all((layer.kept_positions >= spec.start) & (layer.kept_positions < spec.end))
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("policy", sorted(registered_policies()))
+def test_plans_are_deterministic(spec, policy):
+    config = EvictionConfig.for_policy(policy, **({} if policy in ("full", "dbudget") else {"budget": "0.3"}))
+    first, second = run_policy(config, spec, seed=3), run_policy(config, spec, seed=3)
+    for a, b in zip(first.layers, second.layers):
+        assert torch.equal(a.kept_positions, b.kept_positions) and torch.equal(a.head_indptr, b.head_indptr)
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "ada-snapkv", "lava", "pyramidkv"])
+def test_tied_scores_give_a_deterministic_spread_plan(policy):
+    """All-equal statistics: every candidate ties; the plan is still deterministic and exact."""
+    spec = SegmentSpec(0, 60, 2, 2, 4)
+    config = EvictionConfig.for_policy(policy, budget="20t", window=WINDOW)
+    built = build_policy(config)
+    plans = []
+    for _ in range(2):
+        compressor = built.start(spec)
+        for layer in range(spec.num_layers):
+            uniform = torch.full((spec.num_q_heads, spec.end), 1.0)
+            value_l1 = torch.ones(spec.num_kv_heads, spec.end)
+            compressor.observe(layer, WindowStats(window=WINDOW, attn_sum=uniform, value_l1=value_l1))
+        plans.append(compressor.plan())
+    assert plans[0].total_kept() == 20 * 2 * 2
+    assert [layer.kept_positions.tolist() for layer in plans[0].layers] == [
+        layer.kept_positions.tolist() for layer in plans[1].layers
+    ]
+
+
+@pytest.mark.parametrize("policy", sorted(registered_policies()))
+@pytest.mark.parametrize(
+    "length, budget, min_segment_length",
+    [(40, "40t", 0), (30, "64t", 0), (WINDOW, "0.5", 0), (5, "0.5", 0), (100, "0.3", 101)],
+    ids=["budget-equals-length", "budget-exceeds-length", "only-window", "shorter-than-window", "below-min-length"],
+)
+def test_short_segments_are_kept_whole(policy, length, budget, min_segment_length):
+    options = {"window": WINDOW, "min_segment_length": min_segment_length}
+    if policy not in ("full", "dbudget"):
+        options["budget"] = budget
+    if policy == "dbudget" and length > WINDOW and min_segment_length == 0:
+        pytest.skip("dbudget has no budget: a segment with candidates is compressed")
+    spec = SegmentSpec(start=7, end=7 + length, num_layers=2, num_kv_heads=2, num_q_heads=4)
+    compressor = build_policy(EvictionConfig.for_policy(policy, **options)).start(spec)
+    assert not compressor.needs_stats
+    plan = compressor.plan()  # no observe: nothing is needed
+    assert plan.total_kept() == length * 2 * 2
+    assert plan.layers[0].head_positions(1).tolist() == list(range(7, 7 + length))
+
+
+def test_a_budget_below_the_window_keeps_the_window():
+    spec = SegmentSpec(0, 100, 2, 2, 2)
+    plan = run_policy(EvictionConfig.for_policy("ada-snapkv", budget="0.05", window=WINDOW), spec)
+    assert plan.counts().tolist() == [[WINDOW, WINDOW]] * 2
+    assert_window_kept(plan, WINDOW)
+
+
+def test_plan_before_every_layer_is_observed_raises():
+    spec = SegmentSpec(0, 100, 3, 2, 2)
+    policy = build_policy(EvictionConfig.for_policy("snapkv", budget="0.3", window=WINDOW))
+    compressor = policy.start(spec)
+    compressor.observe(0, random_stats(spec, WINDOW, policy.stats_request(), seed=0)[0])
+    with pytest.raises(RuntimeError, match=r"layers \[1, 2\]"):
+        compressor.plan()
+
+
+# ---- what each method keeps ------------------------------------------------------------------------
+
+
+def observed_scores(config: EvictionConfig, spec: SegmentSpec, seed: int = 0):
+    """The policy's own scorer outputs per layer (``[H_kv, n]``), the layout, and the plan."""
+    policy = build_policy(config)
+    layout = SegmentLayout.of(spec, config)
+    stats = random_stats(spec, config.window, policy.stats_request(), seed)
+    compressor = policy.start(spec)
+    for layer, layer_stats in enumerate(stats):
+        compressor.observe(layer, layer_stats)
+    scores = [policy.scorer(s, layout.candidate_columns, spec.num_kv_heads) for s in stats]
+    return scores, layout, compressor.plan()
+
+
+def top_entries(scores: torch.Tensor, count: int) -> set[tuple[int, int]]:
+    """The ``count`` best (head, offset) pairs of ``[H, n]`` scores, ranked in Python."""
+    entries = [(float(scores[h, p]), h, p) for h in range(scores.shape[0]) for p in range(scores.shape[1])]
+    return {(h, p) for _, h, p in sorted(entries, key=lambda e: -e[0])[:count]}
+
+
+def kept_entries(mask: torch.Tensor) -> set[tuple[int, int]]:
+    return {(h, p) for h, p in mask.nonzero().tolist()}
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("policy", ["snapkv", "h2o", "pyramidkv"])
+def test_uniform_head_policies_keep_each_heads_top_scores(spec, policy):
+    scores, layout, plan = observed_scores(EvictionConfig.for_policy(policy, budget="0.3", window=WINDOW), spec)
+    for layer, layer_scores in enumerate(scores):
+        mask = candidate_mask(plan, layer, layout)
+        counts = mask.sum(1)
+        assert int(counts.max() - counts.min()) <= 1  # uniform over heads
+        for head in range(spec.num_kv_heads):
+            expected = top_entries(layer_scores[head : head + 1], int(counts[head]))
+            assert {p for _, p in expected} == set(mask[head].nonzero().flatten().tolist())
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_pyramid_layer_budgets_decrease_with_depth(spec):
+    plan = run_policy(EvictionConfig.for_policy("pyramidkv", budget="0.3", window=WINDOW), spec)
+    per_layer = plan.counts().sum(1).tolist()
+    assert per_layer == sorted(per_layer, reverse=True) and per_layer[0] > per_layer[-1]
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("score", ["attn", "obc-joint"])
+def test_ada_kv_without_safeguard_keeps_the_layer_wise_top_k(spec, score):
+    """Ada-KV Algorithm 1 (alpha = 0): the layer keeps its best entries over all KV heads."""
+    config = EvictionConfig.for_policy("ada-snapkv", budget="0.3", window=WINDOW, alpha=0.0, score=score)
+    scores, layout, plan = observed_scores(config, spec, seed=1)
+    for layer, layer_scores in enumerate(scores):
+        budget = spec.num_kv_heads * layout.selected_per_head
+        assert kept_entries(candidate_mask(plan, layer, layout)) == top_entries(layer_scores, budget)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_ada_kv_safeguard_floor(spec):
+    config = EvictionConfig.for_policy("ada-snapkv", budget="0.3", window=WINDOW, alpha=0.5)
+    _, layout, plan = observed_scores(config, spec, seed=2)
+    floor = int(0.5 * layout.selected_per_head)
+    assert int(plan.counts().min()) >= floor + WINDOW
+
+
+def lava_cascade(config: EvictionConfig, spec: SegmentSpec, seed: int) -> tuple[list[torch.Tensor], int]:
+    """LAVa Algorithm 2 as the paper runs it: after each prefilled layer, re-split the whole budget
+    over the layers so far by entropy and re-compress each lower layer from what it still holds,
+    with the same scores (a layer never grows back). Returns the final candidate masks and how many
+    re-compressions happened."""
+    policy = build_policy(config)
+    layout = SegmentLayout.of(spec, config)
+    num_heads, num_candidates = spec.num_kv_heads, layout.num_candidates
+    total = spec.num_layers * num_heads * layout.selected_per_head
+    scores, kept, recompressions = [], [], 0
+    for layer, stats in enumerate(random_stats(spec, config.window, policy.stats_request(), seed)):
+        scores.append(policy.scorer(stats, layout.candidate_columns, num_heads))
+        kept.append(torch.ones(num_heads, num_candidates, dtype=torch.bool))
+        budgets = entropy_layer_budgets([score_entropy(s) for s in scores], total, num_heads * num_candidates)
+        for lower, budget in enumerate(budgets.tolist()):
+            if budget >= int(kept[lower].sum()):
+                continue
+            sorted_scores, ranked = rank_candidates(scores[lower].masked_fill(~kept[lower], float("-inf")))
+            counts = adaptive_head_counts(sorted_scores, budget, config.alpha)
+            shrunk = torch.zeros_like(kept[lower])
+            for head, count in enumerate(counts.tolist()):
+                shrunk[head, ranked[head, :count]] = True
+            assert torch.all(kept[lower] | ~shrunk)  # nested: only evicts
+            kept[lower] = shrunk
+            recompressions += 1
+    return kept, recompressions
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("alpha", [0.0, 0.2])
+def test_lava_one_shot_equals_its_cascade(spec, seed, alpha):
+    config = EvictionConfig.for_policy("lava", budget="0.3", window=WINDOW, alpha=alpha)
+    cascade, recompressions = lava_cascade(config, spec, seed)
+    assert recompressions >= spec.num_layers  # the cascade really shrank lower layers
+    plan = run_policy(config, spec, seed)
+    layout = SegmentLayout.of(spec, config)
+    for layer, mask in enumerate(cascade):
+        assert torch.equal(candidate_mask(plan, layer, layout), mask), layer
+
+
+def test_lava_moves_budget_between_layers_and_heads():
+    spec = SegmentSpec(0, 200, 4, 2, 4)
+    plan = run_policy(EvictionConfig.for_policy("lava", budget="0.2", window=WINDOW), spec, seed=5)
+    counts = plan.counts()
+    assert plan.total_kept() == 40 * 4 * 2
+    assert len(set(counts.sum(1).tolist())) > 1 and len(set(counts.flatten().tolist())) > 2
+
+
+def test_tova_keeps_what_the_last_query_attends_to():
+    spec = SegmentSpec(0, 80, 2, 2, 4)
+    config = EvictionConfig.for_policy("tova", budget="0.25")
+    policy = build_policy(config)
+    stats = random_stats(spec, 1, policy.stats_request(), seed=4)
+    compressor = policy.start(spec)
+    for layer, layer_stats in enumerate(stats):
+        compressor.observe(layer, layer_stats)
+    plan = compressor.plan()
+    for layer, layer_stats in enumerate(stats):
+        last_row = layer_stats.tail_attn[:, -1, :79].view(2, 2, 79).mean(1)
+        for head in range(2):
+            expected = {p for _, p in top_entries(last_row[head : head + 1], 19)} | {79}
+            assert set(plan.layers[layer].head_positions(head).tolist()) == expected
+
+
+def test_streaming_keeps_sinks_and_recent_tokens():
+    config = EvictionConfig.for_policy("streaming", budget="20t", window=WINDOW)
+    first = run_policy(config, SegmentSpec(0, 100, 2, 2, 2))
+    assert first.layers[1].head_positions(1).tolist() == [0, 1, 2, 3] + list(range(84, 100))
+    later = run_policy(config, SegmentSpec(2, 100, 2, 2, 2))
+    assert later.layers[0].head_positions(0).tolist() == [2, 3] + list(range(82, 100))
+
+
+# ---- DBudgetKV -------------------------------------------------------------------------------------
+
+
+def slow_dbudget_kept(mass: list[float], start: int, end: int, window: int, sinks: int, threshold: float) -> list[int]:
+    """Algorithm 1 with Eq. 2 as printed (suffix norms, ``Max(Where(ratio <= t))``), the guard, and
+    the positional ranking; positions outside the segment or in the window are never evicted."""
+    attention = [m**0.5 for m in mass]  # k = 1, one query head: mass = a^2
+    order = list(range(max(start, sinks), end - window))
+    ascending = order + [p for p in range(end) if p not in order]
+    full = sum(a * a for a in attention) ** 0.5
+    stop = max(
+        i for i in range(len(ascending) + 1) if 1 - sum(attention[p] ** 2 for p in ascending[i:]) ** 0.5 / full <= threshold
+    )
+    evicted = set(order[: min(stop, len(order))])
+    return [p for p in range(start, end) if p not in evicted]
+
+
+@pytest.mark.parametrize("start, threshold", [(0, 0.01), (0, 0.2), (10, 0.05)])
+def test_dbudget_keeps_sinks_and_a_suffix_per_layer(start, threshold):
+    spec = SegmentSpec(start, 90, 5, 1, 1)
+    config = EvictionConfig.for_policy("dbudget", dbudget_threshold=threshold)
+    policy = build_policy(config)
+    stats = random_stats(spec, config.window, policy.stats_request(), seed=6)
+    compressor = policy.start(spec)
+    for layer, layer_stats in enumerate(stats):
+        compressor.observe(layer, layer_stats)
+    plan = compressor.plan()
+    for layer in range(spec.num_layers):
+        kept = plan.layers[layer].head_positions(0).tolist()
+        if layer in config.dbudget_frozen_layers:
+            assert kept == list(range(start, 90))
+        else:
+            mass = reduced_attention_mass(stats[layer].tail_attn).tolist()
+            assert kept == slow_dbudget_kept(mass, start, 90, config.window, config.dbudget_sinks, threshold)
+
+
+def test_dbudget_sinks_never_reach_past_the_segment():
+    plan = run_policy(EvictionConfig.for_policy("dbudget", dbudget_frozen_layers=()), SegmentSpec(0, 3, 2, 1, 1))
+    assert plan.layers[1].head_positions(0).tolist() == [0, 1, 2]
+
+
+def test_dbudget_heads_share_one_stop_and_larger_thresholds_evict_more():
+    spec = SegmentSpec(0, 120, 4, 2, 4)
+    kept = []
+    for threshold in (0.005, 0.05, 0.3):
+        plan = run_policy(EvictionConfig.for_policy("dbudget", dbudget_threshold=threshold), spec, seed=8)
+        counts = plan.counts()
+        assert torch.all(counts[:, 0:1] == counts)  # every KV head of a layer keeps the same positions
+        assert counts[:2].tolist() == [[120, 120], [120, 120]]  # frozen layers 0 and 1
+        kept.append(plan.total_kept())
+    assert kept[0] >= kept[1] >= kept[2] and kept[0] > kept[2]
