@@ -1,0 +1,129 @@
+"""Compaction: copy kept (layer, KV head, token) entries between SGLang's KV buffer and arena cells.
+
+One layer at a time. SGLang keeps a layer's keys as ``k_buffer [slots, H_kv, D]`` (values
+``[slots, H_kv, D_v]``), contiguous, so ``k_buffer.view(slots * H_kv, D)`` addresses one (slot, head)
+vector per row: row ``slot * H_kv + head`` (sglang-0.5.23-hooks.md §2.2). The arena stores one such
+vector per cell: ``arena_k [num_cells, D]``, ``arena_v [num_cells, D_v]``. Gather (compaction) and
+its inverse scatter are therefore one operation, a row copy ``dst[dst_rows[i]] = src[src_rows[i]]``
+applied to K and V with the same row lists, which is what the kernel and its torch twin implement.
+
+The Triton path is untested on CUDA hardware: it is verified only in Triton interpreter mode on CPU
+(``tests/test_kernels_compaction.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from sgl_kvevict.plan import LayerPlan
+
+_BLOCK_ROWS = 32
+
+
+@dataclass(frozen=True)
+class ArenaCellMap:
+    """Which dense entry each arena cell holds, for one layer: cell ``cell_ids[i]`` <-> (``slots[i]``, ``head_ids[i]``).
+
+    cell_ids, slots, head_ids: int64 ``[n]`` on the KV device.
+    """
+
+    cell_ids: torch.Tensor
+    slots: torch.Tensor
+    head_ids: torch.Tensor
+
+    def __post_init__(self):
+        if not self.cell_ids.shape == self.slots.shape == self.head_ids.shape or self.cell_ids.dim() != 1:
+            raise ValueError("cell_ids, slots and head_ids must be 1-D of one length")
+
+    @classmethod
+    def from_layer_plan(cls, layer_plan: LayerPlan, slot_of_position: torch.Tensor, cell_ids: torch.Tensor):
+        """Cells for a ``LayerPlan``, in its CSR order (head-major, positions ascending).
+
+        slot_of_position: int ``[>= segment_end]``, the request's ``req_to_token`` row (position -> slot).
+        cell_ids: int64 ``[layer_plan.kept_positions.numel()]``, the arena cells allocated for them.
+        """
+        device = slot_of_position.device
+        return cls(
+            cell_ids=cell_ids.to(device=device, dtype=torch.int64),
+            slots=slot_of_position[layer_plan.kept_positions.to(device)].to(torch.int64),
+            head_ids=layer_plan.head_ids().to(device),
+        )
+
+    def buffer_rows(self, num_kv_heads: int) -> torch.Tensor:
+        """int64 ``[n]``: rows of the ``[slots * H_kv, D]`` view of a KV buffer."""
+        return self.slots * num_kv_heads + self.head_ids
+
+
+@triton.jit
+def _copy_kv_rows_kernel(
+    src_k_ptr, src_v_ptr, dst_k_ptr, dst_v_ptr, src_rows_ptr, dst_rows_ptr, num_rows,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+):  # fmt: skip
+    """``dst_k[dst_rows] = src_k[src_rows]`` and the same for V; rows are contiguous vectors."""
+    entries = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    entry_valid = entries < num_rows
+    src_rows = tl.load(src_rows_ptr + entries, mask=entry_valid, other=0).to(tl.int64)
+    dst_rows = tl.load(dst_rows_ptr + entries, mask=entry_valid, other=0).to(tl.int64)
+    dims = tl.arange(0, BLOCK_D)
+    mask = entry_valid[:, None] & (dims[None, :] < HEAD_DIM)
+    k = tl.load(src_k_ptr + src_rows[:, None] * HEAD_DIM + dims[None, :], mask=mask)
+    tl.store(dst_k_ptr + dst_rows[:, None] * HEAD_DIM + dims[None, :], k, mask=mask)
+    dims_v = tl.arange(0, BLOCK_DV)
+    mask_v = entry_valid[:, None] & (dims_v[None, :] < HEAD_DIM_V)
+    v = tl.load(src_v_ptr + src_rows[:, None] * HEAD_DIM_V + dims_v[None, :], mask=mask_v)
+    tl.store(dst_v_ptr + dst_rows[:, None] * HEAD_DIM_V + dims_v[None, :], v, mask=mask_v)
+
+
+def copy_kv_rows_triton(
+    src_k: torch.Tensor,
+    src_v: torch.Tensor,
+    dst_k: torch.Tensor,
+    dst_v: torch.Tensor,
+    src_rows: torch.Tensor,
+    dst_rows: torch.Tensor,
+) -> None:
+    """``dst_k[dst_rows] = src_k[src_rows]``, same for V.
+
+    src/dst K ``[*, D]`` and V ``[*, D_v]``, contiguous; src_rows, dst_rows int ``[n]``.
+    """
+    num_rows = src_rows.numel()
+    if num_rows == 0:
+        return
+    head_dim, head_dim_v = src_k.shape[1], src_v.shape[1]
+    _copy_kv_rows_kernel[(triton.cdiv(num_rows, _BLOCK_ROWS),)](
+        src_k, src_v, dst_k, dst_v, src_rows.contiguous(), dst_rows.contiguous(), num_rows,
+        HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_DV=triton.next_power_of_2(head_dim_v), BLOCK_ROWS=_BLOCK_ROWS,
+    )  # fmt: skip
+
+
+def copy_kv_rows_torch(
+    src_k: torch.Tensor,
+    src_v: torch.Tensor,
+    dst_k: torch.Tensor,
+    dst_v: torch.Tensor,
+    src_rows: torch.Tensor,
+    dst_rows: torch.Tensor,
+) -> None:
+    """Torch twin of ``copy_kv_rows_triton``."""
+    dst_k[dst_rows] = src_k[src_rows]
+    dst_v[dst_rows] = src_v[src_rows]
+
+
+def kv_buffer_rows(k_buffer: torch.Tensor, v_buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[slots, H_kv, D]`` buffers as ``[slots * H_kv, D]`` views (an error, not a copy, if not viewable)."""
+    return k_buffer.view(-1, k_buffer.shape[-1]), v_buffer.view(-1, v_buffer.shape[-1])
+
+
+def check_arena(arena_k: torch.Tensor, arena_v: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor):
+    if arena_k.dtype != k_buffer.dtype or arena_v.dtype != v_buffer.dtype:
+        raise ValueError("arena and KV buffer dtypes differ")
+    if arena_k.shape[1] != k_buffer.shape[2] or arena_v.shape[1] != v_buffer.shape[2]:
+        raise ValueError("arena and KV buffer head dims differ")
+    if not (arena_k.is_contiguous() and arena_v.is_contiguous()):
+        raise ValueError("arena tensors must be contiguous")

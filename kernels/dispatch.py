@@ -1,0 +1,100 @@
+"""Public kernel API: each op runs its Triton kernel on CUDA and its torch twin on CPU.
+
+With ``TRITON_INTERPRET=1`` set before triton is first imported, CPU tensors run the Triton kernels
+in the interpreter instead (how the tests check the kernels without a GPU; see ``runtime``). Shapes
+and semantics are documented in the kernel modules; the CUDA path is untested on this hardware.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, TypeVar
+
+import torch
+
+from sgl_kvevict.kernels.compaction import (
+    ArenaCellMap,
+    check_arena,
+    copy_kv_rows_torch,
+    copy_kv_rows_triton,
+    kv_buffer_rows,
+)
+from sgl_kvevict.kernels.merge_states import merge_attention_states_torch, merge_attention_states_triton
+from sgl_kvevict.kernels.runtime import use_triton
+from sgl_kvevict.kernels.segment_attention import segment_attention_torch, segment_attention_triton
+from sgl_kvevict.kernels.window_scores import window_stats_torch, window_stats_triton
+from sgl_kvevict.scoring.window import StatsRequest, WindowStats
+
+_Impl = TypeVar("_Impl", bound=Callable)
+
+
+def _implementation(device: torch.device, triton_impl: _Impl, torch_impl: _Impl) -> _Impl:
+    return triton_impl if use_triton(device) else torch_impl
+
+
+def window_stats_paged(
+    q_window: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    kv_indices: torch.Tensor,
+    scaling: float,
+    request: StatsRequest,
+) -> WindowStats:
+    """``WindowStats`` of one request and layer, keys read through ``kv_indices`` from the KV buffer.
+
+    q_window ``[H_q, w, D]``; k_buffer ``[slots, H_kv, D]``; v_buffer ``[slots, H_kv, D_v]``;
+    kv_indices int ``[L]`` (slot of each position). See ``window_scores``.
+    """
+    impl = _implementation(q_window.device, window_stats_triton, window_stats_torch)
+    return impl(q_window, k_buffer, v_buffer, kv_indices, scaling, request)
+
+
+def gather_kv_to_arena(
+    k_buffer: torch.Tensor, v_buffer: torch.Tensor, arena_k: torch.Tensor, arena_v: torch.Tensor, cells: ArenaCellMap
+) -> None:
+    """Compaction of one layer: ``arena[cell] = buffer[slot, head]`` for every cell of ``cells``.
+
+    k_buffer ``[slots, H_kv, D]``, v_buffer ``[slots, H_kv, D_v]`` (contiguous); arena_k ``[num_cells, D]``,
+    arena_v ``[num_cells, D_v]``. See ``compaction``.
+    """
+    check_arena(arena_k, arena_v, k_buffer, v_buffer)
+    buffer_k, buffer_v = kv_buffer_rows(k_buffer, v_buffer)
+    copy = _implementation(k_buffer.device, copy_kv_rows_triton, copy_kv_rows_torch)
+    copy(buffer_k, buffer_v, arena_k, arena_v, cells.buffer_rows(k_buffer.shape[1]), cells.cell_ids)
+
+
+def scatter_arena_to_kv(
+    arena_k: torch.Tensor, arena_v: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, cells: ArenaCellMap
+) -> None:
+    """Inverse of ``gather_kv_to_arena``: ``buffer[slot, head] = arena[cell]`` (same shapes)."""
+    check_arena(arena_k, arena_v, k_buffer, v_buffer)
+    buffer_k, buffer_v = kv_buffer_rows(k_buffer, v_buffer)
+    copy = _implementation(k_buffer.device, copy_kv_rows_triton, copy_kv_rows_torch)
+    copy(arena_k, arena_v, buffer_k, buffer_v, cells.cell_ids, cells.buffer_rows(k_buffer.shape[1]))
+
+
+def segment_attention(
+    q: torch.Tensor,
+    arena_k: torch.Tensor,
+    arena_v: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    num_kv_heads: int,
+    sm_scale: float,
+    max_q_len: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over compressed cells, one sequence per (request, KV head); returns ``(out, lse)``.
+
+    q ``[N, H_q, D]``; qo_indptr ``[B + 1]``; kv_indptr ``[B * H_kv + 1]``; kv_indices ``[nnz]`` cell ids;
+    out ``[N, H_q, D_v]``, lse fp32 ``[N, H_q]`` natural log. See ``segment_attention``.
+    """
+    impl = _implementation(q.device, segment_attention_triton, segment_attention_torch)
+    return impl(q, arena_k, arena_v, qo_indptr, kv_indptr, kv_indices, num_kv_heads, sm_scale, max_q_len)
+
+
+def merge_attention_states(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``flashinfer.cascade.merge_state`` with natural-log LSE: out ``[N, H, D]``, lse fp32 ``[N, H]``."""
+    impl = _implementation(out_a.device, merge_attention_states_triton, merge_attention_states_torch)
+    return impl(out_a, lse_a, out_b, lse_b)

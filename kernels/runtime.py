@@ -1,0 +1,57 @@
+"""Where the kernels of this package run: compiled Triton on CUDA, the Triton interpreter on CPU.
+
+Triton decides between compiling a kernel and interpreting it when ``@triton.jit`` runs, by reading
+``TRITON_INTERPRET``. Its own standard library (``tl.sum``, ``tl.max``, ...) is decorated when
+``triton.language`` is first imported, so the variable only takes effect if it is set before the
+first ``import triton`` of the process; setting it later yields kernels that can run nowhere. This
+module is imported before any kernel here is decorated and records which mode the process is in.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+TRITON_INTERPRETED: bool = isinstance(tl.sum, InterpretedFunction)
+"""True when every Triton kernel of this process runs in the interpreter (CPU tensors allowed)."""
+
+if triton.knobs.runtime.interpret != TRITON_INTERPRETED:
+    raise ImportError(
+        "TRITON_INTERPRET changed after triton was imported: Triton's standard library and the kernels of "
+        "sgl_kvevict would run in different modes. Set it before the first `import triton` of the process."
+    )
+
+
+def use_triton(device: torch.device) -> bool:
+    """Triton on CUDA; on CPU only in interpreter mode (tests), the torch twins otherwise."""
+    return device.type == "cuda" or TRITON_INTERPRETED
+
+
+def dot_block(size: int) -> int:
+    """Block extent for a ``tl.dot`` operand dimension: a power of two, at least 16 (the MMA minimum)."""
+    return max(16, triton.next_power_of_2(size))
+
+
+def upcast_dot_operands(dtype: torch.dtype) -> bool:
+    """Whether ``dot`` must cast bf16 operands to fp32 (the ``UPCAST`` flag of the kernels here).
+
+    Triton 3.9's interpreter multiplies bf16 tiles as their raw uint16 storage (``create_dot`` runs
+    ``np.matmul`` on the bit patterns), so interpreted kernels upcast them first. The products of
+    bf16 numbers are exact in fp32 either way, so both variants compute the same sums.
+    """
+    return TRITON_INTERPRETED and dtype == torch.bfloat16
+
+
+@triton.jit
+def dot(a, b, UPCAST: tl.constexpr):
+    """``a @ b`` accumulated in fp32; fp32 operands are multiplied in IEEE fp32, never rounded to TF32."""
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if a.dtype == tl.float32:
+        result = tl.dot(a, b, input_precision="ieee")
+    else:
+        result = tl.dot(a, b)
+    return result

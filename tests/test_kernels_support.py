@@ -1,0 +1,99 @@
+"""Shared by the kernel tests (holds no tests): interpreter-mode harness, tolerances, KV-buffer builders.
+
+Without a GPU the Triton kernels run only in Triton's interpreter, which a process enables by setting
+``TRITON_INTERPRET=1`` before its first ``import triton`` (``sgl_kvevict/kernels/runtime.py``); it
+also routes every CPU call of ``sgl_kvevict.kernels`` to the slow interpreted kernels. So the test
+process itself never turns it on: each kernel test module holds one ``test_in_interpreter_process``
+(made by ``interpreter_process_test``) that reruns the module in a fresh process with the variable
+set, where its other tests (deselected here) run. ``TRITON_INTERPRET=1 pytest tests/test_kernels_window.py`` runs them directly.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sgl_kvevict.kernels import runtime
+
+# Interpreter-only tests are deselected (not skipped) in a process without the interpreter, and the
+# driver test below is deselected inside the interpreter process: tests/conftest.py applies both marks.
+requires_interpreter = pytest.mark.triton_interpreter
+
+
+def interpreter_process_test(test_file: str):
+    """A test that runs ``test_file`` under ``TRITON_INTERPRET=1`` in a fresh process and requires all
+    of its interpreter tests to pass, none skipped."""
+
+    @pytest.mark.triton_interpreter_driver
+    def test_in_interpreter_process():
+        repo = Path(__file__).resolve().parents[1]
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file]
+        result = subprocess.run(
+            command, cwd=repo, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=900
+        )
+        summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
+        assert result.returncode == 0, f"{' '.join(command)} failed:\n{result.stdout[-8000:]}\n{result.stderr[-2000:]}"
+        assert " passed" in summary and "skipped" not in summary, summary
+        print(f"{test_file}: {summary}")
+
+    return test_in_interpreter_process
+
+
+# Tolerance by KV dtype, relative to the largest magnitude of the expected tensor. "fp32 math": results
+# computed in fp32 from the same (already rounded) KV values, which agree with the fp32 reference up to
+# summation order whatever the KV dtype. "via P @ V": anything that multiplies probabilities by values
+# rounds the probabilities to the KV dtype first (as flash attention does), and outputs stored in the
+# KV dtype are rounded once more.
+TOLERANCE = {
+    # dtype: (fp32 math, via P @ V)
+    torch.float32: (2e-5, 2e-5),
+    torch.float16: (2e-5, 4e-3),
+    torch.bfloat16: (2e-5, 3e-2),
+}
+DTYPES = list(TOLERANCE)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, tolerance: float, scale: float | None = None) -> None:
+    """Elementwise ``|a - e| <= tolerance * (|e| + scale)``; infinities must match exactly.
+
+    scale: magnitude the error is measured against, by default the largest finite ``|expected|``.
+    """
+    expected = expected.float()
+    if scale is None:
+        finite = expected[expected.isfinite()]
+        scale = float(finite.abs().max()) if finite.numel() else 1.0
+    torch.testing.assert_close(actual.float(), expected, rtol=tolerance, atol=tolerance * scale)
+
+
+def random_kv_buffer(
+    num_slots: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    generator: torch.Generator,
+    live_slots: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SGLang-layout ``k_buffer``, ``v_buffer`` ``[num_slots, H_kv, D]`` (one layer), random normal.
+
+    With ``live_slots``, every other slot holds NaN, so a kernel that reads outside its slot list fails.
+    """
+    shape = (num_slots, num_kv_heads, head_dim)
+    buffers = []
+    for _ in range(2):
+        buffer = torch.randn(shape, generator=generator).to(dtype)
+        if live_slots is not None:
+            live = buffer[live_slots.long()]
+            buffer.fill_(float("nan"))
+            buffer[live_slots.long()] = live
+        buffers.append(buffer)
+    return buffers[0], buffers[1]
+
+
+def scattered_slots(count: int, num_slots: int, generator: torch.Generator) -> torch.Tensor:
+    """int32 ``[count]``: distinct slots in random order, never slot 0 (SGLang's padding slot)."""
+    return (torch.randperm(num_slots - 1, generator=generator)[:count] + 1).to(torch.int32)
