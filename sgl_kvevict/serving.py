@@ -1,0 +1,67 @@
+"""ServingConfig: what the launcher hands every SGLang process it starts.
+
+SGLang's ``ServerArgs`` has no plugin fields and its processes are spawned, so the launcher passes
+our settings in one environment variable (inherited by every spawned process) as JSON of the
+validated option strings; each process rebuilds the typed objects from them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Mapping, Optional
+
+from sgl_kvevict.config import ConfigError, EvictionConfig
+
+ENV_VAR = "SGL_KVEVICT_SERVING"
+NO_EVICTION = "none"
+DEFAULT_ARENA_FRACTION = 0.5
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """policy: a registered policy name or ``none`` (stock SGLang).
+    eviction_options: the ``--kv-evict-<field>`` strings given besides the policy (``EvictionConfig``
+        field names, dashes allowed).
+    arena_fraction: share of the KV memory given to the head-granular arena (the rest stays dense
+        slots), so compressed and vanilla servers compare at equal memory.
+    """
+
+    policy: str = NO_EVICTION
+    eviction_options: Mapping[str, str] = field(default_factory=dict)
+    arena_fraction: float = DEFAULT_ARENA_FRACTION
+
+    def __post_init__(self):
+        if not 0.0 < self.arena_fraction < 1.0:
+            raise ConfigError(f"arena fraction {self.arena_fraction!r} must be in (0, 1)")
+        if self.policy == NO_EVICTION and self.eviction_options:
+            raise ConfigError(
+                f"eviction options {', '.join(sorted(self.eviction_options))} need a policy; "
+                f"--kv-evict-policy is {NO_EVICTION!r}"
+            )
+        self.eviction  # validates the options now, in the process that parsed them
+
+    @property
+    def enabled(self) -> bool:
+        return self.policy != NO_EVICTION
+
+    @property
+    def eviction(self) -> Optional[EvictionConfig]:
+        if not self.enabled:
+            return None
+        return EvictionConfig.from_strings({"policy": self.policy, **self.eviction_options})
+
+    def to_env(self) -> str:
+        return json.dumps(
+            {"policy": self.policy, "eviction_options": dict(self.eviction_options), "arena_fraction": self.arena_fraction}
+        )
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> "ServingConfig":
+        """The config the launcher set, or stock SGLang when the variable is absent."""
+        text = environ.get(ENV_VAR)
+        if not text:
+            return cls()
+        values = json.loads(text)
+        return cls(values["policy"], values["eviction_options"], values["arena_fraction"])
