@@ -98,6 +98,11 @@ def window_stats(
     """
     num_q_heads, window, _ = q_window.shape
     num_kv_heads, context, _ = keys.shape
+    # Slicing would silently return fewer rows than asked for; these are engine bugs, not user input.
+    if not 0 < window <= context:
+        raise ValueError(f"window {window} must be in [1, context length {context}]")
+    if request.tail_rows > window:
+        raise ValueError(f"tail_rows {request.tail_rows} exceeds the window {window}")
     group = num_q_heads // num_kv_heads
     q = q_window.float()
     k = keys.float().repeat_interleave(group, 0)  # [H_q, L, D]
