@@ -104,18 +104,29 @@ def test_tied_scores_give_a_deterministic_spread_plan(policy):
     ]
 
 
-@pytest.mark.parametrize("policy", sorted(registered_policies()))
-@pytest.mark.parametrize(
-    "length, budget, min_segment_length",
-    [(40, "40t", 0), (30, "64t", 0), (WINDOW, "0.5", 0), (5, "0.5", 0), (100, "0.3", 101)],
-    ids=["budget-equals-length", "budget-exceeds-length", "only-window", "shorter-than-window", "below-min-length"],
-)
+SHORT_SEGMENT_CASES = {
+    "budget-equals-length": (40, "40t", 0),
+    "budget-exceeds-length": (30, "64t", 0),
+    "only-window": (WINDOW, "0.5", 0),
+    "shorter-than-window": (5, "0.5", 0),
+    "below-min-length": (100, "0.3", 101),
+}
+
+
+def short_segment_cases():
+    """(policy, case) pairs; dbudget has no budget, so only the cases without candidates apply to it."""
+    for policy in sorted(registered_policies()):
+        for case_id, (length, budget, min_segment_length) in SHORT_SEGMENT_CASES.items():
+            if policy == "dbudget" and length > WINDOW and min_segment_length == 0:
+                continue
+            yield pytest.param(policy, length, budget, min_segment_length, id=f"{policy}-{case_id}")
+
+
+@pytest.mark.parametrize("policy, length, budget, min_segment_length", list(short_segment_cases()))
 def test_short_segments_are_kept_whole(policy, length, budget, min_segment_length):
     options = {"window": WINDOW, "min_segment_length": min_segment_length}
     if policy not in ("full", "dbudget"):
         options["budget"] = budget
-    if policy == "dbudget" and length > WINDOW and min_segment_length == 0:
-        pytest.skip("dbudget has no budget: a segment with candidates is compressed")
     spec = SegmentSpec(start=7, end=7 + length, num_layers=2, num_kv_heads=2, num_q_heads=4)
     compressor = build_policy(EvictionConfig.for_policy(policy, **options)).start(spec)
     assert not compressor.needs_stats

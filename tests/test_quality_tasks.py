@@ -1,0 +1,109 @@
+"""The synthetic task generator and the quality benchmark's grid, report and end-to-end run."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from benchmarks import quality
+from benchmarks.tasks import TASK_KINDS, make_task, task_suite
+from sgl_kvevict.config import ConfigError
+from sgl_kvevict.reference import Mode
+
+
+def count_words(text: str) -> int:
+    return len(text.split())
+
+
+@pytest.mark.parametrize("kind", TASK_KINDS)
+def test_tasks_are_deterministic_in_the_seed(kind):
+    first = make_task(kind, seed=7, target_tokens=300, depth=0.4, count_tokens=count_words)
+    assert first == make_task(kind, seed=7, target_tokens=300, depth=0.4, count_tokens=count_words)
+    assert first.context != make_task(kind, seed=8, target_tokens=300, depth=0.4, count_tokens=count_words).context
+
+
+@pytest.mark.parametrize("kind", TASK_KINDS)
+@pytest.mark.parametrize("depth", [0.0, 0.35, 0.8, 1.0])
+def test_answer_is_in_the_context_at_the_stated_depth(kind, depth):
+    task = make_task(kind, seed=3, target_tokens=400, depth=depth, count_tokens=count_words)
+    needle = task.needles[task.answer_needle]
+    position = task.context.index(needle.text)
+    assert task.answer in needle.text
+    assert needle.depth == position / len(task.context)
+    # The requested depth is a share of the filler; the needle lands at the next sentence boundary,
+    # shifted by the needles inserted before it.
+    longest_sentence = max(len(s) for s in re.split(r"(?<=\.) ", task.context))
+    other_needles = sum(len(n.text) + 1 for n in task.needles if n is not needle)
+    assert abs(needle.depth - depth) <= (longest_sentence + other_needles) / len(task.context) + 1e-9
+    assert abs(count_words(task.context) - 400) <= 25
+
+
+def test_filler_has_no_repeated_sentence_and_no_digits():
+    task = make_task("passkey", seed=1, target_tokens=2000, depth=0.5, count_tokens=count_words)
+    filler = task.context.replace(task.needles[0].text, "")
+    sentences = [s for s in re.split(r"(?<=\.) ", filler) if s.strip()]
+    assert len(sentences) > 100
+    assert len(set(sentences)) == len(sentences)
+    assert not re.search(r"\d", filler)
+
+
+def test_variable_chain_is_in_order_and_ends_with_the_asked_variable():
+    task = make_task("vartrack", seed=5, target_tokens=500, depth=0.2, count_tokens=count_words)
+    positions = [task.context.index(n.text) for n in task.needles]
+    assert positions == sorted(positions)
+    last_variable = task.needles[-1].text.split(" = ")[0]
+    assert last_variable in task.question and task.answer in task.needles[0].text
+
+
+def test_suite_cycles_kinds_and_depths():
+    suite = task_suite(seed=0, samples=8, target_tokens=200, count_tokens=count_words)
+    assert [t.kind for t in suite] == list(TASK_KINDS) * 2
+    assert len({round(t.depth, 1) for t in suite}) >= 4
+    assert len({t.answer for t in suite}) == 8
+
+
+# ---- the benchmark -----------------------------------------------------------------------------------
+
+
+def test_grid_validation_and_cells():
+    grid, _, _ = quality.parse_args(["--quick", "--policies", "streaming,dbudget", "--budgets", "0.5,128t"])
+    cells = grid.cells()
+    assert cells[0][2:] == ("full", None)
+    # dbudget takes no budget: one cell per (length, mode); streaming one per budget.
+    assert len(cells) == len(grid.lengths) * len(grid.modes) * (1 + 2 + 1)
+    with pytest.raises(ConfigError, match="unknown policies"):
+        quality.GridConfig(**{**grid.__dict__, "policies": ("nope",)})
+    with pytest.raises(ConfigError, match="full cache always runs"):
+        quality.GridConfig(**{**grid.__dict__, "policies": ("full",)})
+
+
+def test_quality_run_end_to_end_on_the_tiny_model(tiny_llama_dir, tmp_path):
+    grid = quality.GridConfig(
+        model=str(tiny_llama_dir),
+        dtype="float32",
+        policies=("streaming",),
+        budgets=("0.5",),
+        lengths=(120,),
+        modes=tuple(Mode),
+        kinds=("passkey", "fact"),
+        samples=2,
+        seed=0,
+        max_new_tokens=3,
+        quick=True,
+    )
+    lines = []
+    results, meta = quality.run_grid(grid, log=lambda line, **_: lines.append(line))
+    quality.write_outputs(results, meta, tmp_path)
+
+    assert len(lines) == len(results) == 4 and lines[-1].startswith("[4/4]") and "ETA" in lines[-1]
+    payload = json.loads((tmp_path / "quality.json").read_text())
+    cells = {(c["policy"], c["mode"]): c for c in payload["cells"]}
+    assert cells[("full", "context-only")]["kept_fraction"] == 1.0
+    streaming = cells[("streaming", "context-only")]
+    assert 0.4 < streaming["kept_fraction"] < 0.6
+    assert all(s["prompt_tokens"] > s["context_tokens"] for s in streaming["samples"])
+    report = (tmp_path / "quality.md").read_text()
+    assert "| streaming | 0.5 |" in report and "## context-only" in report
+    assert (tmp_path / "quality.png").stat().st_size > 1000
