@@ -21,7 +21,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -33,6 +33,16 @@ from sgl_kvevict.reference import Mode, Prompt, ReferenceEngine
 FULL = "full"
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "docs" / "results"
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def policy_name(spec: str) -> str:
+    """``"snapkv:obc-key"`` -> ``"snapkv"``: a grid policy is a name with an optional score variant."""
+    return spec.partition(":")[0]
+
+
+def eviction_config(spec: str, budget: Optional[str]) -> EvictionConfig:
+    name, _, score = spec.partition(":")
+    return EvictionConfig(policy=name, budget=budget, **({"score": score} if score else {}))
 
 
 @dataclass(frozen=True)
@@ -53,14 +63,14 @@ class GridConfig:
 
     def __post_init__(self):
         known = set(registered_policies())
-        unknown = [p for p in self.policies if p not in known]
+        unknown = [p for p in self.policies if policy_name(p) not in known]
         if unknown:
             raise ConfigError(f"unknown policies {unknown}; registered: {', '.join(sorted(known))}")
         if FULL in self.policies:
             raise ConfigError("the full cache always runs as the reference row; do not list it in --policies")
         for policy in self.policies:
             for budget in self.budgets_of(policy):
-                EvictionConfig(policy=policy, budget=budget)  # raises ConfigError with the reason
+                eviction_config(policy, budget)  # raises ConfigError with the reason
         bad_kinds = [k for k in self.kinds if k not in TASK_KINDS]
         if bad_kinds:
             raise ConfigError(f"unknown task kinds {bad_kinds}; valid: {', '.join(TASK_KINDS)}")
@@ -71,7 +81,7 @@ class GridConfig:
 
     def budgets_of(self, policy: str) -> tuple[Optional[str], ...]:
         """The budgets a policy runs at: the grid's, or ``(None,)`` for a policy that takes none."""
-        return self.budgets if get_policy_class(policy).defaults.takes_budget else (None,)
+        return self.budgets if get_policy_class(policy_name(policy)).defaults.takes_budget else (None,)
 
     def cells(self) -> list[tuple[int, Mode, str, Optional[str]]]:
         """(length, mode, policy, budget), full cache first in each (length, mode)."""
@@ -113,14 +123,14 @@ def run_cell(
     engine: ReferenceEngine,
     tasks: Sequence[Task],
     prompts: Sequence[Prompt],
-    policy_name: str,
+    policy_spec: str,
     budget: Optional[str],
     mode: Mode,
     length: int,
     max_new_tokens: int,
     full_correct: Optional[Sequence[bool]],
 ) -> CellResult:
-    policy = build_policy(EvictionConfig(policy=policy_name, budget=budget))
+    policy = build_policy(eviction_config(policy_spec, budget))
     started = time.perf_counter()
     samples = []
     for task, prompt in zip(tasks, prompts):
@@ -141,7 +151,7 @@ def run_cell(
     reference = full_correct if full_correct is not None else correct
     answerable = [c for c, ok in zip(correct, reference) if ok]
     return CellResult(
-        policy=policy_name,
+        policy=policy_spec,
         budget=budget,
         mode=mode.value,
         length=length,
@@ -153,7 +163,11 @@ def run_cell(
     )
 
 
-def run_grid(grid: GridConfig, log=print) -> tuple[list[CellResult], dict]:
+def run_grid(
+    grid: GridConfig, log=print, checkpoint: Optional[Callable[[list[CellResult], dict], None]] = None
+) -> tuple[list[CellResult], dict]:
+    """Run every cell; ``checkpoint(results_so_far, meta)`` after each one, so a long run that is cut
+    short still leaves its finished cells on disk (``meta["cells_done"] < meta["cells_total"]``)."""
     torch.manual_seed(grid.seed)
     engine = ReferenceEngine(grid.model, dtype=DTYPES[grid.dtype])
 
@@ -185,7 +199,13 @@ def run_grid(grid: GridConfig, log=print) -> tuple[list[CellResult], dict]:
             f"elapsed {_duration(elapsed)}, ETA {_duration(eta)})",
             flush=True,
         )
-    meta = {
+        if checkpoint is not None:
+            checkpoint(results, run_meta(grid, engine, suites, started, len(results), len(cells)))
+    return results, run_meta(grid, engine, suites, started, len(results), len(cells))
+
+
+def run_meta(grid: GridConfig, engine: ReferenceEngine, suites: dict, started: float, done: int, total: int) -> dict:
+    return {
         "command": "python -m benchmarks.quality " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         "model": str(engine.model_dir),
         "grid": {**asdict(grid), "modes": [m.value for m in grid.modes]},
@@ -195,8 +215,9 @@ def run_grid(grid: GridConfig, log=print) -> tuple[list[CellResult], dict]:
         "seconds": round(time.perf_counter() - started, 1),
         "threads": torch.get_num_threads(),
         "date": time.strftime("%Y-%m-%d %H:%M"),
+        "cells_done": done,
+        "cells_total": total,
     }
-    return results, meta
 
 
 def _duration(seconds: float) -> str:
@@ -228,6 +249,8 @@ def markdown_report(results: Sequence[CellResult], meta: dict) -> str:
         + ", ".join(f"{length}: {meta['mean_prompt_tokens'][str(length)]:.0f}" for length in lengths)
         + ".",
     ]
+    if meta["cells_done"] < meta["cells_total"]:
+        lines += ["", f"**Partial run: {meta['cells_done']} of {meta['cells_total']} cells finished.**"]
     for mode in grid["modes"]:
         header = ["policy", "budget"] + [f"{name} L={length}" for length in lengths for name in ("acc", "ret", "kept")]
         lines += ["", f"## {mode}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -321,7 +344,11 @@ def _csv(text: str) -> tuple[str, ...]:
 def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[GridConfig, Path, int]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small grid, a few minutes: " + str(QUICK_DEFAULTS))
-    parser.add_argument("--policies", help="comma-separated (default: all registered; quick: streaming,snapkv)")
+    parser.add_argument(
+        "--policies",
+        help="comma-separated policy names, each optionally with an OBCache score as name:score "
+        "(e.g. snapkv:obc-key); default: all registered; quick: streaming,snapkv",
+    )
     parser.add_argument("--budgets", help="comma-separated, e.g. 0.5,0.25 or 128t (default 0.5,0.25,0.1)")
     parser.add_argument("--lengths", help="comma-separated target context lengths in tokens (default 1000,2000)")
     parser.add_argument("--modes", default="question-aware,context-only")
@@ -358,7 +385,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[GridConfig, Path, 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     grid, out_dir, threads = parse_args(argv)
     torch.set_num_threads(threads)
-    results, meta = run_grid(grid)
+    results, meta = run_grid(grid, checkpoint=lambda partial, meta: write_outputs(partial, meta, out_dir))
     write_outputs(results, meta, out_dir)
     print(f"wrote {out_dir / 'quality.json'}, quality.md, quality.png")
 
