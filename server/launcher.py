@@ -8,18 +8,34 @@ are in, and so that bad flags and a missing model are reported before any of SGL
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
 import urllib.request
+from typing import Iterator, Optional
 
+from sgl_kvevict.config import ConfigError
+from sgl_kvevict.engine.stats_channel import ADDRESS_ENV_VAR as STATS_ADDRESS_ENV_VAR
 from sgl_kvevict.models import ModelError, resolve_model
-from sgl_kvevict.server.flags import FlagError, LaunchConfig, cpu_mode_args, has_flag, parse_args
+from sgl_kvevict.serving import ENV_VAR as SERVING_ENV_VAR
+from sgl_kvevict.server.flags import (
+    FlagError,
+    LaunchConfig,
+    compression_args,
+    cpu_mode_args,
+    has_flag,
+    kv_pool_tokens,
+    parse_args,
+)
 
 HEALTH_POLL_SECONDS = 0.5
 SHUTDOWN_GRACE_SECONDS = 30.0
@@ -43,8 +59,25 @@ def check_port_free(host: str, port: int) -> None:
             raise StartupError(f"cannot listen on {host}:{port}: {error.strerror}") from None
 
 
+def with_kv_pool(config: LaunchConfig, cpu_mode: bool) -> LaunchConfig:
+    """With a policy set: the KV memory the dense slots and the arena share, and its split."""
+    if not config.serving.enabled:
+        return config
+    try:
+        serving = dataclasses.replace(config.serving, kv_pool_tokens=kv_pool_tokens(config.sglang_args, cpu_mode))
+    except ConfigError as error:
+        raise FlagError(f"--kv-evict-arena-fraction: {error}") from None
+    log(
+        f"KV memory {serving.kv_pool_tokens} token slots: {serving.dense_slots} dense slots + "
+        f"{serving.arena_slot_equivalents} arena slot-equivalents (arena fraction {serving.arena_fraction:g})"
+    )
+    return dataclasses.replace(config, serving=serving)
+
+
 def sglang_command(config: LaunchConfig, model_dir: str, cpu_mode: bool) -> list[str]:
     args = list(config.sglang_args)
+    if config.serving.enabled:
+        args = compression_args(args, config.serving.dense_slots)
     if cpu_mode:
         args += cpu_mode_args(args)
     if not has_flag(args, "--enable-cache-report"):
@@ -103,12 +136,30 @@ def wait_until_healthy(server: ServerProcess, base_url: str, timeout: float, sto
         stop.wait(HEALTH_POLL_SECONDS)
 
 
-def server_env(config: LaunchConfig, cpu_mode: bool) -> dict[str, str]:
+@contextlib.contextmanager
+def stats_socket_address(enabled: bool) -> Iterator[Optional[str]]:
+    """An ``ipc://`` address in a private directory that exists while the server runs (None without a
+    policy: nothing serves stats then). The scheduler binds it; the directory goes at shutdown, with
+    the socket file a killed scheduler leaves behind."""
+    if not enabled:
+        yield None
+        return
+    directory = tempfile.mkdtemp(prefix="sgl-kvevict-")
+    try:
+        yield f"ipc://{directory}/stats.sock"
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def server_env(config: LaunchConfig, cpu_mode: bool, stats_address: Optional[str]) -> dict[str, str]:
     env = dict(os.environ)
     if cpu_mode:
         # With two threads and the other core busy, decode fell from 7 to 0.7 tokens/s here.
         env.setdefault("OMP_NUM_THREADS", "1")
-    env["SGL_KVEVICT_POLICY"] = config.kv_evict_policy
+    env[SERVING_ENV_VAR] = config.serving.to_env()
+    env.pop(STATS_ADDRESS_ENV_VAR, None)
+    if stats_address is not None:
+        env[STATS_ADDRESS_ENV_VAR] = stats_address
     return env
 
 
@@ -116,8 +167,9 @@ def run(config: LaunchConfig) -> int:
     from sgl_kvevict.compat import cpu_mode_needed
 
     check_port_free(config.host, config.port)
-    model_dir = resolve_model(config.model, log=log)
     cpu_mode = cpu_mode_needed()
+    config = with_kv_pool(config, cpu_mode)
+    model_dir = resolve_model(config.model, log=log)
     if cpu_mode:
         log("no CUDA device: CPU development mode (torch_native attention, sgl_kernel stand-in)")
 
@@ -132,22 +184,24 @@ def run(config: LaunchConfig) -> int:
     signal.signal(signal.SIGTERM, request_stop)
 
     base_url = f"http://{config.host}:{config.port}"
-    server = ServerProcess(sglang_command(config, str(model_dir), cpu_mode), server_env(config, cpu_mode))
-    try:
-        wait_until_healthy(server, base_url, config.startup_timeout, stop)
-        if not stop.is_set():
-            log(f"serving {config.model} at {base_url} (OpenAI API at {base_url}/v1, policy {config.kv_evict_policy})")
-        while not stop.is_set() and server.exit_code() is None:
-            stop.wait(1.0)
-        if not stop.is_set():
-            code = server.exit_code()
-            log(f"SGLang exited with code {code}")
-            return code or 1
-        log(f"received {signal.Signals(received[0]).name}, shutting down")
-        return 0
-    finally:
-        server.stop()
-        log("stopped")
+    command = sglang_command(config, str(model_dir), cpu_mode)
+    with stats_socket_address(config.serving.enabled) as stats_address:
+        server = ServerProcess(command, server_env(config, cpu_mode, stats_address))
+        try:
+            wait_until_healthy(server, base_url, config.startup_timeout, stop)
+            if not stop.is_set():
+                log(f"serving {config.model} at {base_url} (OpenAI API at {base_url}/v1, {config.serving.describe()})")
+            while not stop.is_set() and server.exit_code() is None:
+                stop.wait(1.0)
+            if not stop.is_set():
+                code = server.exit_code()
+                log(f"SGLang exited with code {code}")
+                return code or 1
+            log(f"received {signal.Signals(received[0]).name}, shutting down")
+            return 0
+        finally:
+            server.stop()
+            log("stopped")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,39 +1,162 @@
-"""Launcher flag parsing: validation, pass-through, CPU defaults, --help."""
+"""Launcher flag parsing: validation, pass-through, CPU defaults, compression refusals, --help."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 import subprocess
 import sys
 
 import pytest
 
+from sgl_kvevict.config import EvictionConfig
+from sgl_kvevict.engine.stats_channel import ADDRESS_ENV_VAR as STATS_ADDRESS_ENV_VAR
+from sgl_kvevict.policies import registered_policies
+from sgl_kvevict.serving import DEFAULT_ARENA_FRACTION, ENV_VAR as SERVING_ENV_VAR, ServingConfig
 from sgl_kvevict.server.flags import (
+    COMPRESSION_REFUSALS,
     CPU_DEFAULT_MAX_TOTAL_TOKENS,
     FlagError,
     build_parser,
     cpu_mode_args,
+    flag_value,
+    inspected_flags,
+    knob_flag,
+    kv_pool_tokens,
     parse_args,
+    without_flag,
 )
+from sgl_kvevict.server.launcher import server_env, sglang_command, stats_socket_address, with_kv_pool
+
+
+def parse(*args: str):
+    return parse_args(["--model", "m", *args])
 
 
 def test_unknown_flags_pass_through_to_sglang():
-    config = parse_args(["--model", "m", "--max-running-requests", "4", "--log-level", "warning"])
+    config = parse("--max-running-requests", "4", "--log-level", "warning")
     assert config.sglang_args == ["--max-running-requests", "4", "--log-level", "warning"]
-    assert (config.host, config.port, config.kv_evict_policy) == ("127.0.0.1", 30000, "none")
+    assert (config.host, config.port, config.serving) == ("127.0.0.1", 30000, ServingConfig())
 
 
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--model", "m", "--kv-evict-policy", "lava2"], "'lava2' is not a policy"),
-        (["--model", "m", "--port", "70000"], "outside 1..65535"),
-        (["--model", "m", "--model-path", "x"], "--model-path is set by the launcher"),
-        (["--model", "m", "--startup-timeout", "0"], "must be positive"),
+        (["--kv-evict-policy", "lava2"], "'lava2' is not a policy; valid: none, ada-pyramidkv"),
+        (["--port", "70000"], "outside 1..65535"),
+        (["--model-path", "x"], "--model-path is set by the launcher"),
+        (["--startup-timeout", "0"], "must be positive"),
+        (["--kv-evict-policy", "lava", "--kv-evict-window", "0"], "window 0 must be an integer >= 1"),
+        (["--kv-evict-policy", "lava", "--kv-evict-budget", "2"], "budget '2' is neither a ratio"),
+        (["--kv-evict-policy", "full", "--kv-evict-budget", "0.3"], "policy 'full' takes no budget"),
+        (["--kv-evict-policy", "lava", "--kv-evict-score", "obc-key"], "does not apply to policy 'lava'"),
+        (["--kv-evict-policy", "h2o", "--kv-evict-arena-fraction", "1.5"], r"arena fraction 1.5 must be in \(0, 1\)"),
+        (["--kv-evict-policy", "lava", "--kv-evict-bugdet", "0.3"], "--kv-evict-bugdet is not a flag of ours"),
+        (["--kv-evict-budget", "0.3", "--kv-evict-window", "8"], "--kv-evict-budget, --kv-evict-window: only with"),
+        (["--kv-evict-arena-fraction", "0.3"], "--kv-evict-arena-fraction: only with a --kv-evict-policy"),
+        (["--tp", "2"], "--tp abbreviates --tp-size; spell it in full"),
+        (["--max-total=100"], "--max-total abbreviates --max-total-tokens"),
     ],
 )
 def test_bad_flags_have_one_clear_message(argv, message):
-    with pytest.raises(FlagError, match=message):
-        parse_args(argv)
+    with pytest.raises(FlagError, match=message) as error:
+        parse(*argv)
+    assert "\n" not in str(error.value)
+
+
+def test_every_eviction_config_field_has_a_flag_reaching_the_serving_config():
+    knobs = [f for f in dataclasses.fields(EvictionConfig) if f.name != "policy"]
+    options = {option for action in build_parser()._actions for option in action.option_strings}
+    assert {knob_flag(f.name) for f in knobs} <= options
+    values = {"budget": "64t", "window": "8", "pooling": "avg", "pooling_kernel": "5", "gqa": "sum",
+              "score": "attn", "alpha": "0.3", "pyramid_beta": "10", "dbudget_threshold": "0.02",
+              "dbudget_query_rows": "2", "dbudget_sinks": "2", "dbudget_frozen_layers": "0,3",
+              "streaming_sinks": "2", "min_segment_length": "16"}  # fmt: skip
+    assert set(values) == {f.name for f in knobs}, "a new EvictionConfig field needs a value in this test"
+    args = [item for name, text in values.items() for item in (knob_flag(name), text)]
+    config = parse("--kv-evict-policy", "ada-snapkv", "--kv-evict-arena-fraction", "0.25", *args)
+    assert config.sglang_args == []
+    assert dict(config.serving.eviction_options) == values
+    assert config.serving.arena_fraction == 0.25
+    eviction = config.serving.eviction
+    assert (eviction.window, eviction.pooling_kernel, eviction.dbudget_frozen_layers) == (8, 5, (0, 3))
+
+
+def test_every_library_policy_is_served_and_the_default_is_none():
+    assert parse().serving.policy == "none" and not parse().serving.enabled
+    for policy in registered_policies():
+        serving = parse("--kv-evict-policy", policy).serving
+        assert serving.policy == policy and serving.arena_fraction == DEFAULT_ARENA_FRACTION
+
+
+def argv_refused_by(refusal, spelling: str) -> list[str]:
+    if refusal.limit is not None:
+        return [spelling, str(refusal.limit + 1)]
+    if refusal.allowed is not None:
+        return [f"{spelling}=something-else"]
+    return [spelling]
+
+
+@pytest.mark.parametrize(
+    "refusal, spelling",
+    [(refusal, spelling) for refusal in COMPRESSION_REFUSALS for spelling in refusal.spellings],
+    ids=lambda value: value if isinstance(value, str) else "",
+)
+def test_each_incompatible_sglang_flag_is_refused_with_a_policy_and_passed_without(refusal, spelling):
+    argv = argv_refused_by(refusal, spelling)
+    with pytest.raises(FlagError) as error:
+        parse("--kv-evict-policy", "lava", *argv)
+    assert str(error.value).startswith(spelling) and refusal.reason in str(error.value)
+    assert parse(*argv).sglang_args == argv
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--page-size", "1"],
+        ["--chunked-prefill-size", "-1"],
+        ["--chunked-prefill-size=0"],
+        ["--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill=disabled"],
+        ["--tp-size", "1", "--dp-size", "1"],
+        ["--disaggregation-mode", "null"],
+        ["--disable-overlap-schedule"],
+    ],
+)
+def test_values_compatible_with_compression_are_accepted(argv):
+    assert parse("--kv-evict-policy", "snapkv", *argv).sglang_args == argv
+
+
+def test_inspected_flags_are_sglang_0_5_23_spellings_and_their_abbreviations_only():
+    """Every flag the launcher checks exists in SGLang's parser, and no SGLang flag that reaches it is a
+    strict prefix of one (the abbreviation guard would refuse it); SGLang does expand abbreviations,
+    hence the guard."""
+    code = (
+        "import argparse, json\n"
+        "from sgl_kvevict.compat import activate_cpu_mode; activate_cpu_mode()\n"
+        "from sglang.srt.server_args import ServerArgs\n"
+        "parser = argparse.ArgumentParser(); ServerArgs.add_cli_args(parser)\n"
+        "print(json.dumps({'options': [o for a in parser._actions for o in a.option_strings],\n"
+        "                  'tp': parser.parse_args(['--model-path', 'm', '--tp', '2']).tp_size}))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    sglang = json.loads(result.stdout.splitlines()[-1])
+    options = set(sglang["options"])
+    assert set(inspected_flags()) - options == set()
+    inspected = inspected_flags()
+    ours = {option for action in build_parser()._actions for option in action.option_strings}
+    prefixes = [o for o in options - ours if o not in inspected and any(f.startswith(o) for f in inspected)]
+    assert prefixes == []
+    assert sglang["tp"] == 2
+
+
+def test_flag_value_reads_what_argparse_keeps():
+    args = ["--page-size", "4", "--chunked-prefill-size", "-1", "--page-size=8", "--disable-radix-cache", "--x"]
+    assert flag_value(args, "--page-size") == "8"
+    assert flag_value(args, "--chunked-prefill-size") == "-1"
+    assert flag_value(args, "--disable-radix-cache") is None
+    assert without_flag(args, "--page-size") == ["--chunked-prefill-size", "-1", "--disable-radix-cache", "--x"]
 
 
 def test_cpu_defaults_yield_to_user_flags():
@@ -44,13 +167,86 @@ def test_cpu_defaults_yield_to_user_flags():
     assert "--max-total-tokens" not in cpu_mode_args(["--mem-fraction-static", "0.2"])
 
 
-def test_help_documents_every_flag_of_ours():
+def test_kv_pool_is_the_users_max_total_tokens_or_the_cpu_default():
+    assert kv_pool_tokens(["--max-total-tokens", "1000"], cpu_mode=False) == 1000
+    assert kv_pool_tokens([], cpu_mode=True) == CPU_DEFAULT_MAX_TOTAL_TOKENS
+    with pytest.raises(FlagError, match="--max-total-tokens is required with a --kv-evict-policy on CUDA"):
+        kv_pool_tokens([], cpu_mode=False)
+    with pytest.raises(FlagError, match="--mem-fraction-static cannot size the KV memory"):
+        kv_pool_tokens(["--mem-fraction-static", "0.3"], cpu_mode=True)
+
+
+@pytest.mark.parametrize("fraction, total, dense, arena", [(0.5, 65536, 32768, 32768), (0.3, 1001, 701, 300)])
+def test_kv_memory_split(fraction, total, dense, arena):
+    serving = ServingConfig("lava", {}, fraction, kv_pool_tokens=total)
+    assert (serving.dense_slots, serving.arena_slot_equivalents) == (dense, arena)
+    assert ServingConfig.from_env({SERVING_ENV_VAR: serving.to_env()}) == serving
+
+
+def test_a_pool_too_small_for_both_parts_is_refused():
+    config = parse("--kv-evict-policy", "lava", "--kv-evict-arena-fraction", "0.9", "--max-total-tokens", "3")
+    with pytest.raises(FlagError, match="leaves 0 dense slots"):
+        with_kv_pool(config, cpu_mode=True)
+
+
+def test_sglang_command_with_a_policy_on_cpu():
+    config = with_kv_pool(parse("--kv-evict-policy", "lava", "--max-total-tokens", "10000", "--page-size", "1"), True)
+    command = sglang_command(config, "/models/m", cpu_mode=True)
+    args = command[command.index("--model-path"):]
+    assert flag_value(args, "--max-total-tokens") == "5000" and args.count("--max-total-tokens") == 1
+    assert flag_value(args, "--radix-cache-backend") == "sgl_kvevict"
+    assert flag_value(args, "--chunked-prefill-size") == "-1"
+    for flag in ("--page-size", "--disable-overlap-schedule", "--cuda-graph-backend-decode", "--device"):
+        assert args.count(flag) == 1, flag
+
+
+def test_sglang_command_on_cuda_disables_what_compression_cannot_use():
+    config = with_kv_pool(parse("--kv-evict-policy", "snapkv", "--max-total-tokens", "4000"), cpu_mode=False)
+    args = sglang_command(config, "/models/m", cpu_mode=False)
+    assert "--disable-overlap-schedule" in args and "--device" not in args
+    for phase in ("decode", "prefill"):
+        assert flag_value(args, f"--cuda-graph-backend-{phase}") == "disabled"
+    assert flag_value(args, "--max-total-tokens") == "2000"
+
+
+def test_sglang_command_without_a_policy_is_stock_sglang():
+    args = sglang_command(with_kv_pool(parse("--max-total-tokens", "4000"), cpu_mode=False), "/m", cpu_mode=False)
+    assert "--radix-cache-backend" not in args and "--chunked-prefill-size" not in args
+    assert flag_value(args, "--max-total-tokens") == "4000"
+
+
+def test_server_env_carries_the_serving_config_and_the_stats_address(monkeypatch):
+    monkeypatch.setenv(STATS_ADDRESS_ENV_VAR, "ipc:///stale")
+    config = with_kv_pool(parse("--kv-evict-policy", "lava", "--kv-evict-budget", "0.1"), cpu_mode=True)
+    with stats_socket_address(config.serving.enabled) as address:
+        directory = address.removeprefix("ipc://").rsplit("/", 1)[0]
+        env = server_env(config, cpu_mode=True, stats_address=address)
+        assert env[STATS_ADDRESS_ENV_VAR] == address
+        assert ServingConfig.from_env(env) == config.serving and config.serving.kv_pool_tokens == 65536
+        assert os.path.isdir(directory)
+    assert not os.path.exists(directory)
+    stock = parse()
+    with stats_socket_address(stock.serving.enabled) as address:
+        env = server_env(stock, cpu_mode=True, stats_address=address)
+    assert address is None and STATS_ADDRESS_ENV_VAR not in env
+    assert ServingConfig.from_env(env) == ServingConfig()
+
+
+def test_help_documents_every_flag_of_ours_with_its_defaults():
+    # Wide lines, so argparse does not break hyphenated flags across lines.
+    env = {**os.environ, "COLUMNS": "10000"}
     result = subprocess.run(
-        [sys.executable, "-m", "sgl_kvevict.server", "--help"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "sgl_kvevict.server", "--help"], capture_output=True, text=True, timeout=60, env=env
     )
     assert result.returncode == 0
     for action in build_parser()._actions:
         for option in action.option_strings:
             assert option in result.stdout
         assert action.help and len(action.help) > 10
-    assert "passed to SGLang unchanged" in result.stdout
+    text = " ".join(result.stdout.split())
+    assert "passed to SGLang unchanged" in text
+    # Per-policy paper defaults, read from the policy classes.
+    assert "32 for ada-pyramidkv" in text and "1 for dbudget, tova" in text
+    assert "max for lava" in text and "none (policy decides) for dbudget, full" in text
+    for refusal in COMPRESSION_REFUSALS:
+        assert refusal.condition() in text

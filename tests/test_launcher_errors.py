@@ -28,7 +28,29 @@ def test_unknown_policy_is_refused_with_the_valid_names(tiny_llama_dir):
     code, output, elapsed = run_launcher("--model", str(tiny_llama_dir), "--kv-evict-policy", "nonsense")
     assert code != 0
     [line] = error_lines(output)
-    assert "nonsense" in line and "valid: none" in line
+    assert "nonsense" in line and "valid: none, ada-pyramidkv" in line
+    assert elapsed < FAST_EXIT_SECONDS and "Load weight" not in output
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--kv-evict-policy", "lava", "--page-size", "16"], "--page-size 16 cannot be used with a --kv-evict-policy"),
+        (["--kv-evict-policy", "lava", "--tp-size=2"], "--tp-size 2 cannot be used"),
+        (["--kv-evict-policy", "snapkv", "--chunked-prefill-size", "512"], "a chunk boundary can split a prompt"),
+        (["--kv-evict-policy", "lava", "--enable-hicache"], "HiCache copies tree values"),
+        (["--kv-evict-policy", "lava", "--radix-cache-backend", "x"], "compression lives in the launcher's own"),
+        (["--kv-evict-policy", "lava", "--cuda-graph-backend-decode", "full"], "replayed CUDA graphs"),
+        (["--kv-evict-policy", "lava", "--mem-fraction-static", "0.2"], "give --max-total-tokens"),
+        (["--kv-evict-policy", "lava", "--kv-evict-budget", "1.5"], "budget ratio 1.5 must be in (0, 1)"),
+        (["--kv-evict-window", "16"], "--kv-evict-window: only with a --kv-evict-policy"),
+    ],
+)
+def test_refused_combinations_exit_before_sglang_starts(tiny_llama_dir, args, message):
+    code, output, elapsed = run_launcher("--model", str(tiny_llama_dir), "--port", str(free_port()), *args)
+    assert code == 2
+    [line] = error_lines(output)
+    assert message in line
     assert elapsed < FAST_EXIT_SECONDS and "Load weight" not in output
 
 

@@ -41,7 +41,7 @@ def test_tiny_model_chat_and_prefix_cache(tiny_llama_dir, tmp_path):
         # The shared prefix (chat template + repeated sentence) comes back from the radix cache,
         # the differing question does not.
         assert 0.5 * first["usage"]["prompt_tokens"] < cached < second["usage"]["prompt_tokens"]
-        assert "policy none" in server.log()
+        assert "policy=none" in server.log()
 
 
 @pytest.mark.smollm2

@@ -1,0 +1,157 @@
+"""Side channel that carries the compressed tree's statistics from the scheduler process (the tree
+lives there) to the HTTP process, which serves them as ``GET /kvevict/stats``.
+
+SGLang's own scheduler <-> tokenizer-manager channels carry a closed set of request types, so the
+stats travel over one extra ZeroMQ REQ/REP pair on an ``ipc://`` socket. The launcher picks the
+address (a socket file in a private temporary directory it removes at shutdown) and passes it in
+``SGL_KVEVICT_STATS_ADDRESS``; spawned SGLang processes inherit it.
+
+* Scheduler process: the engine calls ``serve_stats(provider)`` once. A daemon thread binds the REP
+  socket and answers each request with ``provider()``. The provider runs on that thread, beside the
+  scheduler's loop: it must be cheap and read-only (plain counters); fields read a few microseconds
+  apart may straddle one scheduler step, which is fine for monitoring.
+* HTTP process: ``fetch_stats(timeout_s)`` asks over a REQ socket and raises ``StatsUnavailable`` if
+  no answer comes in time (the REQ socket is then replaced: a REQ socket that sent without receiving
+  cannot send again).
+
+The provider returns a JSON-serialisable dict with at least these fields:
+
+    policy               policy name (``lava``, ...)
+    budget               the configured budget as given (``0.25``, ``128t``) or null for policies
+                         that decide their own
+    compressed_nodes     compressed radix-tree nodes currently cached
+    compressed_tokens    logical tokens those nodes cover
+    kept_cells           arena cells they hold (one cell = one head's K and V of one layer and token)
+    arena_cells_total    arena capacity in cells
+    arena_cells_used     cells allocated now (0 after /flush_cache)
+    dense_slots_total    SGLang's dense token-slot pool size
+    dense_slots_free     dense slots free now (the initial count after /flush_cache)
+    reuse_hits           prefix matches that reused at least one compressed node
+    requests_left_dense  requests not compressed because the arena was full
+
+With ``--kv-evict-policy none`` there is no compressed tree and nobody serves the channel; the route
+answers ``{"policy": "none"}`` without contacting the scheduler (SGLang's own ``/metrics`` and
+``/get_server_info`` report the dense pool).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from typing import Callable, Optional
+
+import zmq
+
+ADDRESS_ENV_VAR = "SGL_KVEVICT_STATS_ADDRESS"
+REQUEST = b"stats"
+# How often the serving thread wakes to see whether it was closed.
+POLL_INTERVAL_MS = 200
+
+StatsProvider = Callable[[], dict]
+logger = logging.getLogger(__name__)
+
+
+class StatsUnavailable(RuntimeError):
+    """The scheduler did not answer, or its provider failed; the message says which."""
+
+
+class StatsServer:
+    """The REP side: answers every request with ``provider()`` on a daemon thread."""
+
+    def __init__(self, provider: StatsProvider, address: str):
+        self._provider = provider
+        self._socket = zmq.Context.instance().socket(zmq.REP)
+        # Bound here, on the caller's thread, so a bad address fails the caller at startup; the socket
+        # is then used only by the serving thread (a ZeroMQ socket may move threads across a barrier
+        # such as Thread.start, never be shared).
+        self._socket.bind(address)
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="kvevict-stats", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._closed.is_set():
+            if self._socket.poll(POLL_INTERVAL_MS, zmq.POLLIN):
+                self._socket.recv()
+                self._socket.send(self._reply())
+        self._socket.close(linger=0)
+
+    def _reply(self) -> bytes:
+        try:
+            return json.dumps({"stats": self._provider()}).encode()
+        except Exception as error:  # the channel outlives a provider bug; the caller sees the reason
+            logger.exception("kvevict stats provider failed")
+            return json.dumps({"error": f"the stats provider failed: {type(error).__name__}: {error}"}).encode()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join()
+
+
+class StatsClient:
+    """The REQ side; thread-safe (HTTP handlers run on a thread pool)."""
+
+    def __init__(self, address: str):
+        self._address = address
+        self._lock = threading.Lock()
+        self._socket: Optional[zmq.Socket] = None
+
+    def fetch(self, timeout_s: float) -> dict:
+        with self._lock:
+            if self._socket is None:
+                self._socket = zmq.Context.instance().socket(zmq.REQ)
+                self._socket.connect(self._address)
+            # Connecting never waits for the peer: the request is queued until the REP side binds.
+            self._socket.send(REQUEST)
+            if not self._socket.poll(int(timeout_s * 1000), zmq.POLLIN):
+                self._discard_socket()
+                raise StatsUnavailable(
+                    f"the scheduler did not answer within {timeout_s:g} s (is the sgl_kvevict engine loaded?)"
+                )
+            reply = json.loads(self._socket.recv())
+        if "error" in reply:
+            raise StatsUnavailable(reply["error"])
+        return reply["stats"]
+
+    def _discard_socket(self) -> None:
+        # linger=0 drops the unanswered request; a late reply to it goes to a peer that no longer exists.
+        self._socket.close(linger=0)
+        self._socket = None
+
+    def close(self) -> None:
+        with self._lock:
+            if self._socket is not None:
+                self._discard_socket()
+
+
+_server: Optional[StatsServer] = None
+_client: Optional[StatsClient] = None
+_client_lock = threading.Lock()
+
+
+def serve_stats(provider: StatsProvider) -> None:
+    """Serve ``provider()`` to ``fetch_stats`` callers; call once, in the scheduler process."""
+    global _server
+    if _server is not None:
+        raise RuntimeError("serve_stats was already called in this process")
+    address = os.environ.get(ADDRESS_ENV_VAR)
+    if not address:
+        logger.warning("no /kvevict/stats: %s is not set (not started by the sgl-kvevict launcher)", ADDRESS_ENV_VAR)
+        return
+    _server = StatsServer(provider, address)
+
+
+def fetch_stats(timeout_s: float) -> dict:
+    """The scheduler's ``provider()``; raises ``StatsUnavailable`` with the reason when it cannot."""
+    global _client
+    with _client_lock:
+        if _client is None:
+            address = os.environ.get(ADDRESS_ENV_VAR)
+            if not address:
+                raise StatsUnavailable(
+                    f"{ADDRESS_ENV_VAR} is not set: the server was not started by the sgl-kvevict launcher"
+                )
+            _client = StatsClient(address)
+    return _client.fetch(timeout_s)
