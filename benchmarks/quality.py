@@ -261,7 +261,10 @@ def markdown_report(results: Sequence[CellResult], meta: dict) -> str:
         for (policy, budget), by_length in by_row.items():
             values = []
             for length in lengths:
-                cell = by_length[length]
+                cell = by_length.get(length)  # missing while a partial run has not reached it
+                if cell is None:
+                    values += ["", "", ""]
+                    continue
                 values += [_percent(cell.accuracy), _percent(cell.retained_accuracy), f"{cell.kept_fraction:.2f}"]
             lines.append("| " + " | ".join([policy, budget, *values]) + " |")
     lines += ["", "## Full cache by task kind", "", "| mode | length | " + " | ".join(grid["kinds"]) + " |"]

@@ -83,9 +83,9 @@ def test_quality_run_end_to_end_on_the_tiny_model(tiny_llama_dir, tmp_path):
     grid = quality.GridConfig(
         model=str(tiny_llama_dir),
         dtype="float32",
-        policies=("streaming",),
+        policies=("streaming", "snapkv:obc-key"),
         budgets=("0.5",),
-        lengths=(120,),
+        lengths=(120, 160),
         modes=tuple(Mode),
         kinds=("passkey", "fact"),
         samples=2,
@@ -93,17 +93,27 @@ def test_quality_run_end_to_end_on_the_tiny_model(tiny_llama_dir, tmp_path):
         max_new_tokens=3,
         quick=True,
     )
-    lines = []
-    results, meta = quality.run_grid(grid, log=lambda line, **_: lines.append(line))
+    lines, partial_reports = [], []
+
+    def checkpoint(partial, meta):
+        quality.write_outputs(partial, meta, tmp_path)
+        partial_reports.append((tmp_path / "quality.md").read_text())
+
+    results, meta = quality.run_grid(grid, log=lambda line, **_: lines.append(line), checkpoint=checkpoint)
     quality.write_outputs(results, meta, tmp_path)
 
-    assert len(lines) == len(results) == 4 and lines[-1].startswith("[4/4]") and "ETA" in lines[-1]
+    total = len(grid.lengths) * len(grid.modes) * 3
+    assert len(lines) == len(results) == len(partial_reports) == total
+    assert lines[-1].startswith(f"[{total}/{total}]") and "ETA" in lines[-1]
+    assert f"Partial run: 1 of {total} cells" in partial_reports[0]
+    assert "Partial run" not in (tmp_path / "quality.md").read_text()
     payload = json.loads((tmp_path / "quality.json").read_text())
-    cells = {(c["policy"], c["mode"]): c for c in payload["cells"]}
-    assert cells[("full", "context-only")]["kept_fraction"] == 1.0
-    streaming = cells[("streaming", "context-only")]
+    cells = {(c["policy"], c["mode"], c["length"]): c for c in payload["cells"]}
+    assert cells[("full", "context-only", 120)]["kept_fraction"] == 1.0
+    streaming = cells[("streaming", "context-only", 120)]
     assert 0.4 < streaming["kept_fraction"] < 0.6
     assert all(s["prompt_tokens"] > s["context_tokens"] for s in streaming["samples"])
+    assert 0.4 < cells[("snapkv:obc-key", "question-aware", 160)]["kept_fraction"] < 0.6
     report = (tmp_path / "quality.md").read_text()
-    assert "| streaming | 0.5 |" in report and "## context-only" in report
+    assert "| streaming | 0.5 |" in report and "| snapkv:obc-key | 0.5 |" in report and "## context-only" in report
     assert (tmp_path / "quality.png").stat().st_size > 1000
