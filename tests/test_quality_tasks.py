@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -117,3 +118,32 @@ def test_quality_run_end_to_end_on_the_tiny_model(tiny_llama_dir, tmp_path):
     report = (tmp_path / "quality.md").read_text()
     assert "| streaming | 0.5 |" in report and "| snapkv:obc-key | 0.5 |" in report and "## context-only" in report
     assert (tmp_path / "quality.png").stat().st_size > 1000
+
+
+def test_runs_of_one_grid_over_different_lengths_merge(tiny_llama_dir, tmp_path):
+    from benchmarks import quality_merge
+
+    base = dict(
+        model=str(tiny_llama_dir), dtype="float32", policies=("streaming",), budgets=("0.5",),
+        modes=(Mode.CONTEXT_ONLY,), kinds=("passkey",), samples=1, seed=0, max_new_tokens=2, quick=True,
+    )  # fmt: skip
+    runs = []
+    for length in (120, 160):
+        results, meta = quality.run_grid(quality.GridConfig(lengths=(length,), **base), log=lambda *a, **k: None)
+        quality.write_outputs(results, meta, tmp_path / str(length))
+        runs.append(str(tmp_path / str(length) / "quality.json"))
+
+    quality_merge.main([str(tmp_path / "merged"), *runs])
+    merged = json.loads((tmp_path / "merged" / "quality.json").read_text())
+    assert merged["meta"]["grid"]["lengths"] == [120, 160]
+    assert sorted((c["policy"], c["length"]) for c in merged["cells"]) == [
+        ("full", 120), ("full", 160), ("streaming", 120), ("streaming", 160),
+    ]  # fmt: skip
+    report = (tmp_path / "merged" / "quality.md").read_text()
+    assert "acc L=120" in report and "acc L=160" in report and "Partial" not in report
+
+    mismatched = json.loads(Path(runs[1]).read_text())
+    mismatched["meta"]["grid"]["samples"] = 7
+    Path(runs[1]).write_text(json.dumps(mismatched))
+    with pytest.raises(SystemExit, match="samples"):
+        quality_merge.main([str(tmp_path / "bad"), *runs])
