@@ -1,0 +1,90 @@
+"""The ``sgl_kvevict`` radix-cache backend factory: checks, arena, engine state, stats channel.
+
+Runs in the scheduler process when SGLang builds its tree (after the KV pool and the attention
+backend exist). Every SGLang feature this version cannot honour with compressed nodes is refused
+here with its reason; the launcher refuses them earlier, before the model loads, and this is the
+safety net for servers started another way.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from sglang.srt.mem_cache.registry import TreeCacheBuildContext
+from sglang.srt.runtime_context import get_schedule, get_spec
+
+from sgl_kvevict.engine.arena import Arena, arena_slot_equivalents
+from sgl_kvevict.engine.attention import KVEvictTorchBackend
+from sgl_kvevict.engine.radix_cache import CompressedRadixCache
+from sgl_kvevict.engine.plugin import RADIX_CACHE_BACKEND
+from sgl_kvevict.engine.state import EngineState, ModelShape, install
+from sgl_kvevict.serving import ServingConfig
+
+logger = logging.getLogger(__name__)
+
+class UnsupportedSetup(ValueError):
+    """A SGLang feature that cannot work with compressed radix nodes yet."""
+
+
+def unsupported_features(ctx: TreeCacheBuildContext, attn_backend) -> list[str]:
+    """One line per SGLang setting that compressed nodes cannot work with (empty when all is well)."""
+    schedule = get_schedule()
+    checks = [
+        (ctx.disable_radix_cache, "--disable-radix-cache: compressed prompts live in the radix tree"),
+        (ctx.params.page_size != 1, f"--page-size {ctx.params.page_size}: compressed spans need page size 1"),
+        (ctx.tp_size != 1, f"--tp-size {ctx.tp_size}: every rank would need identical tree decisions"),
+        (ctx.enable_hierarchical_cache, "--enable-hierarchical-cache: HiCache copies rows token by token"),
+        (ctx.is_hybrid_swa or ctx.is_hybrid_ssm, "hybrid SWA/SSM models: only full-attention models"),
+        (not schedule.disable_overlap_schedule, "overlap schedule: pass --disable-overlap-schedule"),
+        (schedule.enable_mixed_chunk, "--enable-mixed-chunk: decode rows inside an extend batch"),
+        (get_spec().speculative_algorithm is not None, "speculative decoding"),
+        (
+            not isinstance(attn_backend, KVEvictTorchBackend),
+            f"attention backend {type(attn_backend).__name__}: only torch_native (CPU) attends over compressed nodes",
+        ),
+    ]
+    return [reason for failed, reason in checks if failed]
+
+
+def create_compressed_radix_cache(ctx: TreeCacheBuildContext) -> CompressedRadixCache:
+    serving = ServingConfig.from_env()
+    if not serving.enabled:
+        raise UnsupportedSetup(f"--radix-cache-backend {RADIX_CACHE_BACKEND} needs an eviction policy (--kv-evict-policy)")
+    runner = ctx.tp_worker.model_runner
+    problems = unsupported_features(ctx, runner.attn_backend)
+    if problems:
+        raise UnsupportedSetup(f"KV eviction cannot run with: {'; '.join(problems)}")
+
+    pool = runner.token_to_kv_pool
+    allocator = ctx.params.token_to_kv_pool_allocator
+    shape = ModelShape(
+        num_layers=pool.layer_num,
+        num_q_heads=runner.model_config.get_num_attention_heads(ctx.tp_size),
+        num_kv_heads=pool.head_num,
+    )
+    arena = Arena(
+        num_layers=shape.num_layers,
+        cells_per_layer=arena_slot_equivalents(serving, allocator.size) * shape.num_kv_heads,
+        head_dim=pool.head_dim,
+        v_head_dim=pool.v_head_dim,
+        dtype=pool.k_buffer[0].dtype,
+        device=pool.device,
+    )
+    engine = EngineState(serving.eviction, shape, arena, allocator)
+    cache = CompressedRadixCache(ctx.params, engine)
+    install(engine)
+    logger.info(
+        "sgl-kvevict: %s; arena %d cells per layer (%.0f%% of KV memory), %d dense slots",
+        serving.eviction.describe(), arena.cells_per_layer, 100 * serving.arena_fraction, allocator.size,
+    )  # fmt: skip
+    _serve_stats(engine)
+    return cache
+
+
+def _serve_stats(engine: EngineState) -> None:
+    try:
+        from sgl_kvevict.engine.stats_channel import serve_stats
+    except ImportError:  # the stats route is not part of this build yet
+        logger.warning("sgl-kvevict: no stats channel; /kvevict/stats is unavailable")
+        return
+    serve_stats(engine.stats_snapshot)

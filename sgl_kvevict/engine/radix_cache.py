@@ -1,0 +1,294 @@
+"""CompressedRadixCache: SGLang's pure-Python ``RadixCache`` with compressed nodes.
+
+Request scope (DESIGN.md §4). After a request's prefill, the tree's ``checkpoint`` compresses the
+request's own prompt span ``[cache_protected_len, prompt_end - window)`` with the plan its
+compressor built from the forward's ``observe`` calls: kept entries are copied into arena cells, the
+span's dense slots go back to SGLang's allocator, and the span becomes a *compressed node* below the
+request's matched node. The last ``window`` prompt tokens (and later the output) are inserted as an
+ordinary dense node by the stock insert path. The request's ``req_to_token`` row then holds dummy
+slot 0 over the compressed span; attention reads those positions from the cells instead.
+
+A compressed node keeps SGLang's logical bookkeeping intact: its key is the span's tokens and its
+``value`` is dummy slot 0 at every position (``len(value) == len(key)``, so prefix lengths, row
+re-pointing and ``prefix_device_indices`` work unchanged). Its data is the ``CompressedSegment`` in
+``node.kvevict_segment``.
+
+Invariants and the methods that keep them:
+
+* **Slot 0 is never freed.** Stock code frees tree values only in ``evict`` (overridden: a
+  compressed leaf frees its cells, not its value) and frees a request's row only from
+  ``cache_protected_len`` on (``_insert_cache`` duplicates, ``free_kv_row``); compressed spans always
+  lie below ``cache_protected_len`` because only the tree's own checkpoint creates them and it moves
+  ``cache_protected_len`` past them in the same step.
+* **Dense accounting is exact.** ``evictable_size_``/``protected_size_`` count dense slots only
+  (SGLang's admission budget and its strict idle check add them to the allocator's free slots): a
+  compressed node is never added to them, and ``inc_lock_ref``/``dec_lock_ref``/``_delete_leaf``,
+  which move ``len(node.key)`` for every node, are compensated for compressed nodes. Cells have
+  their own ledger (``Arena``).
+* **Compressed nodes are atomic.** Their content was selected with the observation window that
+  followed them, so a request diverging inside one must not reuse part of it: a match stops at the
+  start of a compressed node it does not cover entirely, and an insert stops there too (the rest of
+  the inserting request's tokens stay request-owned and are freed with its row). Nothing ever splits
+  a compressed node (``_split_node`` asserts it).
+* **Arena pressure** evicts LRU leaves (dense leaves included: a compressed node is usually the
+  parent of its dense window node) until the new segment's cells fit; if the tree cannot free enough
+  (locked), the request stays dense and ``requests_left_dense`` counts it.
+
+Chunked prefill: middle chunks are checkpointed densely by the stock path, so only the span of the
+last chunk (the one holding the window) is compressed. Serve with chunked prefill off, or chunks
+larger than the prompts, to compress whole prompts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import logging
+import time
+from typing import Callable, Optional
+
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import (
+    DecLockRefResult,
+    EvictParams,
+    EvictResult,
+    IncLockRefResult,
+    MatchPrefixParams,
+    MatchResult,
+)
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
+
+from sgl_kvevict.engine.segments import CompressedSegment, truncate_plan
+from sgl_kvevict.engine.state import EngineState, request_state
+from sgl_kvevict.kernels import ArenaCellMap, gather_kv_to_arena
+from sgl_kvevict.policies.base import SegmentCompressor
+
+logger = logging.getLogger(__name__)
+
+SEGMENT_ATTR = "kvevict_segment"
+
+
+def compressed_segment(node: TreeNode) -> Optional[CompressedSegment]:
+    return getattr(node, SEGMENT_ATTR, None)
+
+
+def compressed_path(node: TreeNode) -> list[CompressedSegment]:
+    """The compressed segments from the root down to ``node``, root first."""
+    segments = []
+    while node.parent is not None:  # the root has no parent
+        segment = compressed_segment(node)
+        if segment is not None:
+            segments.append(segment)
+        node = node.parent
+    return segments[::-1]
+
+
+class CompressedRadixCache(RadixCache):
+    def __init__(self, params: CacheInitParams, engine: EngineState):
+        self.engine = engine  # before super().__init__, which calls reset()
+        super().__init__(params)
+        self.kv_pool = params.token_to_kv_pool_allocator.get_kvcache()
+
+    # ---- tree shape ----------------------------------------------------------------------------
+
+    def reset(self):
+        super().reset()
+        self.engine.arena.reset()
+        self.engine.stats.tree_cleared()
+
+    def _walk(self, key: RadixKey) -> tuple[int, Optional[TreeNode]]:
+        """Read-only match of ``key``: (tokens covered by whole nodes, the node ``key`` diverges or
+        ends inside, or None)."""
+        node, offset = self.root_node, 0
+        while offset < len(key):
+            rest = key[offset:]
+            child = node.children.get(rest.child_key(self.page_size))
+            if child is None:
+                break
+            matched = child.key.match(rest, page_size=self.page_size)
+            if matched < len(child.key):
+                return offset, child
+            node, offset = child, offset + matched
+        return offset, None
+
+    def _atomic_prefix_length(self, key: RadixKey) -> int:
+        """Length of the longest prefix of ``key`` that ends outside every compressed node, so that
+        matching or inserting it never splits one."""
+        covered, partial = self._walk(key)
+        return covered if partial is not None and compressed_segment(partial) is not None else len(key)
+
+    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        if params.req is not None:
+            self.engine.track(params.req)
+        return super().match_prefix(params)
+
+    def _match_prefix_helper(self, node: TreeNode, key: RadixKey):
+        limit = self._atomic_prefix_length(key)
+        if limit == 0:
+            node.last_access_time = time.monotonic()
+            return [], node
+        return super()._match_prefix_helper(node, key[:limit])
+
+    def _insert_helper(self, node: TreeNode, key: RadixKey, value, priority: int = 0, inserted_len: int = 0):
+        limit = self._atomic_prefix_length(key)
+        return super()._insert_helper(node, key[:limit], value[:limit], priority, inserted_len)
+
+    def _split_node(self, key: RadixKey, child: TreeNode, split_len: int):
+        assert compressed_segment(child) is None, "compressed nodes are atomic and never split"
+        return super()._split_node(key, child, split_len)
+
+    # ---- dense-slot accounting: compressed nodes hold none -----------------------------------------
+
+    def _compressed_len_on_path(self, node: TreeNode, lock_ref: int) -> int:
+        """Logical tokens of the compressed nodes on ``node``'s path whose lock count is ``lock_ref``."""
+        total = 0
+        while node is not self.root_node:
+            if node.lock_ref == lock_ref and compressed_segment(node) is not None:
+                total += len(node.key)
+            node = node.parent
+        return total
+
+    def inc_lock_ref(self, node: TreeNode) -> IncLockRefResult:
+        moved = 0 if self.disable else self._compressed_len_on_path(node, lock_ref=0)
+        result = super().inc_lock_ref(node)
+        self.evictable_size_ += moved
+        self.protected_size_ -= moved
+        return dataclasses.replace(result, delta=result.delta + moved)
+
+    def dec_lock_ref(self, node: TreeNode, params=None) -> DecLockRefResult:
+        moved = 0 if self.disable else self._compressed_len_on_path(node, lock_ref=1)
+        result = super().dec_lock_ref(node, params)
+        self.evictable_size_ -= moved
+        self.protected_size_ += moved
+        return dataclasses.replace(result, delta=result.delta - moved)
+
+    def _delete_leaf(self, node: TreeNode):
+        if compressed_segment(node) is not None:
+            self.evictable_size_ += len(node.key)  # the stock method subtracts it; it was never added
+        super()._delete_leaf(node)
+
+    # ---- eviction ------------------------------------------------------------------------------
+
+    def evict(self, params: EvictParams) -> EvictResult:
+        if self.disable:
+            return EvictResult()
+        start_time = time.perf_counter()
+        dense_freed = self._evict_leaves(lambda freed: freed >= params.num_tokens)
+        self.update_eviction_metrics(dense_freed, start_time)
+        return EvictResult(num_tokens_evicted=dense_freed)
+
+    def _evict_leaves(self, done: Callable[[int], bool]) -> int:
+        """Evict unlocked leaves in eviction-policy order until ``done(dense slots freed)``."""
+        heap = [(self.eviction_strategy.get_priority(node), node) for node in self.evictable_leaves]
+        heapq.heapify(heap)
+        dense_freed = 0
+        while heap and not done(dense_freed):
+            _, leaf = heapq.heappop(heap)
+            dense_freed += self._evict_leaf(leaf)
+            parent = leaf.parent
+            if len(parent.children) == 0 and parent.lock_ref == 0:
+                heapq.heappush(heap, (self.eviction_strategy.get_priority(parent), parent))
+        return dense_freed
+
+    def _evict_leaf(self, leaf: TreeNode) -> int:
+        """Free the leaf's storage and delete it; returns the dense slots freed."""
+        segment = compressed_segment(leaf)
+        if segment is not None:
+            self.engine.arena.free(segment.cells)
+            self.engine.stats.node_removed(segment)
+            dense_freed = 0
+        else:
+            self.token_to_kv_pool_allocator.free_segment(leaf.value, start_pos=0)
+            dense_freed = len(leaf.value)
+        self._delete_leaf(leaf)
+        self.kv_events.record_remove(leaf)
+        return dense_freed
+
+    def _alloc_cells(self, counts: list[int]) -> Optional[list[torch.Tensor]]:
+        arena = self.engine.arena
+        if not arena.can_alloc(counts):
+            self._evict_leaves(lambda _: arena.can_alloc(counts))
+        return arena.alloc(counts)
+
+    # ---- checkpoint: compress, then insert what is left densely ---------------------------------
+
+    def checkpoint(self, req, *, up_to: int):
+        """``RadixCache.checkpoint`` generalised to a tree that may cover less than the key.
+
+        The stock method asserts that the tree now holds the whole key; here an insert stops at a
+        compressed node the key diverges inside, so the request adopts the tree's path up to where
+        it stops and keeps the rest of its row as its own (freed with the row, as any uncached tail).
+        """
+        if self.disable:
+            return
+        state = request_state(req)
+        if not state.prefill_counted:
+            state.prefill_counted = True
+            reused = sum(segment.length for segment in compressed_path(req.last_node))
+            if reused:
+                self.engine.stats.count("reuse_hits")
+                self.engine.stats.count("reused_tokens", reused)
+        compressor, state.compressor = state.compressor, None
+        if compressor is not None:
+            self._compress(req, compressor)
+        radix_key, _, _ = self._insert_cache(req, req.full_untruncated_fill_ids[:up_to], split_prompt=True)
+        self._adopt_path(req, self.match_prefix(MatchPrefixParams(key=radix_key)).last_device_node)
+
+    def _adopt_path(self, req, node: TreeNode) -> None:
+        """Point the request's row at the tree's values up to ``node``; the tree now protects them."""
+        path = self.path_device_indices(node)
+        protected = req.kv.cache_protected_len
+        assert len(path) >= protected, (req.rid, len(path), protected)
+        self.req_to_token_pool.write((req.kv.req_pool_idx, slice(protected, len(path))), path[protected:])
+        req.kv.cache_protected_len = len(path)
+        self.unlock(req.lock)
+        req.lock = self.lock(node)
+        req.last_node = node
+
+    def _compress(self, req, compressor: SegmentCompressor) -> None:
+        """Turn the request's scored span into a compressed node (or leave it dense, see the module doc)."""
+        spec = compressor.spec
+        start = req.kv.cache_protected_len
+        if spec.start != start or len(self.path_device_indices(req.last_node)) != start:
+            return  # the row changed since the forward scored it (e.g. retraction)
+        plan = compressor.plan()
+        self.engine.dump_plan(req.rid, plan)
+        compressed_end = spec.end - min(self.engine.eviction.window, spec.length)
+        kept = truncate_plan(plan, compressed_end)
+        span_entries = kept.segment_length * kept.num_layers * kept.layers[0].num_kv_heads
+        if kept.total_kept() == span_entries:
+            return  # nothing evicted: the policy kept the span whole
+        key = RadixKey(req.full_untruncated_fill_ids[:compressed_end], req.extra_key, cache_salt=req.cache_salt)
+        if self._walk(key) != (start, None):
+            return  # another request put (part of) this span in the tree meanwhile: reuse theirs
+        cells = self._alloc_cells([len(layer.kept_positions) for layer in kept.layers])
+        if cells is None:
+            self.engine.stats.count("requests_left_dense")
+            return
+        row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+        arena = self.engine.arena
+        for layer, (layer_plan, layer_cells) in enumerate(zip(kept.layers, cells)):
+            cell_map = ArenaCellMap.from_layer_plan(layer_plan, row, layer_cells)
+            k_buffer, v_buffer = self.kv_pool.get_kv_buffer(layer)
+            gather_kv_to_arena(k_buffer, v_buffer, arena.k[layer], arena.v[layer], cell_map)
+        segment = CompressedSegment.of(kept, cells)
+        node = self._attach_compressed_node(req.last_node, key[start:], segment, req.priority or 0)
+        self.token_to_kv_pool_allocator.free(row[start:compressed_end].to(torch.int64))
+        self.engine.stats.node_added(segment)
+        self._adopt_path(req, node)
+
+    def _attach_compressed_node(
+        self, parent: TreeNode, key: RadixKey, segment: CompressedSegment, priority: int
+    ) -> TreeNode:
+        node = TreeNode(priority=priority)
+        node.parent = parent
+        node.key = key
+        node.value = torch.zeros(len(key), dtype=torch.int64, device=self.device)  # dummy slot 0
+        setattr(node, SEGMENT_ATTR, segment)
+        parent.children[key.child_key(self.page_size)] = node
+        # Not added to evictable_size_: it holds no dense slot.
+        self._update_leaf_status(parent)
+        self._update_leaf_status(node)
+        self.kv_events.record_store(node)
+        return node

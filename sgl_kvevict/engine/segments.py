@@ -1,0 +1,100 @@
+"""Compressed spans of the radix tree and what a request sees of them.
+
+* ``CompressedSegment``: the content of one compressed radix node, i.e. the kept entries of a
+  logical span ``[start, start + length)`` as arena cells, per layer CSR over KV heads.
+* ``PathView``: everything compressed on a request's tree path (root to ``req.last_node``): the
+  logical spans (whose ``req_to_token`` entries are dummy slot 0) and, per layer and KV head, the
+  cells of all those spans. Attention treats the cells as one pseudo-sequence per (request, KV head)
+  and every position outside the spans as dense.
+
+Pure torch: nothing here imports SGLang.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from sgl_kvevict.plan import CompressionPlan, LayerPlan
+
+
+def truncate_plan(plan: CompressionPlan, end: int) -> CompressionPlan:
+    """The plan restricted to positions ``[plan.segment_start, end)`` (drops the dense window)."""
+    layers = []
+    for layer in plan.layers:
+        inside = layer.kept_positions < end
+        counts = torch.zeros(layer.num_kv_heads, dtype=torch.int64).index_add_(
+            0, layer.head_ids(), inside.to(torch.int64)
+        )
+        indptr = torch.zeros(layer.num_kv_heads + 1, dtype=torch.int64)
+        indptr[1:] = torch.cumsum(counts, 0)
+        layers.append(LayerPlan(kept_positions=layer.kept_positions[inside], head_indptr=indptr))
+    return CompressionPlan(plan.segment_start, end, tuple(layers))
+
+
+@dataclass(frozen=True)
+class CompressedSegment:
+    """Kept entries of the span ``[start, start + length)`` of one radix node.
+
+    cells: per layer, int64 ``[kept_l]`` arena cell ids in the plan's CSR order (head-major,
+        positions ascending); head_indptr: per layer, int64 ``[H_kv + 1]`` (cpu).
+    """
+
+    start: int
+    length: int
+    cells: tuple[torch.Tensor, ...]
+    head_indptr: tuple[torch.Tensor, ...]
+
+    @classmethod
+    def of(cls, plan: CompressionPlan, cells: Sequence[torch.Tensor]) -> "CompressedSegment":
+        """``plan`` (already truncated to the compressed span) stored in ``cells[layer]``."""
+        return cls(plan.segment_start, plan.segment_length, tuple(cells), tuple(layer.head_indptr for layer in plan.layers))
+
+    @property
+    def num_cells(self) -> int:
+        return sum(len(cells) for cells in self.cells)
+
+    def head_ids(self, layer: int) -> torch.Tensor:
+        """int64 ``[kept_l]``: the KV head of every cell of ``layer``."""
+        indptr = self.head_indptr[layer]
+        return torch.repeat_interleave(torch.arange(len(indptr) - 1), indptr[1:] - indptr[:-1])
+
+
+@dataclass(frozen=True)
+class PathView:
+    """The compressed part of one request's context.
+
+    spans: the ``(start, end)`` logical ranges of the compressed nodes on the path, ascending.
+    head_counts: per layer, int64 ``[H_kv]`` cells per KV head over all spans (cpu).
+    cells: per layer, int64 ``[sum(head_counts)]`` cell ids, head-major (all spans of head 0, ...).
+    """
+
+    spans: tuple[tuple[int, int], ...]
+    head_counts: tuple[torch.Tensor, ...]
+    cells: tuple[torch.Tensor, ...]
+
+    @classmethod
+    def of(cls, segments: Sequence[CompressedSegment], num_layers: int, num_kv_heads: int) -> "PathView":
+        """Segments in path order (root first)."""
+        head_counts, cells = [], []
+        for layer in range(num_layers):
+            layer_cells = torch.cat([segment.cells[layer] for segment in segments])
+            heads = torch.cat([segment.head_ids(layer) for segment in segments])
+            order = torch.sort(heads, stable=True).indices  # head-major, path order within a head
+            cells.append(layer_cells[order.to(layer_cells.device)])
+            head_counts.append(torch.bincount(heads, minlength=num_kv_heads))
+        spans = tuple((segment.start, segment.start + segment.length) for segment in segments)
+        return cls(spans, tuple(head_counts), tuple(cells))
+
+    @property
+    def compressed_tokens(self) -> int:
+        return sum(end - start for start, end in self.spans)
+
+    def dense_positions(self, length: int, device: torch.device) -> torch.Tensor:
+        """int64 ``[n]``: the positions of ``[0, length)`` outside every compressed span, ascending."""
+        dense = torch.ones(length, dtype=torch.bool, device=device)
+        for start, end in self.spans:
+            dense[start:end] = False
+        return dense.nonzero().squeeze(1)

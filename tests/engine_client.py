@@ -1,0 +1,76 @@
+"""HTTP helpers of the engine tests: raw-token generation, /kvevict/stats, and the memory check after a flush."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+
+from serving import RunningServer
+
+# With a policy the launcher passes SGLang a shrunk --max-total-tokens, from which SGLang's CPU memory
+# profiling derives a negative --mem-fraction-static and refuses to start; an explicit one avoids it.
+MEMORY_FLAGS = ("--mem-fraction-static", "0.3")
+# Parity needs the reference's fp32 numerics.
+TINY_SERVER_FLAGS = ("--dtype", "float32", *MEMORY_FLAGS)
+
+
+def get(server: RunningServer, path: str) -> dict:
+    with urllib.request.urlopen(server.base_url + path, timeout=60) as response:
+        return json.loads(response.read())
+
+
+def stats(server: RunningServer) -> dict:
+    return get(server, "/kvevict/stats")
+
+
+def generate(server: RunningServer, input_ids: list[int], max_new_tokens: int, rid: str | None = None) -> dict:
+    payload = {"input_ids": input_ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}}
+    if rid is not None:
+        payload["rid"] = rid
+    return server.post("/generate", payload)
+
+
+def abort(server: RunningServer, rid: str) -> None:
+    request = urllib.request.Request(
+        server.base_url + "/abort_request", data=json.dumps({"rid": rid}).encode(),
+        headers={"Content-Type": "application/json"},
+    )  # fmt: skip
+    with urllib.request.urlopen(request, timeout=60):
+        pass
+
+
+def flush(server: RunningServer, attempts: int = 60) -> None:
+    """``/flush_cache``, retried while aborted requests are still draining (SGLang refuses it then)."""
+    for _ in range(attempts):
+        request = urllib.request.Request(server.base_url + "/flush_cache", data=b"", method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=60):
+                return
+        except urllib.error.HTTPError:  # 400 while requests are pending
+            time.sleep(0.5)
+    raise AssertionError("the server never became idle enough to flush")
+
+
+def assert_no_leak_after_flush(server: RunningServer) -> dict:
+    """Flush, then every arena cell and every dense slot is free again; returns the stats."""
+    flush(server)
+    after = stats(server)
+    assert after["arena_cells_used"] == 0, after
+    assert after["compressed_nodes"] == after["kept_cells"] == after["compressed_tokens"] == 0, after
+    assert after["dense_slots_free"] == after["dense_slots_total"], after
+    return after
+
+
+def assert_strict_idle_check_passed(server: RunningServer) -> None:
+    """SGLang's idle-time memory invariant check is on (its default) and never fired: a failure raises
+    in the scheduler and takes the server down."""
+    assert os.environ.get("SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE", "true").lower() not in ("0", "false")
+    assert server.process.poll() is None, server.log()[-4000:]
+    log = server.log()
+    for marker in ("KV double free", "use-after-free", "memory leak", "token_to_kv_pool_allocator memory leak"):
+        assert marker not in log, marker
+    with urllib.request.urlopen(server.base_url + "/health", timeout=60) as response:
+        assert response.status == 200

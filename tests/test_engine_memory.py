@@ -1,0 +1,148 @@
+"""Memory behaviour of the compressed radix cache on one real server (tiny model, snapkv, a tight arena).
+
+The arena holds three compressed 300-token prompts (snapkv at 0.25 keeps 75 - 32 = 43 entries per
+(layer, KV head) of each, window excluded, 86 cells per layer; the arena has 130 slot-equivalents,
+260 cells per layer), so concurrent conversations fill it, later ones evict it, and every test ends
+with /flush_cache giving every cell and dense slot back.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+
+from engine_client import (
+    TINY_SERVER_FLAGS,
+    abort,
+    assert_no_leak_after_flush,
+    assert_strict_idle_check_passed,
+    flush,
+    generate,
+    stats,
+)
+from serving import running_server
+
+pytestmark = pytest.mark.server
+
+PROMPT_LENGTH = 300
+ARENA_CONVERSATIONS = 3
+SERVER_FLAGS = (
+    "--kv-evict-policy", "snapkv", "--kv-evict-budget", "0.25", "--kv-evict-arena-fraction", "0.05",
+    "--max-total-tokens", "2600", *TINY_SERVER_FLAGS,
+)  # fmt: skip
+
+
+def prompt(seed: int, length: int = PROMPT_LENGTH) -> list[int]:
+    rng = random.Random(seed)
+    # Distinct first tokens: prompts of different seeds share no prefix.
+    return [5 + seed] + [rng.randrange(40, 250) for _ in range(length - 1)]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir, tmp_path_factory):
+    with running_server(tiny_llama_dir, tmp_path_factory.mktemp("memory"), *SERVER_FLAGS) as running:
+        yield running
+        assert_strict_idle_check_passed(running)
+
+
+@pytest.fixture(autouse=True)
+def empty_tree(server):
+    """Every test starts from an empty tree (counters such as reuse_hits keep counting)."""
+    flush(server)
+
+
+def run_concurrently(calls) -> list:
+    results = [None] * len(calls)
+
+    def run(index, call):
+        results[index] = call()
+
+    threads = [threading.Thread(target=run, args=(i, call)) for i, call in enumerate(calls)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
+
+
+def test_next_turn_reuses_the_compressed_prompt_and_a_divergent_one_does_not(server):
+    first_prompt = prompt(seed=1)
+    first = generate(server, first_prompt, 8)
+    before = stats(server)
+    assert before["compressed_nodes"] == 1 and before["compressed_tokens"] == PROMPT_LENGTH - 32
+
+    next_turn = first_prompt + first["output_ids"] + prompt(seed=2, length=60)
+    second = generate(server, next_turn, 8)
+    assert second["meta_info"]["cached_tokens"] >= PROMPT_LENGTH
+    after = stats(server)
+    assert after["reuse_hits"] == before["reuse_hits"] + 1
+    assert after["reused_tokens"] == before["reused_tokens"] + PROMPT_LENGTH - 32
+
+    # Diverging inside the compressed node (which starts at 0) reuses none of it.
+    divergent = first_prompt[:150] + prompt(seed=3, length=150)
+    assert generate(server, divergent, 4)["meta_info"]["cached_tokens"] == 0
+    assert stats(server)["reuse_hits"] == after["reuse_hits"]
+    assert_no_leak_after_flush(server)
+
+
+def test_full_arena_leaves_requests_dense_then_evicts_unlocked_nodes(server):
+    before = stats(server)
+    # Five conversations decode together: mixed batches of compressed and dense requests. The arena
+    # holds three; the others find every compressed node locked by a running request.
+    results = run_concurrently([lambda seed=seed: generate(server, prompt(seed), 96) for seed in range(10, 15)])
+    assert all(len(result["output_ids"]) == 96 for result in results)
+    during = stats(server)
+    assert during["compressed_nodes"] == ARENA_CONVERSATIONS
+    assert during["requests_left_dense"] == before["requests_left_dense"] + 5 - ARENA_CONVERSATIONS
+    assert during["arena_cells_used"] == during["kept_cells"] <= during["arena_cells_total"]
+
+    # Now nothing is locked: new conversations evict the least recently used compressed nodes.
+    for seed in range(20, 23):
+        generate(server, prompt(seed), 4)
+    after = stats(server)
+    assert after["compressed_nodes"] == ARENA_CONVERSATIONS
+    assert after["compressed_nodes_evicted"] >= during["compressed_nodes_evicted"] + 3
+    assert after["requests_left_dense"] == during["requests_left_dense"]
+    assert_no_leak_after_flush(server)
+
+
+def stream_then_abort(server, input_ids: list[int], rid: str) -> int:
+    """Stream a long generation, abort it after the first chunks; returns the chunks received."""
+    payload = {
+        "input_ids": input_ids, "rid": rid, "stream": True,
+        "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True},
+    }  # fmt: skip
+    request = urllib.request.Request(
+        server.base_url + "/generate", data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"}
+    )
+    chunks = 0
+    with urllib.request.urlopen(request, timeout=120) as response:
+        for line in response:
+            if line.startswith(b"data:") and b"[DONE]" not in line:
+                chunks += 1
+                if chunks == 3:
+                    abort(server, rid)
+    return chunks
+
+
+def test_client_aborts_in_prefill_and_decode_leak_nothing(server):
+    # Decode: aborted after a few streamed tokens, with its compressed prompt in the tree.
+    assert 3 <= stream_then_abort(server, prompt(seed=30), rid="abort-decode") < 400
+    # Prefill: the abort races the prefill of long prompts; whichever side wins, nothing may leak.
+    long_prompts = [prompt(seed, length=1200) for seed in (31, 32)]
+    calls = [lambda ids=ids, i=i: _generate_or_aborted(server, ids, f"abort-prefill-{i}") for i, ids in enumerate(long_prompts)]
+    calls += [lambda i=i: abort(server, f"abort-prefill-{i}") for i in range(len(long_prompts))]
+    run_concurrently(calls)
+    assert_no_leak_after_flush(server)
+
+
+def _generate_or_aborted(server, input_ids: list[int], rid: str) -> dict:
+    try:
+        return generate(server, input_ids, 64, rid=rid)
+    except urllib.error.HTTPError as error:  # an aborted request answers with an error status
+        return {"aborted": error.code}

@@ -1,0 +1,81 @@
+"""Parity of the SGLang engine with the HF reference engine, one real server per policy (tiny fp32 model).
+
+For the same prompt and policy the server keeps exactly the positions the reference keeps per
+(layer, KV head) (read from the server's plan dumps), decodes the same greedy tokens over its
+compressed + dense attention, holds exactly the planned cells in its arena within the budget, and
+gives every cell and slot back on /flush_cache.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine_client import TINY_SERVER_FLAGS, assert_no_leak_after_flush, assert_strict_idle_check_passed, generate, stats
+from serving import running_server
+from sgl_kvevict.config import EvictionConfig, build_policy
+from sgl_kvevict.engine.state import PLAN_DUMP_ENV
+from sgl_kvevict.policies import registered_policies
+
+pytestmark = pytest.mark.server
+
+PROMPT_LENGTHS = (300, 520)
+MAX_NEW_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir):
+    from sgl_kvevict.reference.engine import ReferenceEngine
+
+    return ReferenceEngine(tiny_llama_dir, dtype=torch.float32)
+
+
+def random_prompt(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(5, 250) for _ in range(length)]
+
+
+def assert_same_plan(server_plan: dict, reference_plan) -> None:
+    assert (server_plan["segment_start"], server_plan["segment_end"]) == (
+        reference_plan.segment_start,
+        reference_plan.segment_end,
+    )
+    for layer, ((kept_positions, head_indptr), expected) in enumerate(zip(server_plan["layers"], reference_plan.layers)):
+        assert torch.equal(head_indptr, expected.head_indptr), f"layer {layer}: kept counts per KV head differ"
+        assert torch.equal(kept_positions, expected.kept_positions), f"layer {layer}: kept positions differ"
+
+
+def compressed_cells(plan, window: int) -> int:
+    """Arena cells the plan stores: its kept entries before the dense window."""
+    return sum(int((layer.kept_positions < plan.segment_end - window).sum()) for layer in plan.layers)
+
+
+@pytest.mark.parametrize("policy", registered_policies())
+def test_server_keeps_what_the_reference_keeps(policy, tiny_llama_dir, reference, tmp_path, monkeypatch):
+    dump_dir = tmp_path / "plans"
+    monkeypatch.setenv(PLAN_DUMP_ENV, str(dump_dir))
+    config = EvictionConfig.for_policy(policy)
+    flags = ("--kv-evict-policy", policy, "--max-total-tokens", "4096", *TINY_SERVER_FLAGS)
+    with running_server(tiny_llama_dir, tmp_path, *flags) as server:
+        for index, length in enumerate(PROMPT_LENGTHS):
+            prompt = random_prompt(length, seed=index)
+            rid = f"{policy}-{index}"
+            response = generate(server, prompt, MAX_NEW_TOKENS, rid=rid)
+            expected = reference.generate(prompt, build_policy(config), max_new_tokens=MAX_NEW_TOKENS)
+            (reference_plan,) = expected.plans
+
+            assert_same_plan(torch.load(dump_dir / f"{rid}.pt"), reference_plan)
+            assert tuple(response["output_ids"]) == expected.output_ids
+
+            during = stats(server)
+            evicted = reference_plan.total_kept() < length * reference.num_layers * reference.num_kv_heads
+            assert during["compressed_nodes"] == int(evicted)
+            assert during["arena_cells_used"] == during["kept_cells"]
+            assert during["kept_cells"] == (compressed_cells(reference_plan, config.window) if evicted else 0)
+            if config.budget is not None:
+                per_head = max(config.budget.per_head(length), config.window)
+                assert reference_plan.total_kept() <= per_head * reference.num_layers * reference.num_kv_heads
+            assert_no_leak_after_flush(server)
+        assert_strict_idle_check_passed(server)
