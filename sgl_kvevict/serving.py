@@ -14,7 +14,7 @@ from typing import Mapping, Optional
 
 from sgl_kvevict.config import ConfigError, EvictionConfig
 
-ENV_VAR = "SGL_KVEVICT_SERVING"
+ENV_VAR = "KVEVICT_SERVING"
 NO_EVICTION = "none"
 DEFAULT_ARENA_FRACTION = 0.5
 

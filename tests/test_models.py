@@ -13,7 +13,7 @@ from sgl_kvevict.models import ModelError, resolve_model
 
 @pytest.fixture
 def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("SGL_KVEVICT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("KVEVICT_CACHE", str(tmp_path / "cache"))
     return tmp_path / "cache"
 
 

@@ -2,7 +2,7 @@
 
 SGLang spawns its processes, so registries filled in the launcher do not reach the scheduler; this
 entry point is how ours get there (sglang-0.5.23-hooks.md §5.4). With a policy set (the launcher's
-``SGL_KVEVICT_SERVING``) it registers:
+``KVEVICT_SERVING``) it registers:
 
 * the ``sgl_kvevict`` radix-cache backend (the launcher passes ``--radix-cache-backend sgl_kvevict``);
 * our attention backend *in place of* the stock ``torch_native`` factory, so the backend name and

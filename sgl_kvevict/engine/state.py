@@ -29,7 +29,7 @@ from sgl_kvevict.plan import CompressionPlan
 from sgl_kvevict.policies.base import SegmentCompressor, SegmentSpec
 
 # Debug switch: a directory where every applied plan is saved as ``<rid>.pt`` (parity tests).
-PLAN_DUMP_ENV = "SGL_KVEVICT_PLAN_DUMP_DIR"
+PLAN_DUMP_ENV = "KVEVICT_PLAN_DUMP_DIR"
 
 
 @dataclass

@@ -4,7 +4,7 @@ lives there) to the HTTP process, which serves them as ``GET /kvevict/stats``.
 SGLang's own scheduler <-> tokenizer-manager channels carry a closed set of request types, so the
 stats travel over one extra ZeroMQ REQ/REP pair on an ``ipc://`` socket. The launcher picks the
 address (a socket file in a private temporary directory it removes at shutdown) and passes it in
-``SGL_KVEVICT_STATS_ADDRESS``; spawned SGLang processes inherit it.
+``KVEVICT_STATS_ADDRESS``; spawned SGLang processes inherit it.
 
 * Scheduler process: the engine calls ``serve_stats(provider)`` once. A daemon thread binds the REP
   socket and answers each request with ``provider()``. The provider runs on that thread, beside the
@@ -44,7 +44,7 @@ from typing import Callable, Optional
 
 import zmq
 
-ADDRESS_ENV_VAR = "SGL_KVEVICT_STATS_ADDRESS"
+ADDRESS_ENV_VAR = "KVEVICT_STATS_ADDRESS"
 REQUEST = b"stats"
 # How often the serving thread wakes to see whether it was closed.
 POLL_INTERVAL_MS = 200
