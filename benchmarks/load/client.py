@@ -1,0 +1,207 @@
+"""A minimal OpenAI-compatible streaming client (aiohttp) that times each request, and a sampler of
+``GET /kvevict/stats``.
+
+Streaming is the only way to see time to first token; ``stream_options.include_usage`` makes the
+server send a final usage chunk with ``prompt_tokens_details.cached_tokens`` (the launcher always
+passes ``--enable-cache-report``), which is how the prefix-cache hit rate is measured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import aiohttp
+
+STATS_PATH = "/kvevict/stats"
+# The fields of /kvevict/stats whose peak over a run is reported.
+STATS_PEAK_FIELDS = ("arena_cells_used", "compressed_nodes", "compressed_tokens")
+
+
+@dataclass
+class StreamedReply:
+    """What one streamed request returned; ``error`` is set when it did not complete."""
+
+    text: str = ""
+    ttft: Optional[float] = None  # seconds from sending to the first content token
+    latency: Optional[float] = None  # seconds from sending to the end of the stream
+    prompt_tokens: Optional[int] = None
+    cached_tokens: Optional[int] = None
+    completion_tokens: Optional[int] = None
+    finish_reason: Optional[str] = None
+    content_chunks: int = 0
+    done: bool = False  # the stream ended with ``data: [DONE]``
+    status: Optional[int] = None
+    error: Optional[str] = None
+    problems: list[str] = field(default_factory=list)  # well-formedness violations, see check_reply
+
+
+def check_reply(reply: StreamedReply, max_tokens: int) -> list[str]:
+    """Why a completed reply is not well-formed (empty when it is)."""
+    problems = []
+    if not reply.done:
+        problems.append("stream did not end with [DONE]")
+    if reply.finish_reason not in ("stop", "length"):
+        problems.append(f"finish_reason {reply.finish_reason!r}")
+    if reply.prompt_tokens is None or reply.completion_tokens is None or reply.cached_tokens is None:
+        problems.append("no usage chunk with prompt, completion and cached tokens")
+    else:
+        if reply.prompt_tokens < 1:
+            problems.append(f"prompt_tokens {reply.prompt_tokens}")
+        if not 0 <= reply.cached_tokens <= reply.prompt_tokens:
+            problems.append(f"cached_tokens {reply.cached_tokens} outside [0, prompt_tokens {reply.prompt_tokens}]")
+        if not 0 <= reply.completion_tokens <= max_tokens:
+            problems.append(f"completion_tokens {reply.completion_tokens} outside [0, max_tokens {max_tokens}]")
+        if reply.finish_reason == "length" and reply.completion_tokens != max_tokens:
+            problems.append(f"finish_reason length after {reply.completion_tokens} of {max_tokens} tokens")
+    return problems
+
+
+def _apply_chunk(reply: StreamedReply, chunk: dict, started: float) -> None:
+    for choice in chunk.get("choices") or []:
+        delta = choice.get("delta") or {}
+        content = delta.get("content") if "delta" in choice else choice.get("text")
+        if content:
+            if reply.ttft is None:
+                reply.ttft = time.perf_counter() - started
+            reply.text += content
+            reply.content_chunks += 1
+        if choice.get("finish_reason"):
+            reply.finish_reason = choice["finish_reason"]
+    usage = chunk.get("usage")
+    if usage:
+        reply.prompt_tokens = usage.get("prompt_tokens")
+        reply.completion_tokens = usage.get("completion_tokens")
+        reply.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+
+
+async def stream_completion(
+    session: aiohttp.ClientSession,
+    url: str,
+    payload: dict,
+    abort_after_chunks: Optional[int] = None,
+    abort_after_seconds: Optional[float] = None,
+) -> StreamedReply:
+    """POST a streaming (chat) completion and read it to the end.
+
+    ``abort_after_chunks``: close the connection once that many content chunks arrived (a client
+    that gives up mid-decode). ``abort_after_seconds``: close it that long after sending if no token
+    arrived yet (a client that gives up mid-prefill). An aborted reply has ``error`` starting with
+    ``aborted``.
+    """
+    payload = {**payload, "stream": True, "stream_options": {"include_usage": True}}
+    reply = StreamedReply()
+    started = time.perf_counter()
+    try:
+        async with session.post(url, json=payload) as response:
+            reply.status = response.status
+            if response.status != 200:
+                reply.error = f"HTTP {response.status}: {(await response.text())[:300]}"
+                return reply
+            lines = response.content.__aiter__()
+            any_data = False  # the server sends its first chunk once prefill is done
+            while True:
+                timeout = None
+                if abort_after_seconds is not None and not any_data:
+                    timeout = max(0.0, abort_after_seconds - (time.perf_counter() - started))
+                try:
+                    raw = await asyncio.wait_for(lines.__anext__(), timeout)
+                except StopAsyncIteration:
+                    break
+                except asyncio.TimeoutError:
+                    response.close()
+                    reply.error = "aborted before the first token"
+                    return reply
+                line = raw.decode().strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[len("data:") :].strip()
+                if data == "[DONE]":
+                    reply.done = True
+                    break
+                any_data = True
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    reply.error = f"error in stream: {str(chunk['error'])[:300]}"
+                    return reply
+                _apply_chunk(reply, chunk, started)
+                if abort_after_chunks is not None and reply.content_chunks >= abort_after_chunks:
+                    response.close()
+                    reply.error = f"aborted after {reply.content_chunks} tokens"
+                    return reply
+    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError, UnicodeDecodeError) as error:
+        reply.error = f"{type(error).__name__}: {error}"
+        return reply
+    reply.latency = time.perf_counter() - started
+    reply.problems = check_reply(reply, payload["max_tokens"])
+    return reply
+
+
+@dataclass
+class StatsPeaks:
+    """Peaks of /kvevict/stats over a run; ``available`` is False when the server has no such endpoint."""
+
+    available: bool = False
+    samples: int = 0
+    peaks: dict[str, float] = field(default_factory=dict)
+    peak_dense_slots_used: Optional[int] = None
+    last: Optional[dict] = None
+
+
+class StatsSampler:
+    """Polls ``GET /kvevict/stats`` while a run is going and keeps the peaks. The endpoint is optional:
+    a first answer other than 200 marks it unavailable and nothing more is polled."""
+
+    def __init__(self, session: aiohttp.ClientSession, base_url: str, interval: float = 0.5):
+        self.session, self.url, self.interval = session, base_url + STATS_PATH, interval
+        self.result = StatsPeaks()
+        self._task: Optional[asyncio.Task] = None
+
+    async def sample(self) -> Optional[dict]:
+        try:
+            async with self.session.get(self.url) as response:
+                if response.status != 200:
+                    return None
+                stats = await response.json()
+        except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError):
+            return None
+        result = self.result
+        result.available, result.samples, result.last = True, result.samples + 1, stats
+        for name in STATS_PEAK_FIELDS:
+            if isinstance(stats.get(name), (int, float)):
+                result.peaks[name] = max(result.peaks.get(name, stats[name]), stats[name])
+        if isinstance(stats.get("dense_slots_total"), int) and isinstance(stats.get("dense_slots_free"), int):
+            used = stats["dense_slots_total"] - stats["dense_slots_free"]
+            result.peak_dense_slots_used = max(result.peak_dense_slots_used or 0, used)
+        return stats
+
+    async def start(self) -> None:
+        if await self.sample() is not None:
+            self._task = asyncio.create_task(self._poll())
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            await self.sample()
+
+    async def stop(self) -> StatsPeaks:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            await self.sample()
+        return self.result
+
+
+async def get_json(session: aiohttp.ClientSession, url: str) -> Optional[dict]:
+    """The JSON at ``url``, or None when it does not answer 200."""
+    try:
+        async with session.get(url) as response:
+            return await response.json() if response.status == 200 else None
+    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError):
+        return None

@@ -1,0 +1,181 @@
+"""Start the real launcher (``python -m sgl_kvevict.server``) for one benchmark run, and stop it
+with proof that nothing is left: every process it started has exited and its port is free again.
+
+Servers run one at a time on 127.0.0.1: two SGLang servers on a 2-core machine would measure each
+other. Server variants are checked with the launcher's own flag validation before anything starts,
+so a policy the launcher does not serve yet is refused with the launcher's message, not after a
+half-finished comparison.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional
+
+import psutil
+
+from sgl_kvevict.server.flags import FlagError, parse_args
+
+VANILLA_POLICY = "none"
+STOP_TIMEOUT_SECONDS = 90.0  # the launcher's own SIGTERM grace is 30 s, SGLang needs ~10 s
+# What SGLang's idle self-check logs (as a warning, unless strict mode is on) when a pool leaks.
+LEAK_LOG_PATTERN = re.compile(r"memory leak detected|use-after-free")
+
+
+class ServerError(RuntimeError):
+    """A server could not be started, or did not stop cleanly; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class ServerVariant:
+    """What the server runs: ``policy`` none is vanilla SGLang; otherwise policy at ``budget``."""
+
+    policy: str
+    budget: Optional[str] = None
+
+    @property
+    def is_vanilla(self) -> bool:
+        return self.policy == VANILLA_POLICY
+
+    @property
+    def label(self) -> str:
+        return "vanilla" if self.is_vanilla else f"{self.policy}@{self.budget}" if self.budget else self.policy
+
+    def launcher_flags(self) -> list[str]:
+        flags = ["--kv-evict-policy", self.policy]
+        return flags + ["--kv-evict-budget", self.budget] if self.budget is not None else flags
+
+
+def launcher_argv(model: str, port: int, variant: ServerVariant, pool_tokens: int, extra: tuple[str, ...]) -> list[str]:
+    return [
+        "--model", model, "--port", str(port), "--host", "127.0.0.1",
+        *variant.launcher_flags(), "--max-total-tokens", str(pool_tokens), *extra,
+    ]  # fmt: skip
+
+
+def check_launcher_accepts(model: str, variant: ServerVariant, pool_tokens: int, extra: tuple[str, ...]) -> None:
+    """Run the launcher's own flag validation; raises ServerError with its message."""
+    try:
+        parse_args(launcher_argv(model, 1, variant, pool_tokens, extra))
+    except FlagError as error:
+        raise ServerError(f"the launcher refuses {variant.label}: {error}") from None
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+@dataclass
+class LaunchedServer:
+    base_url: str
+    process: subprocess.Popen
+    log_path: Path
+    descendants: list[psutil.Process]
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def leak_warnings(self) -> list[str]:
+        return [line for line in self.log_path.read_text(errors="replace").splitlines() if LEAK_LOG_PATTERN.search(line)]
+
+    def is_running(self) -> bool:
+        return self.process.poll() is None
+
+
+def _failure_lines(log_path: Path) -> str:
+    """The launcher's own error line and the last exception line SGLang logged, if any."""
+    lines = log_path.read_text(errors="replace").splitlines()
+    launcher = [line for line in lines if line.startswith("[sgl-kvevict] error:")]
+    exceptions = [line for line in lines if re.match(r"^\w+(Error|Exception): ", line)]
+    return " / ".join(launcher[-1:] + exceptions[-1:]) or "no error line in the log"
+
+
+def _wait_until_serving(process: subprocess.Popen, log_path: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        # The launcher prints this line once SGLang's /health answers.
+        if "] serving " in log_path.read_text(errors="replace"):
+            return
+        if process.poll() is not None:
+            raise ServerError(
+                f"the launcher exited with code {process.returncode} before serving: {_failure_lines(log_path)} "
+                f"(log: {log_path})"
+            )
+        time.sleep(0.5)
+    raise ServerError(f"server not serving after {timeout:.0f} s (log: {log_path})")
+
+
+def stop_server(server: LaunchedServer, port: int) -> None:
+    """SIGTERM the launcher (it stops SGLang's process group), then prove nothing is left."""
+    if server.is_running():
+        server.process.send_signal(signal.SIGTERM)
+    try:
+        server.process.wait(timeout=STOP_TIMEOUT_SECONDS)
+    except subprocess.TimeoutExpired:
+        pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(server.process.pid, signal.SIGKILL)  # the launcher's session, only ours
+    server.process.wait()
+    _, alive = psutil.wait_procs(server.descendants, timeout=STOP_TIMEOUT_SECONDS)
+    for leftover in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            leftover.kill()
+    if alive:
+        raise ServerError(f"processes left behind by the server on port {port}: {[p.pid for p in alive]}")
+    deadline = time.monotonic() + 10
+    while not _port_is_free(port):
+        if time.monotonic() > deadline:
+            raise ServerError(f"port {port} still taken after the server stopped")
+        time.sleep(0.5)
+
+
+@contextlib.contextmanager
+def launched_server(
+    model: str,
+    variant: ServerVariant,
+    pool_tokens: int,
+    log_dir: Path,
+    extra: tuple[str, ...] = (),
+    startup_timeout: float = 600.0,
+) -> Iterator[LaunchedServer]:
+    """The launcher in its own session, serving until the block ends; always stopped and checked."""
+    check_launcher_accepts(model, variant, pool_tokens, extra)
+    port = free_port()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"server-{variant.label}-{pool_tokens}-{port}.log"
+    with open(log_path, "wb") as log_file:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "sgl_kvevict.server", *launcher_argv(model, port, variant, pool_tokens, extra)],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    server = LaunchedServer(f"http://127.0.0.1:{port}", process, log_path, [])
+    try:
+        _wait_until_serving(process, log_path, startup_timeout)
+        # Everything SGLang started is up by now; remembered so that stop can prove it all exited.
+        server.descendants = psutil.Process(process.pid).children(recursive=True)
+        yield server
+    finally:
+        stop_server(server, port)

@@ -1,0 +1,331 @@
+"""Soak: bounded minutes of concurrent load with injected faults, then proof that nothing leaked.
+
+Each request is one kind, drawn at random after a first round that injects every kind once:
+
+* ``chat``: a normal streamed chat request over a random slice of one of a few documents (so
+  prefixes are shared and the radix tree fills up), random answer length; must be well-formed.
+* ``abort_prefill``: a long fresh prompt; the client closes the connection before the first token.
+* ``abort_decode``: the client closes the connection after a few streamed tokens.
+* ``short_prompt``: a raw completion whose prompt is shorter than 32 tokens (below an eviction window).
+* ``invalid_json``, ``negative_max_tokens``, ``wrong_field_type``: must be refused with a 4xx.
+* ``unknown_field``: an extra field the API does not define; SGLang ignores such fields, so any
+  non-5xx answer is accepted and a 200 must be well-formed.
+
+Afterwards: wait for the server to go idle, ``POST /flush_cache``, and check that the server is
+healthy and answers, that ``/kvevict/stats`` (when it exists) shows ``arena_cells_used == 0`` and
+``dense_slots_free == dense_slots_total``, and (when we started the server) that SGLang's idle
+self-check logged no leak.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import aiohttp
+
+from benchmarks.load.client import STATS_PATH, check_reply, get_json, stream_completion
+from benchmarks.tasks import filler_sentence
+
+FAULT_KINDS = (
+    "chat", "abort_prefill", "abort_decode", "short_prompt",
+    "invalid_json", "negative_max_tokens", "wrong_field_type", "unknown_field",
+)  # fmt: skip
+MUST_BE_REFUSED = ("invalid_json", "negative_max_tokens", "wrong_field_type")
+SHORT_PROMPT_LIMIT = 32
+# Requests of each kind per normal chat request after the first round (chat takes the rest).
+DEFAULT_FAULT_SHARE = {
+    "abort_prefill": 0.08, "abort_decode": 0.08, "short_prompt": 0.08,
+    "invalid_json": 0.03, "negative_max_tokens": 0.03, "wrong_field_type": 0.03, "unknown_field": 0.03,
+}  # fmt: skip
+MAX_SOAK_SECONDS = 3600
+MAX_SOAK_REQUESTS = 100_000
+
+
+class SoakError(ValueError):
+    """An invalid soak setting; the message names it."""
+
+
+@dataclass(frozen=True)
+class SoakConfig:
+    """seconds / max_requests: the soak stops at whichever comes first (both bounded).
+    concurrency: requests in flight at once.
+    prompt_tokens: range of tokens of a chat prompt's document slice; the top also sizes the prompts
+        that get aborted mid-prefill (keep it under the server's pool and context).
+    max_tokens: range of answer lengths."""
+
+    seconds: float
+    max_requests: int
+    concurrency: int
+    prompt_tokens: tuple[int, int] = (40, 1200)
+    max_tokens: tuple[int, int] = (1, 32)
+    seed: int = 0
+
+    def __post_init__(self):
+        if not 0 < self.seconds <= MAX_SOAK_SECONDS:
+            raise SoakError(f"seconds {self.seconds} must be in (0, {MAX_SOAK_SECONDS}]")
+        if not len(FAULT_KINDS) <= self.max_requests <= MAX_SOAK_REQUESTS:
+            raise SoakError(f"max_requests {self.max_requests} must be in [{len(FAULT_KINDS)}, {MAX_SOAK_REQUESTS}]")
+        if not 1 <= self.concurrency <= 64:
+            raise SoakError(f"concurrency {self.concurrency} must be in [1, 64]")
+        for name, (low, high) in (("prompt_tokens", self.prompt_tokens), ("max_tokens", self.max_tokens)):
+            if not 1 <= low <= high:
+                raise SoakError(f"{name} range ({low}, {high}) must satisfy 1 <= low <= high")
+
+
+@dataclass
+class SoakReport:
+    injected: Counter = field(default_factory=Counter)  # requests sent, per kind
+    outcomes: Counter = field(default_factory=Counter)  # "<kind>: <what happened>"
+    status_codes: Counter = field(default_factory=Counter)  # "<kind>: <HTTP status>"
+    malformed: list[str] = field(default_factory=list)  # completed replies that are not well-formed
+    violations: list[str] = field(default_factory=list)  # answers a kind must never get (5xx, 2xx to invalid)
+    seconds: float = 0.0
+    flush_ok: Optional[bool] = None
+    healthy_after: Optional[bool] = None
+    final_reply_ok: Optional[bool] = None
+    stats_after_flush: Optional[dict] = None
+    stats_leaks: list[str] = field(default_factory=list)
+    log_leak_warnings: list[str] = field(default_factory=list)
+    server_alive: Optional[bool] = None
+
+    @property
+    def leaks(self) -> int:
+        return len(self.stats_leaks) + len(self.log_leak_warnings)
+
+    @property
+    def passed(self) -> bool:
+        return (
+            not self.malformed
+            and not self.violations
+            and self.leaks == 0
+            and bool(self.flush_ok and self.healthy_after and self.final_reply_ok)
+            and self.server_alive is not False
+        )
+
+    def to_json(self) -> dict:
+        return {
+            "passed": self.passed,
+            "requests": sum(self.injected.values()),
+            "seconds": round(self.seconds, 1),
+            "injected": dict(sorted(self.injected.items())),
+            "outcomes": dict(sorted(self.outcomes.items())),
+            "status_codes": dict(sorted(self.status_codes.items())),
+            "malformed": self.malformed,
+            "violations": self.violations,
+            "leaks": self.leaks,
+            "stats_leaks": self.stats_leaks,
+            "log_leak_warnings": self.log_leak_warnings,
+            "flush_ok": self.flush_ok,
+            "healthy_after": self.healthy_after,
+            "final_reply_ok": self.final_reply_ok,
+            "server_alive": self.server_alive,
+            "stats_after_flush": self.stats_after_flush,
+        }
+
+
+class _Requests:
+    """Builds and sends one request of a kind, recording what happened in the report."""
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        base_url: str,
+        config: SoakConfig,
+        report: SoakReport,
+        count_tokens: Callable[[str], int],
+    ):
+        self.session, self.base_url, self.config, self.report = session, base_url, config, report
+        self.count_tokens = count_tokens
+        # A few documents, so chat prompts share prefixes of different lengths.
+        rng = random.Random(f"soak-documents:{config.seed}")
+        self.documents = [self._sentences(rng, config.prompt_tokens[1]) for _ in range(4)]
+
+    def _sentences(self, rng: random.Random, max_tokens: int) -> list[str]:
+        """Filler sentences totalling at most ``max_tokens`` tokens."""
+        sentences, total = [], 0
+        while True:
+            sentence = filler_sentence(rng)
+            total += self.count_tokens(" " + sentence)
+            if total > max_tokens:
+                return sentences
+            sentences.append(sentence)
+
+    def _chat_payload(self, text: str, max_tokens: int) -> dict:
+        return {
+            "model": "default",
+            "messages": [{"role": "user", "content": text + "\n\nSummarise this in one sentence."}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+        }
+
+    def _document_slice(self, rng: random.Random) -> str:
+        """A prefix of one of the documents, of a random length within ``prompt_tokens``."""
+        document = rng.choice(self.documents)
+        low, high = self.config.prompt_tokens
+        fraction = rng.uniform(low, high) / high
+        return " ".join(document[: max(1, round(fraction * len(document)))])
+
+    def _note(self, kind: str, outcome: str) -> None:
+        self.report.outcomes[f"{kind}: {outcome}"] += 1
+
+    async def send(self, kind: str, rng: random.Random) -> None:
+        report, config = self.report, self.config
+        report.injected[kind] += 1
+        max_tokens = rng.randint(*config.max_tokens)
+        chat_url = self.base_url + "/v1/chat/completions"
+        if kind == "chat":
+            reply = await stream_completion(self.session, chat_url, self._chat_payload(self._document_slice(rng), max_tokens))
+            self._record_stream(kind, reply)
+        elif kind == "abort_prefill":
+            # A fresh long prompt (no cached prefix), so prefill takes long enough to be interrupted.
+            payload = self._chat_payload(" ".join(self._sentences(rng, self.config.prompt_tokens[1])), 16)
+            reply = await stream_completion(self.session, chat_url, payload, abort_after_seconds=rng.uniform(0.05, 0.5))
+            self._record_stream(kind, reply)
+        elif kind == "abort_decode":
+            payload = self._chat_payload(self._document_slice(rng), 64)
+            reply = await stream_completion(self.session, chat_url, payload, abort_after_chunks=rng.randint(1, 5))
+            self._record_stream(kind, reply)
+        elif kind == "short_prompt":
+            words = " ".join(self.documents[0][0].split()[: rng.randint(1, 3)])
+            payload = {"model": "default", "prompt": words, "max_tokens": max_tokens, "temperature": 0}
+            reply = await stream_completion(self.session, self.base_url + "/v1/completions", payload)
+            self._record_stream(kind, reply)
+            if reply.prompt_tokens is not None and reply.prompt_tokens >= SHORT_PROMPT_LIMIT:
+                report.violations.append(f"short_prompt had {reply.prompt_tokens} prompt tokens")
+        else:
+            await self._send_invalid(kind, max_tokens)
+
+    def _record_stream(self, kind: str, reply) -> None:
+        if reply.status is not None:
+            self.report.status_codes[f"{kind}: {reply.status}"] += 1
+        if reply.status is not None and reply.status >= 500:
+            self.report.violations.append(f"{kind}: HTTP {reply.status}: {reply.error}")
+        if reply.error is None:
+            self._note(kind, "completed")
+            if reply.problems:
+                self.report.malformed.append(f"{kind}: {'; '.join(reply.problems)}")
+        elif reply.error.startswith("aborted"):
+            self._note(kind, "aborted before the first token" if "before" in reply.error else "aborted mid-decode")
+        else:
+            self._note(kind, "failed")
+            self.report.violations.append(f"{kind}: {reply.error}")
+
+    async def _send_invalid(self, kind: str, max_tokens: int) -> None:
+        messages = [{"role": "user", "content": "Say hello."}]
+        body: object
+        if kind == "invalid_json":
+            body = '{"model": "default", "messages": [{"role": "user", "content": "Say hel'
+        elif kind == "negative_max_tokens":
+            body = {"model": "default", "messages": messages, "max_tokens": -max_tokens}
+        elif kind == "wrong_field_type":
+            body = {"model": "default", "messages": "Say hello.", "max_tokens": "many"}
+        else:  # unknown_field
+            body = {"model": "default", "messages": messages, "max_tokens": max_tokens, "kv_evict_magic": {"x": 1}}
+        url = self.base_url + "/v1/chat/completions"
+        kwargs = {"data": body, "headers": {"Content-Type": "application/json"}} if isinstance(body, str) else {"json": body}
+        try:
+            async with self.session.post(url, **kwargs) as response:
+                status, answer = response.status, await response.read()
+        except aiohttp.ClientError as error:
+            self._note(kind, "failed")
+            self.report.violations.append(f"{kind}: {type(error).__name__}: {error}")
+            return
+        self.report.status_codes[f"{kind}: {status}"] += 1
+        refused = 400 <= status < 500
+        self._note(kind, "refused (4xx)" if refused else "accepted (2xx)" if status < 300 else f"HTTP {status}")
+        if status >= 500 or (kind in MUST_BE_REFUSED and not refused):
+            self.report.violations.append(f"{kind}: HTTP {status}: {answer[:200]!r}")
+        if kind == "unknown_field" and status == 200 and b'"choices"' not in answer:
+            self.report.malformed.append(f"unknown_field: 200 without choices: {answer[:200]!r}")
+
+
+def _kinds(config: SoakConfig, rng: random.Random, share: dict[str, float]):
+    """Every kind once (shuffled), then random kinds by ``share`` until ``max_requests``."""
+    first = list(FAULT_KINDS)
+    rng.shuffle(first)
+    yield from first
+    names, weights = zip(*share.items())
+    for _ in range(config.max_requests - len(first)):
+        yield "chat" if rng.random() >= sum(weights) else rng.choices(names, weights)[0]
+
+
+async def flush_when_idle(session: aiohttp.ClientSession, base_url: str, timeout: float = 120.0) -> bool:
+    """POST /flush_cache until it succeeds: SGLang refuses while aborted requests are still draining."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            async with session.post(base_url + "/flush_cache") as response:
+                if response.status == 200:
+                    return True
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(1.0)
+    return False
+
+
+def _stats_leaks(stats: dict) -> list[str]:
+    leaks = []
+    if stats.get("arena_cells_used", 0) != 0:
+        leaks.append(f"arena_cells_used {stats['arena_cells_used']} after flush")
+    if "dense_slots_free" in stats and stats.get("dense_slots_free") != stats.get("dense_slots_total"):
+        leaks.append(f"dense_slots_free {stats['dense_slots_free']} != dense_slots_total {stats.get('dense_slots_total')}")
+    return leaks
+
+
+async def run_soak(
+    base_url: str,
+    config: SoakConfig,
+    count_tokens: Callable[[str], int],
+    log: Callable[[str], None] = print,
+    share: Optional[dict[str, float]] = None,
+) -> SoakReport:
+    """The load, then the after-checks (not the server-log check: see ``check_server_after``)."""
+    report = SoakReport()
+    rng = random.Random(f"soak:{config.seed}")
+    kinds = _kinds(config, rng, share or DEFAULT_FAULT_SHARE)
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=config.concurrency + 4)) as session:
+        requests = _Requests(session, base_url, config, report, count_tokens)
+        started = time.monotonic()
+        deadline = started + config.seconds
+        next_progress = started + 10
+
+        async def worker(worker_id: int) -> None:
+            nonlocal next_progress
+            worker_rng = random.Random(f"soak:{config.seed}:{worker_id}")
+            for kind in kinds:  # the generator is shared: workers take turns drawing from it
+                if time.monotonic() >= deadline:
+                    return
+                await requests.send(kind, worker_rng)
+                if time.monotonic() >= next_progress:
+                    next_progress = time.monotonic() + 10
+                    log(
+                        f"  [{time.monotonic() - started:6.1f} s] {sum(report.injected.values())} requests, "
+                        f"{sum(n for k, n in report.outcomes.items() if 'aborted' in k)} aborted, "
+                        f"{len(report.violations)} violations, {len(report.malformed)} malformed"
+                    )
+
+        await asyncio.gather(*(worker(i) for i in range(config.concurrency)))
+        report.seconds = time.monotonic() - started
+        log(f"  load done: {sum(report.injected.values())} requests in {report.seconds:.0f} s; flushing the cache")
+        report.flush_ok = await flush_when_idle(session, base_url)
+        report.stats_after_flush = await get_json(session, base_url + STATS_PATH)
+        if report.stats_after_flush is not None:
+            report.stats_leaks = _stats_leaks(report.stats_after_flush)
+        try:
+            async with session.get(base_url + "/health") as response:
+                report.healthy_after = response.status == 200
+        except aiohttp.ClientError:
+            report.healthy_after = False
+        final = await stream_completion(
+            session,
+            base_url + "/v1/chat/completions",
+            {"model": "default", "messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 8, "temperature": 0},
+        )
+        report.final_reply_ok = final.error is None and not check_reply(final, 8)
+    return report

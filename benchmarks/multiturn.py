@@ -1,0 +1,324 @@
+"""Multi-turn serving benchmark: concurrent simulated users against SGLang, vanilla vs KV eviction.
+
+    python -m benchmarks.multiturn compare --quick      # vanilla, large and tight pool, a few minutes
+    python -m benchmarks.multiturn compare --policies lava --budgets 0.25 --users 8 --turns 5
+    python -m benchmarks.multiturn run --url http://127.0.0.1:30000 --users 4 --turns 3
+    python -m benchmarks.multiturn soak --seconds 300 --max-requests 3000 --pool-tokens 6500
+
+``compare`` starts the real launcher itself, one server at a time, and writes ``<name>.json``,
+``<name>.md`` and ``<name>.png`` into ``--out`` (default docs/results). ``run`` measures one server that
+is already running. ``soak`` injects faults and checks for leaks; it writes ``<name>.json`` and ``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shlex
+import sys
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+from benchmarks.load.conversations import ConversationError, ConversationSpec, build_conversations
+from benchmarks.load.driver import (
+    POOL_NAMES,
+    CompareConfig,
+    DriverError,
+    PoolSizes,
+    RunResult,
+    compare,
+    history_tokens,
+    pool_sizes,
+)
+from benchmarks.load.report import environment, write_comparison
+from benchmarks.load.servers import VANILLA_POLICY, ServerError, ServerVariant, launched_server
+from benchmarks.load.soak import SoakConfig, SoakError, flush_when_idle, run_soak
+from benchmarks.load.users import LoadError, LoadSettings, run_users
+
+DEFAULT_OUT = Path(__file__).resolve().parents[1] / "docs" / "results"
+# --quick: 4 users x 4 turns over ~1,000-token documents, every turn a fact question; two vanilla
+# servers (large and tight pool) take about 4 minutes on the 2-core CPU machines.
+QUICK = {"users": 4, "turns": 4, "document_tokens": 1000, "fact_every": 1}
+FULL = {"users": 8, "turns": 6, "document_tokens": 2000, "fact_every": 2}
+SETTING_ERRORS = (ConversationError, DriverError, LoadError, SoakError, ValueError)
+
+
+def _csv(text: str) -> list[str]:
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def _count_tokens_for(model: str) -> Callable[[str], int]:
+    """Token counts with the served model's own tokenizer (documents are sized in its tokens)."""
+    from tokenizers import Tokenizer
+
+    from sgl_kvevict.models import resolve_model
+
+    tokenizer = Tokenizer.from_file(str(resolve_model(model, log=lambda m: print(m, file=sys.stderr)) / "tokenizer.json"))
+    return lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+def _add_workload_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("workload")
+    group.add_argument("--quick", action="store_true", help=f"small workload for a run of a few minutes: {QUICK}")
+    group.add_argument("--users", type=int, help=f"concurrent simulated users (default {FULL['users']})")
+    group.add_argument("--turns", type=int, help=f"user messages per conversation (default {FULL['turns']})")
+    group.add_argument(
+        "--document-tokens", type=int, help=f"document length in model tokens (default {FULL['document_tokens']})"
+    )
+    group.add_argument(
+        "--fact-every", type=int, help=f"every N-th turn asks a fact from the document, scored (default {FULL['fact_every']})"
+    )
+    group.add_argument("--shared-document", action="store_true", help="one document for all users (shared prefix)")
+    group.add_argument("--seed", type=int, default=0, help="conversation seed (default 0)")
+    group.add_argument("--max-tokens", type=int, default=32, help="answer length cap per request (default 32)")
+    group.add_argument(
+        "--request-timeout", type=float, default=900.0, help="seconds before a request counts as failed (default 900)"
+    )
+    parser.add_argument("--model", default="smollm2", help="bundled model name or HF folder (default smollm2)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
+
+
+def _workload(args: argparse.Namespace) -> tuple[ConversationSpec, LoadSettings]:
+    preset = QUICK if args.quick else FULL
+
+    def pick(name: str) -> int:
+        value = getattr(args, name)
+        return preset[name] if value is None else value
+
+    spec = ConversationSpec(
+        users=pick("users"),
+        turns=pick("turns"),
+        document_tokens=pick("document_tokens"),
+        fact_every=pick("fact_every"),
+        shared_document=args.shared_document,
+        seed=args.seed,
+    )
+    return spec, LoadSettings(max_tokens=args.max_tokens, request_timeout=args.request_timeout)
+
+
+def _variants(policies: str, budgets: str) -> tuple[ServerVariant, ...]:
+    chosen = [p for p in _csv(policies) if p != VANILLA_POLICY]
+    return (ServerVariant(VANILLA_POLICY),) + tuple(ServerVariant(p, b) for p in chosen for b in _csv(budgets))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.multiturn",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    comparison = commands.add_parser(
+        "compare",
+        help="start vanilla and each policy server in turn, at a large and a tight pool, and compare",
+        description="Vanilla SGLang vs each policy@budget at equal KV memory (the same --max-total-tokens), at a "
+        "large pool (every history fits) and a tight pool (vanilla must evict histories).",
+    )
+    _add_workload_flags(comparison)
+    comparison.add_argument(
+        "--policies", default="", help="comma-separated policies to compare with vanilla, e.g. lava,snapkv (default: vanilla only)"
+    )
+    comparison.add_argument("--budgets", default="0.25", help="comma-separated budgets for every policy (default 0.25)")
+    comparison.add_argument("--pools", default=",".join(POOL_NAMES), help="which pools to run (default large,tight)")
+    comparison.add_argument("--large-pool", type=int, default=65536, help="--max-total-tokens of the large pool (default 65536)")
+    comparison.add_argument(
+        "--tight-pool", type=int, help="--max-total-tokens of the tight pool (default: --tight-fraction of all histories)"
+    )
+    comparison.add_argument(
+        "--tight-fraction", type=float, default=0.33, help="tight pool as a share of all final histories' tokens (default 0.33)"
+    )
+    comparison.add_argument(
+        "--server-arg", action="append", default=[], help="extra launcher/SGLang flag for every server, e.g. "
+        "--server-arg=--kv-evict-arena-fraction=0.5 (repeatable)",
+    )
+    comparison.add_argument("--name", default="multiturn", help="output file stem (default multiturn)")
+    comparison.add_argument("--log-dir", type=Path, help="server logs (default: a new temporary folder)")
+
+    single = commands.add_parser("run", help="measure one server that is already running (its cache is flushed first)")
+    _add_workload_flags(single)
+    single.add_argument("--url", required=True, help="base URL of the server, e.g. http://127.0.0.1:30000")
+    single.add_argument("--label", default="server", help="name of this server in the report (default server)")
+    single.add_argument("--name", default="multiturn-run", help="output file stem (default multiturn-run)")
+
+    soak = commands.add_parser("soak", help="minutes of load with client aborts and invalid requests, then leak checks")
+    soak.add_argument("--url", help="soak a running server instead of starting one")
+    soak.add_argument("--model", default="smollm2", help="bundled model name or HF folder (default smollm2)")
+    soak.add_argument("--policy", default=VANILLA_POLICY, help="--kv-evict-policy of the started server (default none)")
+    soak.add_argument("--budget", help="--kv-evict-budget of the started server")
+    soak.add_argument("--pool-tokens", type=int, default=6500, help="--max-total-tokens of the started server (default 6500)")
+    soak.add_argument("--seconds", type=float, default=300.0, help="load duration bound (default 300)")
+    soak.add_argument("--max-requests", type=int, default=3000, help="request count bound (default 3000)")
+    soak.add_argument("--concurrency", type=int, default=8, help="requests in flight at once (default 8)")
+    soak.add_argument(
+        "--max-prompt-tokens", type=int, default=1200,
+        help="longest chat prompt, also the size of prompts aborted mid-prefill; keep it below the pool (default 1200)",
+    )
+    soak.add_argument("--seed", type=int, default=0, help="fault and prompt seed (default 0)")
+    soak.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
+    soak.add_argument("--name", default="soak", help="output file stem (default soak)")
+    soak.add_argument("--log-dir", type=Path, help="server log (default: a new temporary folder)")
+    return parser
+
+
+def _command_line(argv: Sequence[str]) -> str:
+    return "python -m benchmarks.multiturn " + " ".join(shlex.quote(a) for a in argv)
+
+
+def _workload_meta(argv: Sequence[str], model: str, spec: ConversationSpec, settings: LoadSettings, sizes: PoolSizes) -> dict:
+    return {
+        "command": _command_line(argv),
+        "model": model,
+        "conversations": asdict(spec),
+        "load": asdict(settings),
+        "pools": asdict(sizes),
+    }
+
+
+def run_compare(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    spec, settings = _workload(args)
+    config = CompareConfig(
+        model=args.model,
+        variants=_variants(args.policies, args.budgets),
+        pools=tuple(_csv(args.pools)),
+        large_pool=args.large_pool,
+        tight_pool=args.tight_pool,
+        tight_fraction=args.tight_fraction,
+        launcher_extra=tuple(args.server_arg),
+    )
+    count_tokens = _count_tokens_for(args.model)
+    conversations = build_conversations(spec, count_tokens)
+    sizes = pool_sizes(config, [history_tokens(c, count_tokens, settings.max_tokens) for c in conversations], settings.max_tokens)
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="multiturn-logs-"))
+    print(
+        f"{len(conversations)} users x {spec.turns} turns, ~{sizes.all_histories} history tokens in all; pools: "
+        + ", ".join(f"{p} {sizes.of(p)}" for p in config.pools)
+        + f"; variants: {', '.join(v.label for v in config.variants)}; server logs in {log_dir}",
+        flush=True,
+    )
+    results = compare(config, spec, conversations, settings, sizes, log_dir, log=lambda m: print(m, flush=True))
+    paths = write_comparison(results, _workload_meta(argv, args.model, spec, settings, sizes), args.out, args.name)
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 1 if any(r.error for r in results) else 0
+
+
+def run_single(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    spec, settings = _workload(args)
+    count_tokens = _count_tokens_for(args.model)
+    conversations = build_conversations(spec, count_tokens)
+    histories = [history_tokens(c, count_tokens, settings.max_tokens) for c in conversations]
+    base_url = args.url.rstrip("/")
+
+    async def measure():
+        import aiohttp
+
+        async with aiohttp.ClientSession() as session:
+            if not await flush_when_idle(session, base_url, timeout=60):
+                raise ServerError(f"{base_url} did not flush its cache (busy, or not an SGLang server)")
+        return await run_users(base_url, conversations, settings, lambda m: print(m, flush=True))
+
+    outcome = asyncio.run(measure())
+    result = RunResult("external", outcome.pool_tokens or 0, ServerVariant(VANILLA_POLICY), outcome, None, 0.0, (0, 0, 0))
+    sizes = PoolSizes(large=0, tight=0, all_histories=sum(histories), longest_history=max(histories))
+    meta = {**_workload_meta(argv, args.model, spec, settings, sizes), "url": base_url, "label": args.label}
+    paths = write_comparison([result], meta, args.out, args.name)
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def soak_markdown(summary: dict, meta: dict) -> str:
+    lines = [
+        "# Soak: concurrent load with client aborts and invalid requests",
+        "",
+        f"`{meta['command']}`",
+        "",
+        f"Server: {meta['server']}. Machine: {meta['environment']['cpu_model']}, {meta['environment']['cpu_cores']} "
+        f"cores; SGLang {meta['environment']['sglang']}, sgl-kvevict {meta['environment']['git_commit']}, "
+        f"{meta['environment']['date']}.",
+        "",
+        f"**{'PASSED' if summary['passed'] else 'FAILED'}**: {summary['requests']} requests in {summary['seconds']} s; "
+        f"malformed replies {len(summary['malformed'])}, violations {len(summary['violations'])}, leaks {summary['leaks']}; "
+        f"flush {'ok' if summary['flush_ok'] else 'FAILED'}, healthy afterwards {summary['healthy_after']}, "
+        f"answers afterwards {summary['final_reply_ok']}.",
+        "",
+        "| request kind | sent | outcomes |",
+        "|---|---|---|",
+    ]
+    for kind, sent in summary["injected"].items():
+        outcomes = ", ".join(f"{k.split(': ', 1)[1]} {n}" for k, n in summary["outcomes"].items() if k.startswith(kind + ": "))
+        lines.append(f"| {kind} | {sent} | {outcomes} |")
+    stats = summary["stats_after_flush"]
+    lines += [
+        "",
+        "Leak checks after `POST /flush_cache`: "
+        + (f"`/kvevict/stats` = `{json.dumps(stats)}`; " if stats else "`/kvevict/stats` not served (vanilla); ")
+        + "SGLang's idle self-check warnings in the server log: "
+        + (str(len(summary["log_leak_warnings"])) if meta["server_log_checked"] else "not checked (external server)")
+        + ".",
+    ]
+    for title, items in (("Violations", summary["violations"]), ("Malformed replies", summary["malformed"])):
+        if items:
+            lines += ["", f"{title}:", *[f"* {item}" for item in items[:20]]]
+    return "\n".join(lines) + "\n"
+
+
+def run_soak_command(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    config = SoakConfig(
+        seconds=args.seconds,
+        max_requests=args.max_requests,
+        concurrency=args.concurrency,
+        prompt_tokens=(min(40, args.max_prompt_tokens), args.max_prompt_tokens),
+        seed=args.seed,
+    )
+    count_tokens = _count_tokens_for(args.model)
+    log = lambda m: print(m, flush=True)  # noqa: E731
+    if args.url:
+        server_description = f"external {args.url}"
+        report = asyncio.run(run_soak(args.url.rstrip("/"), config, count_tokens, log))
+        log_checked = False
+    else:
+        variant = ServerVariant(args.policy, args.budget)
+        server_description = f"{variant.label}, --max-total-tokens {args.pool_tokens}, model {args.model}"
+        log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="soak-logs-"))
+        log(f"starting {server_description} (log in {log_dir})")
+        with launched_server(args.model, variant, args.pool_tokens, log_dir) as server:
+            report = asyncio.run(run_soak(server.base_url, config, count_tokens, log))
+            report.server_alive = server.is_running()
+            report.log_leak_warnings = server.leak_warnings()
+        log_checked = True
+    summary = report.to_json()
+    meta = {
+        "command": _command_line(argv),
+        "server": server_description,
+        "server_log_checked": log_checked,
+        "config": asdict(config),
+        "environment": environment(),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{args.name}.json").write_text(json.dumps({"meta": meta, "summary": summary}, indent=1) + "\n")
+    (args.out / f"{args.name}.md").write_text(soak_markdown(summary, meta))
+    print(f"soak {'passed' if report.passed else 'FAILED'}: {summary['requests']} requests, injected {summary['injected']}")
+    print(f"wrote {args.out / (args.name + '.json')}, {args.name}.md")
+    return 0 if report.passed else 1
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler = {"compare": run_compare, "run": run_single, "soak": run_soak_command}[args.command]
+    try:
+        return handler(args, argv)
+    except SETTING_ERRORS as error:
+        parser.error(str(error))
+    except ServerError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
