@@ -1,7 +1,7 @@
-"""Merge quality runs that cover different context lengths of one grid into one report.
+"""Merge quality runs that cover different context lengths or modes of one grid into one report.
 
-A long grid is run as one process per length (in parallel on a 2-core machine), each with its own
-``--out``; this puts their cells back into a single ``quality.json`` / ``.md`` / ``.png``:
+A long grid is run as one process per length or mode (in parallel on a 2-core machine), each with
+its own ``--out``; this puts their cells back into a single ``quality.json`` / ``.md`` / ``.png``:
 
     python -m benchmarks.quality_merge docs/results /tmp/q1k/quality.json /tmp/q2k/quality.json
 """
@@ -15,8 +15,8 @@ from typing import Sequence
 
 from benchmarks.quality import CellResult, SampleResult, write_outputs
 
-# Grid fields that must agree for the runs' cells to be comparable (lengths may differ).
-SHARED_GRID_FIELDS = ("model", "dtype", "policies", "budgets", "modes", "kinds", "samples", "seed", "max_new_tokens")
+# Grid fields that must agree for the runs' cells to be comparable (lengths and modes may differ).
+SHARED_GRID_FIELDS = ("model", "dtype", "policies", "budgets", "kinds", "samples", "seed", "max_new_tokens")
 
 
 def load_cells(payload: dict) -> list[CellResult]:
@@ -33,10 +33,11 @@ def merged_meta(metas: Sequence[dict]) -> dict:
         if differing:
             raise SystemExit(f"runs differ in {', '.join(differing)}: only runs of one grid can be merged")
     lengths = sorted({length for meta in metas for length in meta["grid"]["lengths"]})
+    modes = list(dict.fromkeys(mode for meta in metas for mode in meta["grid"]["modes"]))
     return {
         **first,
         "command": " ; ".join(meta["command"] for meta in metas),
-        "grid": {**first["grid"], "lengths": lengths},
+        "grid": {**first["grid"], "lengths": lengths, "modes": modes},
         "mean_prompt_tokens": {k: v for meta in metas for k, v in meta["mean_prompt_tokens"].items()},
         "seconds": sum(meta["seconds"] for meta in metas),
         "date": max(meta["date"] for meta in metas),
@@ -52,6 +53,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     payloads = [json.loads(path.read_text()) for path in args.runs]
     cells = [cell for payload in payloads for cell in load_cells(payload)]
+    keys = [(cell.policy, cell.budget, cell.mode, cell.length) for cell in cells]
+    duplicated = sorted({key for key in keys if keys.count(key) > 1}, key=str)
+    if duplicated:
+        raise SystemExit(f"cells present in more than one run: {duplicated[:5]}")
     write_outputs(cells, merged_meta([payload["meta"] for payload in payloads]), args.out)
     print(f"merged {len(cells)} cells from {len(payloads)} runs into {args.out}")
 

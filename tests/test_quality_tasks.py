@@ -147,3 +147,5 @@ def test_runs_of_one_grid_over_different_lengths_merge(tiny_llama_dir, tmp_path)
     Path(runs[1]).write_text(json.dumps(mismatched))
     with pytest.raises(SystemExit, match="samples"):
         quality_merge.main([str(tmp_path / "bad"), *runs])
+    with pytest.raises(SystemExit, match="more than one run"):
+        quality_merge.main([str(tmp_path / "twice"), runs[0], runs[0]])
