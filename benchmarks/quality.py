@@ -1,13 +1,17 @@
 """Quality benchmark: accuracy of eviction policies on synthetic retrieval tasks (reference engine).
 
-Grid: policies x budgets x context lengths x modes (question-aware / context-only), plus the full
-cache. Each cell runs the same seeded tasks (``benchmarks/tasks.py``) through the HF reference engine
+Grid: policies x budgets x context lengths x modes (question-aware / context-only) x scopes, plus
+the full cache. The scope is request scope (the compressed range is one segment) or block scope
+(``--block-sizes 256``: the range is cut into full blocks of that many tokens aligned at position 0,
+each with its own window inside the block, as a server in block scope compresses shared prefixes).
+Each cell runs the same seeded tasks (``benchmarks/tasks.py``) through the HF reference engine
 and scores exact match of the answer string in the greedy output. Reported per cell: accuracy,
 retained accuracy (accuracy on the samples the full cache answers correctly: the loss due to
 eviction alone), and the mean kept fraction measured from the compression plans.
 
     python -m benchmarks.quality --quick                      # a few minutes on a 2-core CPU
     python -m benchmarks.quality --policies snapkv,lava --budgets 0.5,0.25,0.1 --lengths 1000,2000
+    python -m benchmarks.quality --modes context-only --block-sizes none,256   # request vs block scope
 
 Writes ``quality.json``, ``quality.md`` and ``quality.png`` into ``--out`` (default docs/results).
 """
@@ -60,6 +64,7 @@ class GridConfig:
     seed: int
     max_new_tokens: int
     quick: bool
+    block_sizes: tuple[Optional[int], ...] = (None,)  # None: request scope (one segment)
 
     def __post_init__(self):
         known = set(registered_policies())
@@ -78,18 +83,21 @@ class GridConfig:
             raise ConfigError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         if self.samples < 1 or self.max_new_tokens < 1 or any(length < 64 for length in self.lengths):
             raise ConfigError("samples and max-new-tokens must be >= 1 and every length >= 64 tokens")
+        if not self.block_sizes or any(size is not None and size < 1 for size in self.block_sizes):
+            raise ConfigError(f"block sizes {self.block_sizes} must be positive (or none for request scope)")
 
     def budgets_of(self, policy: str) -> tuple[Optional[str], ...]:
         """The budgets a policy runs at: the grid's, or ``(None,)`` for a policy that takes none."""
         return self.budgets if get_policy_class(policy_name(policy)).defaults.takes_budget else (None,)
 
-    def cells(self) -> list[tuple[int, Mode, str, Optional[str]]]:
-        """(length, mode, policy, budget), full cache first in each (length, mode)."""
+    def cells(self) -> list[tuple[int, Mode, str, Optional[str], Optional[int]]]:
+        """(length, mode, policy, budget, block size), full cache first (once) in each (length, mode)."""
         return [
-            (length, mode, policy, budget)
+            (length, mode, policy, budget, block_size)
             for length in self.lengths
             for mode in self.modes
-            for policy in (FULL, *self.policies)
+            for policy, block_sizes in ((FULL, (None,)), *((p, self.block_sizes) for p in self.policies))
+            for block_size in block_sizes
             for budget in self.budgets_of(policy)
         ]
 
@@ -117,6 +125,7 @@ class CellResult:
     kept_fraction: float
     seconds: float
     samples: tuple[SampleResult, ...]
+    block_size: Optional[int] = None  # None: request scope
 
 
 def run_cell(
@@ -129,12 +138,13 @@ def run_cell(
     length: int,
     max_new_tokens: int,
     full_correct: Optional[Sequence[bool]],
+    block_size: Optional[int] = None,
 ) -> CellResult:
     policy = build_policy(eviction_config(policy_spec, budget))
     started = time.perf_counter()
     samples = []
     for task, prompt in zip(tasks, prompts):
-        result = engine.generate(prompt, policy, mode, max_new_tokens)
+        result = engine.generate(prompt, policy, mode, max_new_tokens, block_size)
         samples.append(
             SampleResult(
                 kind=task.kind,
@@ -160,6 +170,7 @@ def run_cell(
         kept_fraction=sum(s.kept_fraction for s in samples) / len(samples),
         seconds=time.perf_counter() - started,
         samples=tuple(samples),
+        block_size=block_size,
     )
 
 
@@ -183,18 +194,20 @@ def run_grid(
     results: list[CellResult] = []
     full_correct: dict[tuple[int, Mode], list[bool]] = {}
     started = time.perf_counter()
-    for index, (length, mode, policy, budget) in enumerate(cells, 1):
+    for index, (length, mode, policy, budget, block_size) in enumerate(cells, 1):
         tasks, prompts = suites[length]
         cell = run_cell(
-            engine, tasks, prompts, policy, budget, mode, length, grid.max_new_tokens, full_correct.get((length, mode))
-        )
+            engine, tasks, prompts, policy, budget, mode, length, grid.max_new_tokens, full_correct.get((length, mode)),
+            block_size,
+        )  # fmt: skip
         if policy == FULL:
             full_correct[(length, mode)] = [s.correct for s in cell.samples]
         results.append(cell)
         elapsed = time.perf_counter() - started
         eta = elapsed / index * (len(cells) - index)
         log(
-            f"[{index}/{len(cells)}] {policy:<14} budget={budget or '-':<5} {mode.value:<14} L={length:<5} "
+            f"[{index}/{len(cells)}] {policy:<14} budget={budget or '-':<5} {mode.value:<14} "
+            f"scope={_scope(block_size):<10} L={length:<5} "
             f"acc={cell.accuracy:.2f} kept={cell.kept_fraction:.3f} ({cell.seconds:.0f} s; "
             f"elapsed {_duration(elapsed)}, ETA {_duration(eta)})",
             flush=True,
@@ -229,8 +242,12 @@ def _percent(value: Optional[float]) -> str:
     return "-" if value is None else f"{100 * value:.0f}"
 
 
-def _row_label(cell: CellResult) -> tuple[str, str]:
-    return cell.policy, cell.budget or "-"
+def _scope(block_size: Optional[int]) -> str:
+    return "request" if block_size is None else f"block {block_size}"
+
+
+def _row_label(cell: CellResult) -> tuple[str, str, str]:
+    return cell.policy, "-" if cell.policy == FULL else _scope(cell.block_size), cell.budget or "-"
 
 
 def markdown_report(results: Sequence[CellResult], meta: dict) -> str:
@@ -252,13 +269,14 @@ def markdown_report(results: Sequence[CellResult], meta: dict) -> str:
     if meta["cells_done"] < meta["cells_total"]:
         lines += ["", f"**Partial run: {meta['cells_done']} of {meta['cells_total']} cells finished.**"]
     for mode in grid["modes"]:
-        header = ["policy", "budget"] + [f"{name} L={length}" for length in lengths for name in ("acc", "ret", "kept")]
+        columns = [f"{name} L={length}" for length in lengths for name in ("acc", "ret", "kept")]
+        header = ["policy", "scope", "budget", *columns]
         lines += ["", f"## {mode}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        by_row: dict[tuple[str, str], dict[int, CellResult]] = {}
+        by_row: dict[tuple[str, str, str], dict[int, CellResult]] = {}
         for cell in results:
             if cell.mode == mode:
                 by_row.setdefault(_row_label(cell), {})[cell.length] = cell
-        for (policy, budget), by_length in by_row.items():
+        for label, by_length in by_row.items():
             values = []
             for length in lengths:
                 cell = by_length.get(length)  # missing while a partial run has not reached it
@@ -266,7 +284,7 @@ def markdown_report(results: Sequence[CellResult], meta: dict) -> str:
                     values += ["", "", ""]
                     continue
                 values += [_percent(cell.accuracy), _percent(cell.retained_accuracy), f"{cell.kept_fraction:.2f}"]
-            lines.append("| " + " | ".join([policy, budget, *values]) + " |")
+            lines.append("| " + " | ".join([*label, *values]) + " |")
     lines += ["", "## Full cache by task kind", "", "| mode | length | " + " | ".join(grid["kinds"]) + " |"]
     lines.append("|" + "---|" * (2 + len(grid["kinds"])))
     for cell in results:
@@ -291,7 +309,8 @@ def plot(results: Sequence[CellResult], modes: Sequence[str], path: Path) -> Non
         points: dict[str, dict[str, list[CellResult]]] = {}
         for cell in results:
             if cell.mode == mode:
-                points.setdefault(cell.policy, {}).setdefault(cell.budget or "-", []).append(cell)
+                line = cell.policy if cell.block_size is None else f"{cell.policy} ({_scope(cell.block_size)})"
+                points.setdefault(line, {}).setdefault(cell.budget or "-", []).append(cell)
         for policy, by_budget in points.items():
             xy = sorted(
                 (
@@ -355,6 +374,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[GridConfig, Path, 
     parser.add_argument("--budgets", help="comma-separated, e.g. 0.5,0.25 or 128t (default 0.5,0.25,0.1)")
     parser.add_argument("--lengths", help="comma-separated target context lengths in tokens (default 1000,2000)")
     parser.add_argument("--modes", default="question-aware,context-only")
+    parser.add_argument(
+        "--block-sizes",
+        default="none",
+        help="comma-separated scopes of the compressed range: none (request scope, one segment) or a block "
+        "size in tokens (block scope, the reference's block_size); e.g. none,256 (default none)",
+    )
     parser.add_argument("--kinds", help=f"task kinds (default all: {','.join(TASK_KINDS)})")
     parser.add_argument("--samples", type=int, help="samples per cell (default 20; quick 6)")
     parser.add_argument("--seed", type=int, default=0)
@@ -379,6 +404,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[GridConfig, Path, 
             seed=args.seed,
             max_new_tokens=args.max_new_tokens,
             quick=args.quick,
+            block_sizes=tuple(None if size == "none" else int(size) for size in _csv(args.block_sizes)),
         )
     except (ConfigError, ValueError) as error:
         parser.error(str(error))

@@ -53,7 +53,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     payloads = [json.loads(path.read_text()) for path in args.runs]
     cells = [cell for payload in payloads for cell in load_cells(payload)]
-    keys = [(cell.policy, cell.budget, cell.mode, cell.length) for cell in cells]
+    keys = [(cell.policy, cell.budget, cell.mode, cell.length, cell.block_size) for cell in cells]
     duplicated = sorted({key for key in keys if keys.count(key) > 1}, key=str)
     if duplicated:
         raise SystemExit(f"cells present in more than one run: {duplicated[:5]}")

@@ -11,7 +11,14 @@ from typing import Callable, Optional
 
 from sgl_kvevict.config import DEFAULT_BUDGET, ConfigError, EvictionConfig, PolicyDefaults
 from sgl_kvevict.policies import get_policy_class, registered_policies
-from sgl_kvevict.serving import DEFAULT_ARENA_FRACTION, NO_EVICTION, ServingConfig
+from sgl_kvevict.serving import (
+    DEFAULT_ARENA_FRACTION,
+    DEFAULT_BLOCK_SIZE,
+    NO_EVICTION,
+    REQUEST_SCOPE,
+    SCOPES,
+    ServingConfig,
+)
 
 DEFAULT_PORT = 30000
 DEFAULT_HOST = "127.0.0.1"
@@ -22,6 +29,8 @@ CPU_MEM_FRACTION_STATIC = 0.5
 # The radix-cache backend the engine registers; with a policy set the launcher selects it.
 RADIX_CACHE_BACKEND = "sgl_kvevict"
 KV_EVICT_PREFIX = "--kv-evict-"
+# Our flags that are not EvictionConfig fields (those are the knobs, derived from the dataclass).
+ENGINE_FLAGS = ("--kv-evict-policy", "--kv-evict-arena-fraction", "--kv-evict-scope", "--kv-evict-block-size")
 
 
 class FlagError(ValueError):
@@ -254,8 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     evict = parser.add_argument_group(
         "KV-cache eviction",
-        "Each prompt's span (minus the observation window) is compressed once after its prefill and kept "
-        "in the radix tree for the next turn. The --kv-evict-* options below need a policy.",
+        "Each prompt is compressed once after its prefill and kept in the radix tree: its own span minus "
+        "the observation window, for its next turn (request scope), or its full blocks, for every request "
+        "with the same prefix (block scope). The --kv-evict-* options below need a policy.",
     )
     evict.add_argument(
         "--kv-evict-policy",
@@ -271,6 +281,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="share of the KV memory (--max-total-tokens) given to the head-granular arena that holds "
         "compressed KV; the rest stays dense slots, so a compressed server uses the same memory as a "
         f"vanilla one with the same --max-total-tokens (default {DEFAULT_ARENA_FRACTION})",
+    )
+    evict.add_argument(
+        "--kv-evict-scope",
+        choices=SCOPES,
+        help="what a compressed radix node is. request: each request compresses its own new prompt tokens "
+        "(minus the window) with its own observation window; its next chat turn reuses it. block: prompts "
+        "are compressed in blocks of --kv-evict-block-size tokens aligned at position 0, each scored by "
+        "the last window tokens inside the block (which it keeps), so a block depends only on the tokens "
+        "up to its end and every request with the same prefix (a shared document or system prompt, "
+        "whatever the question) reuses it; a block is compressed once, by the first request that needs "
+        "it. The tail after the last full block (the last prompt token at least) and the question stay "
+        "dense: the scopes are exclusive, block scope does not compress the tail per request "
+        f"(default {REQUEST_SCOPE})",
+    )
+    evict.add_argument(
+        "--kv-evict-block-size",
+        type=int,
+        metavar="TOKENS",
+        help=f"tokens per block in block scope; must exceed the observation window (default {DEFAULT_BLOCK_SIZE})",
     )
     for knob in knob_fields():
         if knob.name not in KNOB_HELP:
@@ -324,13 +353,18 @@ def serving_config(args: argparse.Namespace) -> ServingConfig:
     }
     if policy == NO_EVICTION:
         given = [knob_flag(name) for name in options]
-        if args.kv_evict_arena_fraction is not None:
-            given.append("--kv-evict-arena-fraction")
+        for flag in ENGINE_FLAGS[1:]:
+            if getattr(args, flag[2:].replace("-", "_")) is not None:
+                given.append(flag)
         if given:
             raise FlagError(f"{', '.join(given)}: only with a --kv-evict-policy, and it is none (stock SGLang)")
+    if args.kv_evict_block_size is not None and args.kv_evict_scope != "block":
+        raise FlagError(f"--kv-evict-block-size {args.kv_evict_block_size}: only with --kv-evict-scope block")
     arena_fraction = DEFAULT_ARENA_FRACTION if args.kv_evict_arena_fraction is None else args.kv_evict_arena_fraction
+    scope = args.kv_evict_scope or REQUEST_SCOPE
+    block_size = DEFAULT_BLOCK_SIZE if args.kv_evict_block_size is None else args.kv_evict_block_size
     try:
-        return ServingConfig(policy, options, arena_fraction)
+        return ServingConfig(policy, options, arena_fraction, scope=scope, block_size=block_size)
     except ConfigError as error:
         raise FlagError(f"--kv-evict-*: {error}") from None
 
@@ -344,7 +378,7 @@ def check_flag_spellings(sglang_args: list[str]) -> None:
         name = token.split("=", 1)[0]
         if name.startswith(KV_EVICT_PREFIX):
             knobs = [knob_flag(knob.name) for knob in knob_fields()]
-            ours = ", ".join(["--kv-evict-policy", "--kv-evict-arena-fraction", *knobs])
+            ours = ", ".join([*ENGINE_FLAGS, *knobs])
             raise FlagError(f"{name} is not a flag of ours; valid: {ours}")
         if name.startswith("--") and name not in inspected:
             expansions = [flag for flag in inspected if flag.startswith(name)]
@@ -453,10 +487,26 @@ def kv_pool_tokens(sglang_args: list[str], cpu_mode: bool) -> int:
     return CPU_DEFAULT_MAX_TOTAL_TOKENS
 
 
-def compression_args(sglang_args: list[str], dense_slots: int) -> list[str]:
+def compression_attention_backend(cpu_mode: bool) -> str:
+    """The only attention backend the engine wraps on this machine (torch_native on CPU, FlashInfer on CUDA)."""
+    return "torch_native" if cpu_mode else "flashinfer"
+
+
+def check_attention_backend(sglang_args: list[str], cpu_mode: bool) -> None:
+    backend = compression_attention_backend(cpu_mode)
+    given = flag_value(sglang_args, "--attention-backend")
+    if given is not None and given != backend:
+        raise FlagError(
+            f"--attention-backend {given} cannot serve compressed KV: with a --kv-evict-policy the engine wraps "
+            f"{backend} on this machine (omit the flag)"
+        )
+
+
+def compression_args(sglang_args: list[str], dense_slots: int, cpu_mode: bool) -> list[str]:
     """``sglang_args`` rewritten for a compressing server: our radix cache, the dense share of the KV
     memory, and the settings compression needs for the flags the user left unset (conflicting values
-    were refused by ``check_compression_compatible``)."""
+    were refused by ``check_compression_compatible`` and ``check_attention_backend``)."""
+    backend = compression_attention_backend(cpu_mode)
     args = without_flag(sglang_args, "--max-total-tokens")
     return [
         *args,
@@ -465,6 +515,7 @@ def compression_args(sglang_args: list[str], dense_slots: int) -> list[str]:
         *defaults_not_given(
             args,
             [
+                ("--attention-backend", [backend]),
                 ("--page-size", ["1"]),
                 ("--chunked-prefill-size", ["-1"]),
                 ("--disable-overlap-schedule", []),

@@ -30,6 +30,7 @@ from sgl_kvevict.serving import ENV_VAR as SERVING_ENV_VAR
 from sgl_kvevict.server.flags import (
     FlagError,
     LaunchConfig,
+    check_attention_backend,
     compression_args,
     cpu_mode_args,
     has_flag,
@@ -60,9 +61,11 @@ def check_port_free(host: str, port: int) -> None:
 
 
 def with_kv_pool(config: LaunchConfig, cpu_mode: bool) -> LaunchConfig:
-    """With a policy set: the KV memory the dense slots and the arena share, and its split."""
+    """With a policy set: refuse an attention backend the engine does not wrap, then the KV memory the
+    dense slots and the arena share, and its split."""
     if not config.serving.enabled:
         return config
+    check_attention_backend(config.sglang_args, cpu_mode)
     try:
         serving = dataclasses.replace(config.serving, kv_pool_tokens=kv_pool_tokens(config.sglang_args, cpu_mode))
     except ConfigError as error:
@@ -77,7 +80,7 @@ def with_kv_pool(config: LaunchConfig, cpu_mode: bool) -> LaunchConfig:
 def sglang_command(config: LaunchConfig, model_dir: str, cpu_mode: bool) -> list[str]:
     args = list(config.sglang_args)
     if config.serving.enabled:
-        args = compression_args(args, config.serving.dense_slots)
+        args = compression_args(args, config.serving.dense_slots, cpu_mode)
     if cpu_mode:
         args += cpu_mode_args(args)
     if not has_flag(args, "--enable-cache-report"):

@@ -17,6 +17,10 @@ from sgl_kvevict.config import ConfigError, EvictionConfig
 ENV_VAR = "KVEVICT_SERVING"
 NO_EVICTION = "none"
 DEFAULT_ARENA_FRACTION = 0.5
+REQUEST_SCOPE = "request"
+BLOCK_SCOPE = "block"
+SCOPES = (REQUEST_SCOPE, BLOCK_SCOPE)
+DEFAULT_BLOCK_SIZE = 512
 
 
 @dataclass(frozen=True)
@@ -29,12 +33,21 @@ class ServingConfig:
     kv_pool_tokens: the KV memory in token slots (one slot = every layer's and KV head's K and V of
         one token) that dense slots and arena share; set by the launcher when a policy is set, which
         then gives SGLang ``--max-total-tokens dense_slots``.
+    scope: what a compressed radix node is (DESIGN.md §4, "Reuse semantics"). ``request``: each
+        request compresses its own new prompt tokens minus the last ``window`` with its own window
+        (reused by its next turn). ``block``: prompts are compressed in blocks of ``block_size``
+        tokens aligned at position 0, each with its window inside the block, reused by every
+        request with the same prefix; the prompt's tail after its last full block stays dense.
+        One scope per server: block scope does not also compress the tail in request scope.
+    block_size: tokens per block in block scope (> the policy's window).
     """
 
     policy: str = NO_EVICTION
     eviction_options: Mapping[str, str] = field(default_factory=dict)
     arena_fraction: float = DEFAULT_ARENA_FRACTION
     kv_pool_tokens: Optional[int] = None
+    scope: str = REQUEST_SCOPE
+    block_size: int = DEFAULT_BLOCK_SIZE
 
     def __post_init__(self):
         if not 0.0 < self.arena_fraction < 1.0:
@@ -50,7 +63,14 @@ class ServingConfig:
                 f"eviction options {', '.join(sorted(self.eviction_options))} need a policy; "
                 f"--kv-evict-policy is {NO_EVICTION!r}"
             )
-        self.eviction  # validates the options now, in the process that parsed them
+        if self.scope not in SCOPES:
+            raise ConfigError(f"scope {self.scope!r} is not one of {', '.join(SCOPES)}")
+        if self.block_size < 1:
+            raise ConfigError(f"block size {self.block_size} must be a positive number of tokens")
+        eviction = self.eviction  # validates the options now, in the process that parsed them
+        if eviction is not None and self.block_size <= eviction.window:
+            # A block keeps its window whole: it must hold more than that to compress anything.
+            raise ConfigError(f"block size {self.block_size} must exceed the observation window ({eviction.window})")
 
     @property
     def enabled(self) -> bool:
@@ -61,6 +81,11 @@ class ServingConfig:
         if not self.enabled:
             return None
         return EvictionConfig.from_strings({"policy": self.policy, **self.eviction_options})
+
+    @property
+    def compression_block_size(self) -> Optional[int]:
+        """The block size in block scope, None in request scope (what the engine needs of the scope)."""
+        return self.block_size if self.scope == BLOCK_SCOPE else None
 
     @property
     def dense_slots(self) -> int:
@@ -77,7 +102,10 @@ class ServingConfig:
 
     def describe(self) -> str:
         """One-line summary for logs: the policy, its budget and window."""
-        return self.eviction.describe() if self.enabled else f"policy={NO_EVICTION}"
+        if not self.enabled:
+            return f"policy={NO_EVICTION}"
+        scope = f"block scope, {self.block_size}-token blocks" if self.scope == BLOCK_SCOPE else "request scope"
+        return f"{self.eviction.describe()}, {scope}"
 
     def to_env(self) -> str:
         return json.dumps(
@@ -86,6 +114,8 @@ class ServingConfig:
                 "eviction_options": dict(self.eviction_options),
                 "arena_fraction": self.arena_fraction,
                 "kv_pool_tokens": self.kv_pool_tokens,
+                "scope": self.scope,
+                "block_size": self.block_size,
             }
         )
 
@@ -96,4 +126,4 @@ class ServingConfig:
         if not text:
             return cls()
         values = json.loads(text)
-        return cls(values["policy"], values["eviction_options"], values["arena_fraction"], values["kv_pool_tokens"])
+        return cls(**values)

@@ -94,3 +94,13 @@ def test_bad_sglang_flag_fails_startup_with_a_reason(tiny_llama_dir):
     assert code != 0
     assert "no-such-flag" in output
     assert "before becoming healthy" in error_lines(output)[-1]
+
+
+def test_an_attention_backend_the_engine_does_not_wrap_is_refused_with_a_policy(tiny_llama_dir):
+    code, output, elapsed = run_launcher(
+        "--model", str(tiny_llama_dir), "--kv-evict-policy", "snapkv", "--attention-backend", "flex_attention"
+    )
+    assert code != 0
+    [line] = error_lines(output)
+    assert "--attention-backend flex_attention" in line and "torch_native" in line
+    assert elapsed < FAST_EXIT_SECONDS and "Load weight" not in output

@@ -71,9 +71,16 @@ def test_suite_cycles_kinds_and_depths():
 def test_grid_validation_and_cells():
     grid, _, _ = quality.parse_args(["--quick", "--policies", "streaming,dbudget", "--budgets", "0.5,128t"])
     cells = grid.cells()
-    assert cells[0][2:] == ("full", None)
+    assert cells[0][2:] == ("full", None, None)  # (policy, budget, block size): request scope
     # dbudget takes no budget: one cell per (length, mode); streaming one per budget.
     assert len(cells) == len(grid.lengths) * len(grid.modes) * (1 + 2 + 1)
+    blocks, _, _ = quality.parse_args(
+        ["--quick", "--policies", "streaming", "--budgets", "0.5", "--block-sizes", "none,256"]
+    )
+    # The full cache once, every policy cell in request scope and in block scope.
+    assert [cell[4] for cell in blocks.cells()[:3]] == [None, None, 256]
+    with pytest.raises(SystemExit):
+        quality.parse_args(["--quick", "--block-sizes", "0"])
     with pytest.raises(ConfigError, match="unknown policies"):
         quality.GridConfig(**{**grid.__dict__, "policies": ("nope",)})
     with pytest.raises(ConfigError, match="full cache always runs"):
@@ -116,7 +123,8 @@ def test_quality_run_end_to_end_on_the_tiny_model(tiny_llama_dir, tmp_path):
     assert all(s["prompt_tokens"] > s["context_tokens"] for s in streaming["samples"])
     assert 0.4 < cells[("snapkv:obc-key", "question-aware", 160)]["kept_fraction"] < 0.6
     report = (tmp_path / "quality.md").read_text()
-    assert "| streaming | 0.5 |" in report and "| snapkv:obc-key | 0.5 |" in report and "## context-only" in report
+    assert "| streaming | request | 0.5 |" in report and "| snapkv:obc-key | request | 0.5 |" in report
+    assert "## context-only" in report
     assert (tmp_path / "quality.png").stat().st_size > 1000
 
 

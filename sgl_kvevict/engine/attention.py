@@ -5,11 +5,12 @@ every stock gate keyed on it stay the same. Until the compressed radix cache ins
 ``EngineState`` (and for every request without compressed nodes on its path) it is the stock
 backend, call for call.
 
-* **Scoring capture** (extend): after a layer's attention, for each request whose prompt ends in
-  this forward and whose own span will be compressed, the last ``w`` post-RoPE query rows and the
-  request's keys and values read through ``req_to_token`` give the policy's ``WindowStats``
-  (``kernels.window_stats_paged``), passed to ``compressor.observe(layer, stats)``. The plan is built
-  by the tree's checkpoint after the forward.
+* **Scoring capture** (extend): after a layer's attention, for each span compressed after this
+  forward (the request's own span, or each block ending in it), the span's last ``w`` post-RoPE
+  query rows and the keys and values up to its end (``ScoringJob.window_stats``: dense slots read
+  through ``req_to_token``, plus the cells of spans reused compressed) give the policy's
+  ``WindowStats``, passed to ``compressor.observe(layer, stats)``. The plans are built by the tree's
+  checkpoint after the forward.
 * **Segment attention** (extend and decode): for a request whose path holds compressed nodes, the
   output is the log-sum-exp merge of (a) attention over the arena cells of those nodes, one
   pseudo-sequence per (request, KV head) with the GQA group as its query heads
@@ -18,8 +19,10 @@ backend, call for call.
   their original positions and queries stay at logical positions. Other requests of the batch take
   the stock per-request path.
 
-CPU only in this version: the kernels dispatch to their torch twins here. The CUDA (FlashInfer)
-backend is not built yet (``plugin.py`` refuses it with a clear error).
+The dispatch (plain batch -> stock backend, compressed requests -> segment attention, scoring
+after the extend) lives in ``SegmentAttentionBackend`` and is shared with the CUDA backend
+(``flashinfer_backend.py``), as are ``observe_window`` and ``compressed_attention``. On CPU the
+kernels dispatch to their torch twins.
 """
 
 from __future__ import annotations
@@ -28,9 +31,9 @@ import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-from sgl_kvevict.engine.batch import ForwardPlan, RequestSlice, ScoringJob, spread_columns
+from sgl_kvevict.engine.batch import ForwardPlan, RequestSlice, ScoringJob
 from sgl_kvevict.engine.state import current
-from sgl_kvevict.kernels import merge_attention_states, segment_attention, window_stats_paged
+from sgl_kvevict.kernels import merge_attention_states, segment_attention
 
 _QUERY_CHUNK = 512  # bounds the [chunk, H_q, L] fp32 logits of the dense part
 
@@ -68,15 +71,70 @@ def dense_attention(
     return out, lse
 
 
-class KVEvictTorchBackend(TorchNativeAttnBackend):
-    """``TorchNativeAttnBackend`` that scores prompts for eviction and attends over compressed nodes."""
+def observe_window(job: ScoringJob, q: torch.Tensor, layer, plan: ForwardPlan, req_to_token, kv_pool) -> None:
+    """Scoring capture of one request and layer: its window's ``WindowStats`` to its compressor.
+
+    q ``[N, H_q * D]`` (this forward's post-RoPE queries); req_to_token ``[rows, max_len]``; the KV of
+    the request (prefix and this extend) must already be in ``kv_pool``.
+    """
+    request = job.request
+    queries = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
+    q_window = queries[request.q_end - job.window : request.q_end].transpose(0, 1)  # [H_q, w, D]
+    arena = plan.engine.arena
+    stats = job.window_stats(
+        q_window, kv_pool.get_key_buffer(layer.layer_id), kv_pool.get_value_buffer(layer.layer_id),
+        req_to_token[request.row], arena.k[layer.layer_id], arena.v[layer.layer_id], layer.layer_id,
+        layer.scaling, plan.engine.stats_request,
+    )  # fmt: skip
+    job.compressor.observe(layer.layer_id, stats)
+
+
+def compressed_attention(
+    plan: ForwardPlan, queries: torch.Tensor, layer
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention of the compressed requests' queries over their arena cells (``kernels.segment_attention``).
+
+    queries ``[N, H_q, D]`` (every query of the forward). Returns ``rows`` int64 ``[N_c]`` (the compressed
+    requests' query rows, request-major), out ``[N_c, H_q, D_v]`` and natural-log lse fp32 ``[N_c, H_q]``
+    (``-inf`` and out 0 for a KV head without cells).
+    """
+    device = queries.device
+    rows = plan.compressed_query_rows(device)
+    kv_indptr, kv_indices = plan.compressed_cells(layer.layer_id, device)
+    arena = plan.engine.arena
+    out, lse = segment_attention(
+        queries[rows],
+        arena.k[layer.layer_id],
+        arena.v[layer.layer_id],
+        plan.compressed_qo_indptr(device),
+        kv_indptr,
+        kv_indices,
+        layer.tp_k_head_num,
+        layer.scaling,
+        max(r.num_queries for r in plan.compressed),
+    )
+    return rows, out, lse
+
+
+class SegmentAttentionBackend:
+    """Mixin over a stock SGLang attention backend: the per-forward plan and the dispatch.
+
+    A forward without compressed requests is the stock backend's, call for call; with some, every
+    request of the batch goes through ``_forward_with_segments`` (stock metadata would read the
+    placeholder slots of compressed spans). Extends then feed the scoring jobs. Subclasses provide
+    ``_init_segment_metadata`` and ``_forward_with_segments``; the stock base provides
+    ``req_to_token_pool`` and ``token_to_kv_pool``.
+    """
 
     forward_plan: ForwardPlan | None = None
 
     def init_forward_metadata(self, forward_batch):
-        super().init_forward_metadata(forward_batch)
         engine = current()
         self.forward_plan = None if engine is None else ForwardPlan.build(engine, forward_batch)
+        if self.forward_plan is None or not self.forward_plan.compressed:
+            super().init_forward_metadata(forward_batch)
+        else:
+            self._init_segment_metadata(forward_batch, self.forward_plan)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         plan = self.forward_plan
@@ -86,7 +144,7 @@ class KVEvictTorchBackend(TorchNativeAttnBackend):
             out = self._forward_with_segments(q, k, v, layer, forward_batch, save_kv_cache, plan)
         if plan is not None:
             for job in plan.scoring:
-                self._observe(job, q, layer, plan)
+                observe_window(job, q, layer, plan, self.req_to_token_pool.req_to_token, self.token_to_kv_pool)
         return out
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
@@ -95,23 +153,19 @@ class KVEvictTorchBackend(TorchNativeAttnBackend):
             return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
         return self._forward_with_segments(q, k, v, layer, forward_batch, save_kv_cache, plan)
 
-    # ---- scoring -------------------------------------------------------------------------------
+    def _init_segment_metadata(self, forward_batch, plan: ForwardPlan) -> None:
+        raise NotImplementedError
 
-    def _observe(self, job: ScoringJob, q: torch.Tensor, layer, plan: ForwardPlan) -> None:
-        request = job.request
-        queries = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
-        q_window = queries[request.q_end - job.window : request.q_end].transpose(0, 1)  # [H_q, w, D]
-        row = self.req_to_token_pool.req_to_token[request.row]
-        positions = None if request.view is None else request.dense_positions(row.device)
-        kv_indices = row[: request.seq_len] if positions is None else row[positions]
-        k_buffer = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
-        v_buffer = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
-        stats = window_stats_paged(q_window, k_buffer, v_buffer, kv_indices, layer.scaling, plan.engine.stats_request)
-        if positions is not None:
-            stats = spread_columns(stats, positions, request.seq_len)
-        job.compressor.observe(layer.layer_id, stats)
+    def _forward_with_segments(self, q, k, v, layer, forward_batch, save_kv_cache, plan: ForwardPlan):
+        """Attention output ``[N, H_q * D_v]`` of every request of a forward that has compressed ones."""
+        raise NotImplementedError
 
-    # ---- attention over compressed + dense ---------------------------------------------------
+
+class KVEvictTorchBackend(SegmentAttentionBackend, TorchNativeAttnBackend):
+    """``TorchNativeAttnBackend`` that scores prompts for eviction and attends over compressed nodes."""
+
+    def _init_segment_metadata(self, forward_batch, plan: ForwardPlan) -> None:
+        TorchNativeAttnBackend.init_forward_metadata(self, forward_batch)  # per-request SDPA needs nothing planned
 
     def _forward_with_segments(self, q, k, v, layer, forward_batch, save_kv_cache, plan: ForwardPlan):
         if save_kv_cache and k is not None and v is not None:
@@ -126,21 +180,7 @@ class KVEvictTorchBackend(TorchNativeAttnBackend):
             if request.view is None:
                 self._stock_request(request, queries, out, k_cache, v_cache, layer, forward_batch)
 
-        device = queries.device
-        rows = plan.compressed_query_rows(device)
-        kv_indptr, kv_indices = plan.compressed_cells(layer.layer_id, device)
-        arena = plan.engine.arena
-        compressed_out, compressed_lse = segment_attention(
-            queries[rows],
-            arena.k[layer.layer_id],
-            arena.v[layer.layer_id],
-            plan.compressed_qo_indptr(device),
-            kv_indptr,
-            kv_indices,
-            layer.tp_k_head_num,
-            layer.scaling,
-            max(r.num_queries for r in plan.compressed),
-        )
+        rows, compressed_out, compressed_lse = compressed_attention(plan, queries, layer)
         dense = [self._dense_part(request, queries, k_cache, v_cache, layer) for request in plan.compressed]
         dense_out = torch.cat([part[0] for part in dense])
         dense_lse = torch.cat([part[1] for part in dense])

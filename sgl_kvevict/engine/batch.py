@@ -6,13 +6,16 @@ Built once per forward (``init_forward_metadata``), read by every layer:
   goes through the stock attention path);
 * the compressed requests' arena cells per layer, flattened into the (request, KV head)
   pseudo-sequences ``kernels.segment_attention`` takes;
-* the scoring jobs of the extend: requests whose prompt ends in this forward and whose own span is
-  long enough to compress. Their compressor lives on the request until the tree's checkpoint.
+* the scoring jobs of the extend: one per span compressed after this forward (``compressible_spans``:
+  the request's own span in request scope, every block ending in this forward in block scope) of
+  each request whose prompt ends in it. Their compressors live on the request until the tree's
+  checkpoint.
 
-Scoring approximation: when the context before a segment holds compressed spans (a later chat
-turn), the window softmax is taken over the dense positions only (the compressed cells differ per
-head and would need a per-head softmax); the statistics are spread back to absolute positions with
-zeros at the compressed ones, which are never candidates of the new segment anyway.
+Scoring semantics (those of the reference engine, which the parity tests hold it to): a span's last
+``w`` queries attend over keys ``[0, span end)`` as this forward computed them. Spans compressed in
+an earlier forward (reused blocks, earlier chat turns) enter with their kept entries only, a softmax
+per KV head over its own cells plus the dense positions (``window_stats_over_kept``); spans of this
+forward, earlier blocks included, are still dense when scored.
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ import torch
 from sgl_kvevict.engine.radix_cache import compressed_path
 from sgl_kvevict.engine.segments import PathView
 from sgl_kvevict.engine.state import EngineState, request_state
+from sgl_kvevict.kernels import window_stats_paged
 from sgl_kvevict.policies.base import SegmentCompressor
-from sgl_kvevict.scoring.window import WindowStats
+from sgl_kvevict.scoring.window import StatsRequest, WindowStats, window_stats_over_kept
 
 
 @dataclass(frozen=True)
@@ -55,28 +59,49 @@ class RequestSlice:
             return torch.arange(self.seq_len, device=device)
         return self.view.dense_positions(self.seq_len, device)
 
+    def up_to(self, end: int) -> "RequestSlice":
+        """This request as far as position ``end`` (inside this forward): its queries and context there."""
+        return dataclasses.replace(self, q_end=self.q_end - (self.seq_len - end), seq_len=end)
+
 
 @dataclass(frozen=True)
 class ScoringJob:
-    """Score the segment of ``compressor`` (ending at ``request.seq_len``) with its last ``window`` queries."""
+    """Score the segment of ``compressor`` with its last ``window`` queries, the last queries of
+    ``request`` (the request cut at the segment end, ``RequestSlice.up_to``)."""
 
     request: RequestSlice
     compressor: SegmentCompressor
     window: int
 
+    def window_stats(
+        self, q_window: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, row: torch.Tensor,
+        arena_k: torch.Tensor, arena_v: torch.Tensor, layer: int, scaling: float, stats_request: StatsRequest,
+    ) -> WindowStats:  # fmt: skip
+        """The segment's ``WindowStats`` of ``layer`` over keys ``[0, segment end)`` (module docstring).
 
-def spread_columns(stats: WindowStats, positions: torch.Tensor, length: int) -> WindowStats:
-    """Statistics over the columns ``positions`` as statistics over ``[0, length)`` (zeros elsewhere)."""
-
-    def spread(tensor: torch.Tensor) -> torch.Tensor:
-        out = tensor.new_zeros(*tensor.shape[:-1], length)
-        out[..., positions] = tensor
-        return out
-
-    tensors = {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)}
-    return dataclasses.replace(
-        stats, **{name: spread(value) for name, value in tensors.items() if isinstance(value, torch.Tensor)}
-    )
+        q_window ``[H_q, w, D]``; k_buffer ``[slots, H_kv, D]``, v_buffer ``[slots, H_kv, D_v]`` (this
+        layer's dense pool); row: the request's ``req_to_token`` row; arena_k ``[cells, D]``, arena_v
+        ``[cells, D_v]`` (this layer's arena).
+        """
+        request, length = self.request, self.request.seq_len
+        if request.view is None:
+            return window_stats_paged(q_window, k_buffer, v_buffer, row[:length], scaling, stats_request)
+        # Scatter every head's kept entries into a position-indexed [H_kv, L] cache, as the reference
+        # engine's keep mask sees its dense cache: dense positions for every head, cells per head.
+        dense, cell_heads, cell_positions = request.view.kept_keys(layer, length, row.device)
+        cells = request.view.cells[layer].to(arena_k.device)
+        slots = row[dense].long()
+        num_kv_heads = k_buffer.shape[1]
+        keys = k_buffer.new_zeros(num_kv_heads, length, k_buffer.shape[2])
+        values = v_buffer.new_zeros(num_kv_heads, length, v_buffer.shape[2])
+        keys[:, dense] = k_buffer[slots].transpose(0, 1)
+        values[:, dense] = v_buffer[slots].transpose(0, 1)
+        keys[cell_heads, cell_positions] = arena_k[cells]
+        values[cell_heads, cell_positions] = arena_v[cells]
+        kept = torch.zeros(num_kv_heads, length, dtype=torch.bool, device=keys.device)
+        kept[:, dense] = True
+        kept[cell_heads, cell_positions] = True
+        return window_stats_over_kept(q_window, keys, values, kept, scaling, stats_request)
 
 
 def path_view(engine: EngineState, req) -> Optional[PathView]:
@@ -120,20 +145,20 @@ class ForwardPlan:
             requests.append(request)
             q_start += count
             if mode.is_extend() and req is not None and seq_len == len(req.origin_input_ids):
-                job = cls._scoring_job(engine, req, request)
-                if job is not None:
-                    scoring.append(job)
+                scoring += cls._scoring_jobs(engine, req, request)
         return cls(engine, requests, scoring)
 
     @staticmethod
-    def _scoring_job(engine: EngineState, req, request: RequestSlice) -> Optional[ScoringJob]:
+    def _scoring_jobs(engine: EngineState, req, request: RequestSlice) -> list[ScoringJob]:
         start = request.seq_len - request.num_queries
         if start != req.kv.cache_protected_len:
-            return None  # the extend starts inside tree-owned tokens: nothing of it is the request's own
-        compressor = engine.start_segment(req, start, request.seq_len)
-        if compressor is None or not compressor.needs_stats:
-            return None
-        return ScoringJob(request, compressor, min(engine.eviction.window, request.seq_len - start))
+            return []  # the extend starts inside tree-owned tokens: nothing of it is the request's own
+        window = engine.eviction.window
+        return [
+            ScoringJob(request.up_to(compressor.spec.end), compressor, min(window, compressor.spec.length))
+            for compressor in engine.start_segments(req, start, request.seq_len)
+            if compressor.needs_stats
+        ]
 
     # ---- compressed requests ------------------------------------------------------------------
 

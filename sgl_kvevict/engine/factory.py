@@ -14,7 +14,8 @@ from sglang.srt.mem_cache.registry import TreeCacheBuildContext
 from sglang.srt.runtime_context import get_schedule, get_spec
 
 from sgl_kvevict.engine.arena import Arena, arena_slot_equivalents
-from sgl_kvevict.engine.attention import KVEvictTorchBackend
+from sgl_kvevict.engine.attention import SegmentAttentionBackend
+from sgl_kvevict.engine.metrics import export_metrics
 from sgl_kvevict.engine.radix_cache import CompressedRadixCache
 from sgl_kvevict.engine.plugin import RADIX_CACHE_BACKEND
 from sgl_kvevict.engine.state import EngineState, ModelShape, install
@@ -39,8 +40,9 @@ def unsupported_features(ctx: TreeCacheBuildContext, attn_backend) -> list[str]:
         (schedule.enable_mixed_chunk, "--enable-mixed-chunk: decode rows inside an extend batch"),
         (get_spec().speculative_algorithm is not None, "speculative decoding"),
         (
-            not isinstance(attn_backend, KVEvictTorchBackend),
-            f"attention backend {type(attn_backend).__name__}: only torch_native (CPU) attends over compressed nodes",
+            not isinstance(attn_backend, SegmentAttentionBackend),
+            f"attention backend {type(attn_backend).__name__}: only torch_native (CPU) and flashinfer (CUDA) "
+            "attend over compressed nodes",
         ),
     ]
     return [reason for failed, reason in checks if failed]
@@ -70,7 +72,7 @@ def create_compressed_radix_cache(ctx: TreeCacheBuildContext) -> CompressedRadix
         dtype=pool.k_buffer[0].dtype,
         device=pool.device,
     )
-    engine = EngineState(serving.eviction, shape, arena, allocator)
+    engine = EngineState(serving.eviction, shape, arena, allocator, block_size=serving.compression_block_size)
     cache = CompressedRadixCache(ctx.params, engine)
     install(engine)
     logger.info(
@@ -78,6 +80,8 @@ def create_compressed_radix_cache(ctx: TreeCacheBuildContext) -> CompressedRadix
         serving.eviction.describe(), arena.cells_per_layer, 100 * serving.arena_fraction, allocator.size,
     )  # fmt: skip
     _serve_stats(engine)
+    if cache.metrics_collector is not None:  # SGLang's --enable-metrics: export ours with its cache labels
+        export_metrics(engine.stats_snapshot, cache.metrics_collector.labels)
     return cache
 
 

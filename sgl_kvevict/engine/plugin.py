@@ -5,10 +5,10 @@ entry point is how ours get there (sglang-0.5.23-hooks.md §5.4). With a policy 
 ``KVEVICT_SERVING``) it registers:
 
 * the ``sgl_kvevict`` radix-cache backend (the launcher passes ``--radix-cache-backend sgl_kvevict``);
-* our attention backend *in place of* the stock ``torch_native`` factory, so the backend name and
-  every SGLang gate keyed on it (CUDA-graph disabling, Triton support) stay the stock ones. On CUDA
-  the stock ``flashinfer`` factory is replaced by one that refuses: the FlashInfer segment attention
-  is not built yet, and running the stock backend over compressed nodes would read placeholder slots.
+* our attention backends *in place of* the stock ``torch_native`` (CPU) and ``flashinfer`` (CUDA)
+  factories, so the backend names and every SGLang gate keyed on them stay the stock ones. The
+  stock backends must never serve a compressed request: they would read its placeholder slots. The
+  FlashInfer one is untested on real hardware (``engine/flashinfer_backend.py``).
 
 Everything heavy is imported inside the factories, which run only in the scheduler process.
 """
@@ -29,7 +29,7 @@ def register() -> None:
     if RADIX_CACHE_BACKEND not in registered_radix_cache_backends():
         register_radix_cache_backend(RADIX_CACHE_BACKEND, _create_radix_cache)
     ATTENTION_BACKENDS["torch_native"] = _create_torch_backend
-    ATTENTION_BACKENDS["flashinfer"] = _refuse_flashinfer
+    ATTENTION_BACKENDS["flashinfer"] = _create_flashinfer_backend
 
 
 def _create_radix_cache(ctx):
@@ -44,8 +44,9 @@ def _create_torch_backend(runner):
     return KVEvictTorchBackend(runner)
 
 
-def _refuse_flashinfer(runner):
-    raise NotImplementedError(
-        "sgl-kvevict: KV eviction on CUDA (FlashInfer segment attention) is not implemented in this version; "
-        "serve with --kv-evict-policy none on CUDA, or use the CPU development mode (torch_native)"
-    )
+def _create_flashinfer_backend(runner):
+    if runner.use_mla_backend:
+        raise NotImplementedError("sgl-kvevict: MLA models (FlashInfer MLA backend) are not supported")
+    from sgl_kvevict.engine.flashinfer_backend import KVEvictFlashInferBackend
+
+    return KVEvictFlashInferBackend(runner, init_new_workspace=runner.init_new_workspace)

@@ -8,6 +8,23 @@ request's matched node. The last ``window`` prompt tokens (and later the output)
 ordinary dense node by the stock insert path. The request's ``req_to_token`` row then holds dummy
 slot 0 over the compressed span; attention reads those positions from the cells instead.
 
+Block scope (shared prefixes). The spans are the blocks ``[k * B, (k + 1) * B)`` of the request's
+own prompt tokens that end before its last token (``segments.compressible_spans``), each scored by
+its own last ``window`` tokens and kept whole as one compressed node, window included. The
+checkpoint compresses them in order, each below the one before; a span that cannot be compressed
+(the policy kept it whole, the arena is full, another request holds it) is inserted densely first,
+so the next block still hangs at its logical start. Matching is unchanged: any request with the same
+first ``k`` blocks matches those ``k`` nodes whole and prefills from there. The prompt's tail after
+its last block, the question and the output are dense, exactly as a request-scope window is.
+
+Concurrent requests needing the same new block (same batch, or admitted before the first one's
+checkpoint) each score it; the first checkpoint compresses it and the later ones find it in the
+tree *before taking any cell*: their plan is dropped (``block_races_lost``), their dense copy of the
+block is freed by the insert that adopts the first one's node, and their later blocks hang below it.
+A block is therefore stored once; waiting for the first request instead would need the scheduler
+to hold requests back, which the tree cannot do, and costs more latency than one extra ``[w, B]``
+scoring per layer.
+
 A compressed node keeps SGLang's logical bookkeeping intact: its key is the span's tokens and its
 ``value`` is dummy slot 0 at every position (``len(value) == len(key)``, so prefix lengths, row
 re-pointing and ``prefix_device_indices`` work unchanged). Its data is the ``CompressedSegment`` in
@@ -67,21 +84,27 @@ from sgl_kvevict.policies.base import SegmentCompressor
 logger = logging.getLogger(__name__)
 
 SEGMENT_ATTR = "kvevict_segment"
+# Distinct requests a compressed node served: its creator, then each request whose path took it.
+SERVED_ATTR = "kvevict_requests_served"
 
 
 def compressed_segment(node: TreeNode) -> Optional[CompressedSegment]:
     return getattr(node, SEGMENT_ATTR, None)
 
 
+def compressed_nodes(node: TreeNode) -> list[TreeNode]:
+    """The compressed nodes from the root down to ``node``, root first."""
+    nodes = []
+    while node.parent is not None:  # the root has no parent
+        if compressed_segment(node) is not None:
+            nodes.append(node)
+        node = node.parent
+    return nodes[::-1]
+
+
 def compressed_path(node: TreeNode) -> list[CompressedSegment]:
     """The compressed segments from the root down to ``node``, root first."""
-    segments = []
-    while node.parent is not None:  # the root has no parent
-        segment = compressed_segment(node)
-        if segment is not None:
-            segments.append(segment)
-        node = node.parent
-    return segments[::-1]
+    return [compressed_segment(path_node) for path_node in compressed_nodes(node)]
 
 
 class CompressedRadixCache(RadixCache):
@@ -223,17 +246,42 @@ class CompressedRadixCache(RadixCache):
         if self.disable:
             return
         state = request_state(req)
-        if not state.prefill_counted:
+        first_checkpoint = not state.prefill_counted
+        if first_checkpoint:
             state.prefill_counted = True
-            reused = sum(segment.length for segment in compressed_path(req.last_node))
-            if reused:
-                self.engine.stats.count("reuse_hits")
-                self.engine.stats.count("reused_tokens", reused)
-        compressor, state.compressor = state.compressor, None
-        if compressor is not None:
-            self._compress(req, compressor)
-        radix_key, _, _ = self._insert_cache(req, req.full_untruncated_fill_ids[:up_to], split_prompt=True)
+            reused = compressed_nodes(req.last_node)
+            self._count_reuse(reused)
+        compressors, state.compressors = state.compressors, []
+        created = [node for compressor in compressors if (node := self._compress(req, compressor)) is not None]
+        if created:
+            self.engine.stats.count("requests_compressed")
+        self._insert_dense(req, up_to, split_prompt=True)
+        if first_checkpoint:  # nodes adopted from a concurrent request that compressed them first
+            known = {id(node) for node in reused + created}
+            for node in compressed_nodes(req.last_node):
+                if id(node) not in known:
+                    self._count_served(node)
+
+    def _insert_dense(self, req, end: int, split_prompt: bool = False) -> None:
+        """Insert the request's tokens ``[0, end)`` as the stock checkpoint does and adopt the tree's path."""
+        radix_key, _, _ = self._insert_cache(req, req.full_untruncated_fill_ids[:end], split_prompt=split_prompt)
         self._adopt_path(req, self.match_prefix(MatchPrefixParams(key=radix_key)).last_device_node)
+
+    def _count_reuse(self, reused: list[TreeNode]) -> None:
+        """The request's prefix match reused the compressed nodes ``reused`` (made by other requests)."""
+        if not reused:
+            return
+        stats = self.engine.stats
+        stats.count("reuse_hits")
+        stats.count("reused_tokens", sum(len(node.key) for node in reused))
+        stats.count("shared_block_hits", len(reused))
+        for node in reused:
+            self._count_served(node)
+
+    def _count_served(self, node: TreeNode) -> None:
+        served = getattr(node, SERVED_ATTR)
+        self.engine.stats.node_served(served)
+        setattr(node, SERVED_ATTR, served + 1)
 
     def _adopt_path(self, req, node: TreeNode) -> None:
         """Point the request's row at the tree's values up to ``node``; the tree now protects them."""
@@ -246,26 +294,36 @@ class CompressedRadixCache(RadixCache):
         req.lock = self.lock(node)
         req.last_node = node
 
-    def _compress(self, req, compressor: SegmentCompressor) -> None:
-        """Turn the request's scored span into a compressed node (or leave it dense, see the module doc)."""
+    def _compress(self, req, compressor: SegmentCompressor) -> Optional[TreeNode]:
+        """Turn the request's scored span into a compressed node below its path and adopt it; None
+        when the span stays dense (see the module doc)."""
         spec = compressor.spec
+        if spec.start > req.kv.cache_protected_len:
+            self._insert_dense(req, spec.start)  # an earlier block of this request stayed dense
         start = req.kv.cache_protected_len
         if spec.start != start or len(self.path_device_indices(req.last_node)) != start:
-            return  # the row changed since the forward scored it (e.g. retraction)
+            return None  # the row changed since the forward scored it (e.g. retraction), or the insert stopped short
         plan = compressor.plan()
         self.engine.dump_plan(req.rid, plan)
-        compressed_end = spec.end - min(self.engine.eviction.window, spec.length)
+        # Request scope keeps the window dense (the next turn continues from it); a block keeps it inside.
+        window = self.engine.eviction.window
+        compressed_end = spec.end if self.engine.block_size else spec.end - min(window, spec.length)
         kept = truncate_plan(plan, compressed_end)
         span_entries = kept.segment_length * kept.num_layers * kept.layers[0].num_kv_heads
         if kept.total_kept() == span_entries:
-            return  # nothing evicted: the policy kept the span whole
+            return None  # nothing evicted: the policy kept the span whole
         key = RadixKey(req.full_untruncated_fill_ids[:compressed_end], req.extra_key, cache_salt=req.cache_salt)
-        if self._walk(key) != (start, None):
-            return  # another request put (part of) this span in the tree meanwhile: reuse theirs
+        covered, partial = self._walk(key)
+        if (covered, partial) != (start, None):
+            # Another request put (part of) this span in the tree meanwhile: reuse theirs.
+            existing = req.last_node.children.get(key[start:].child_key(self.page_size))
+            if covered == compressed_end and existing is not None and compressed_segment(existing) is not None:
+                self.engine.stats.count("block_races_lost")  # the very same span, compressed first by another request
+            return None
         cells = self._alloc_cells([len(layer.kept_positions) for layer in kept.layers])
         if cells is None:
             self.engine.stats.count("requests_left_dense")
-            return
+            return None
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
         arena = self.engine.arena
         for layer, (layer_plan, layer_cells) in enumerate(zip(kept.layers, cells)):
@@ -277,6 +335,7 @@ class CompressedRadixCache(RadixCache):
         self.token_to_kv_pool_allocator.free(row[start:compressed_end].to(torch.int64))
         self.engine.stats.node_added(segment)
         self._adopt_path(req, node)
+        return node
 
     def _attach_compressed_node(
         self, parent: TreeNode, key: RadixKey, segment: CompressedSegment, priority: int
@@ -286,6 +345,7 @@ class CompressedRadixCache(RadixCache):
         node.key = key
         node.value = torch.zeros(len(key), dtype=torch.int64, device=self.device)  # dummy slot 0
         setattr(node, SEGMENT_ATTR, segment)
+        setattr(node, SERVED_ATTR, 1)
         parent.children[key.child_key(self.page_size)] = node
         # Not added to evictable_size_: it holds no dense slot.
         self._update_leaf_status(parent)

@@ -1,5 +1,7 @@
 """Compressed spans of the radix tree and what a request sees of them.
 
+* ``compressible_spans``: which spans of a request's new prompt tokens become compressed nodes, in
+  request scope (one span) or block scope (the full blocks aligned at position 0).
 * ``CompressedSegment``: the content of one compressed radix node, i.e. the kept entries of a
   logical span ``[start, start + length)`` as arena cells, per layer CSR over KV heads.
 * ``PathView``: everything compressed on a request's tree path (root to ``req.last_node``): the
@@ -13,11 +15,27 @@ Pure torch: nothing here imports SGLang.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from sgl_kvevict.plan import CompressionPlan, LayerPlan
+
+
+def compressible_spans(start: int, end: int, window: int, block_size: Optional[int]) -> list[tuple[int, int]]:
+    """The spans ``[a, b)`` of a prompt that are compressed when its tokens ``[start, end)`` are prefilled.
+
+    Request scope (``block_size`` None): the request's own tokens as one span, scored by its last
+    ``window`` tokens, when it holds more than the window. Block scope: the blocks
+    ``[k * block_size, (k + 1) * block_size)`` inside ``[start, end - 1)``. The prompt's last token
+    never joins a block: SGLang always recomputes at least one prompt token, so a repeated prompt
+    then reuses every block of it (a block ending at the prompt end could never be matched whole).
+    """
+    if block_size is None:
+        return [(start, end)] if end - start > window else []
+    first = -(-start // block_size)  # blocks starting before `start` hold tokens the tree already owns
+    last = (end - 1) // block_size
+    return [(k * block_size, (k + 1) * block_size) for k in range(first, last)]
 
 
 def truncate_plan(plan: CompressionPlan, end: int) -> CompressionPlan:
@@ -39,18 +57,26 @@ class CompressedSegment:
     """Kept entries of the span ``[start, start + length)`` of one radix node.
 
     cells: per layer, int64 ``[kept_l]`` arena cell ids in the plan's CSR order (head-major,
-        positions ascending); head_indptr: per layer, int64 ``[H_kv + 1]`` (cpu).
+        positions ascending); head_indptr: per layer, int64 ``[H_kv + 1]`` (cpu); positions: per
+        layer, int64 ``[kept_l]`` the logical position of each cell (cpu).
     """
 
     start: int
     length: int
     cells: tuple[torch.Tensor, ...]
     head_indptr: tuple[torch.Tensor, ...]
+    positions: tuple[torch.Tensor, ...]
 
     @classmethod
     def of(cls, plan: CompressionPlan, cells: Sequence[torch.Tensor]) -> "CompressedSegment":
         """``plan`` (already truncated to the compressed span) stored in ``cells[layer]``."""
-        return cls(plan.segment_start, plan.segment_length, tuple(cells), tuple(layer.head_indptr for layer in plan.layers))
+        return cls(
+            plan.segment_start,
+            plan.segment_length,
+            tuple(cells),
+            tuple(layer.head_indptr for layer in plan.layers),
+            tuple(layer.kept_positions for layer in plan.layers),
+        )
 
     @property
     def num_cells(self) -> int:
@@ -69,24 +95,27 @@ class PathView:
     spans: the ``(start, end)`` logical ranges of the compressed nodes on the path, ascending.
     head_counts: per layer, int64 ``[H_kv]`` cells per KV head over all spans (cpu).
     cells: per layer, int64 ``[sum(head_counts)]`` cell ids, head-major (all spans of head 0, ...).
+    positions: per layer, int64 ``[sum(head_counts)]`` the logical position of each cell (cpu).
     """
 
     spans: tuple[tuple[int, int], ...]
     head_counts: tuple[torch.Tensor, ...]
     cells: tuple[torch.Tensor, ...]
+    positions: tuple[torch.Tensor, ...]
 
     @classmethod
     def of(cls, segments: Sequence[CompressedSegment], num_layers: int, num_kv_heads: int) -> "PathView":
         """Segments in path order (root first)."""
-        head_counts, cells = [], []
+        head_counts, cells, positions = [], [], []
         for layer in range(num_layers):
             layer_cells = torch.cat([segment.cells[layer] for segment in segments])
             heads = torch.cat([segment.head_ids(layer) for segment in segments])
             order = torch.sort(heads, stable=True).indices  # head-major, path order within a head
             cells.append(layer_cells[order.to(layer_cells.device)])
+            positions.append(torch.cat([segment.positions[layer] for segment in segments])[order])
             head_counts.append(torch.bincount(heads, minlength=num_kv_heads))
         spans = tuple((segment.start, segment.start + segment.length) for segment in segments)
-        return cls(spans, tuple(head_counts), tuple(cells))
+        return cls(spans, tuple(head_counts), tuple(cells), tuple(positions))
 
     @property
     def compressed_tokens(self) -> int:
@@ -98,3 +127,14 @@ class PathView:
         for start, end in self.spans:
             dense[start:end] = False
         return dense.nonzero().squeeze(1)
+
+    def kept_keys(
+        self, layer: int, length: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What KV head ``h`` of ``layer`` holds of positions ``[0, length)`` (every span lies inside).
+
+        Returns dense_positions int64 ``[n]`` (read from dense slots for every head), and per cell its
+        KV head and position, int64 ``[sum(head_counts[layer])]`` each (in ``cells[layer]`` order).
+        """
+        heads = torch.repeat_interleave(torch.arange(len(self.head_counts[layer])), self.head_counts[layer])
+        return self.dense_positions(length, device), heads.to(device), self.positions[layer].to(device)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -24,9 +25,10 @@ import torch
 
 from sgl_kvevict.config import EvictionConfig, build_policy
 from sgl_kvevict.engine.arena import Arena
-from sgl_kvevict.engine.segments import CompressedSegment, PathView
+from sgl_kvevict.engine.segments import CompressedSegment, PathView, compressible_spans
 from sgl_kvevict.plan import CompressionPlan
 from sgl_kvevict.policies.base import SegmentCompressor, SegmentSpec
+from sgl_kvevict.serving import BLOCK_SCOPE, REQUEST_SCOPE
 
 # Debug switch: a directory where every applied plan is saved as ``<rid>.pt`` (parity tests).
 PLAN_DUMP_ENV = "KVEVICT_PLAN_DUMP_DIR"
@@ -34,12 +36,12 @@ PLAN_DUMP_ENV = "KVEVICT_PLAN_DUMP_DIR"
 
 @dataclass
 class RequestState:
-    """compressor: the policy's compressor of the segment scored in the last forward, until the
-    tree's checkpoint turns it into a plan. view_node/view: the request's ``PathView`` and the
-    ``last_node`` it was built for (``engine.batch.path_view``). prefill_counted: the reuse of this
-    request's matched prefix was counted."""
+    """compressors: the policy's compressors of the spans scored in the last forward (position
+    order), until the tree's checkpoint turns them into plans. view_node/view: the request's
+    ``PathView`` and the ``last_node`` it was built for (``engine.batch.path_view``).
+    prefill_counted: the reuse of this request's matched prefix was counted."""
 
-    compressor: Optional[SegmentCompressor] = None
+    compressors: list[SegmentCompressor] = field(default_factory=list)
     view_node: Any = None
     view: Optional[PathView] = None
     prefill_counted: bool = False
@@ -59,9 +61,27 @@ class ModelShape:
     num_kv_heads: int
 
 
+def served_bucket(requests: int) -> str:
+    """Histogram bucket of a block that served ``requests`` distinct requests: 1, 2, 3-4, 5-8, ..."""
+    if requests <= 2:
+        return str(requests)
+    upper = 1 << (requests - 1).bit_length()
+    return f"{upper // 2 + 1}-{upper}"
+
+
 @dataclass
 class EngineStats:
-    """Counters kept incrementally by the scheduler thread; ``snapshot`` may run on any thread."""
+    """Counters kept incrementally by the scheduler thread; ``snapshot`` may run on any thread.
+
+    Sharing of compressed nodes (blocks, in block scope): ``shared_block_hits`` counts (request,
+    node) pairs where a request's prefix match reused a node another request compressed;
+    ``blocks_compressed`` counts nodes ever created (a block compressed twice would show as more
+    nodes than distinct blocks); ``block_races_lost`` counts spans a request scored but found already
+    compressed by a concurrent request at its checkpoint (its plan is dropped before any cell is
+    taken). ``served_histogram`` maps "distinct requests a node served" (its creator, every request
+    that reused it, every race loser that adopted it) to the number of nodes, over every node created
+    since the server started (evicted and flushed ones keep their final count).
+    """
 
     compressed_nodes: int = 0
     compressed_tokens: int = 0
@@ -71,14 +91,26 @@ class EngineStats:
     reused_tokens: int = 0
     requests_left_dense: int = 0
     compressed_nodes_evicted: int = 0
+    shared_block_hits: int = 0
+    blocks_compressed: int = 0
+    block_races_lost: int = 0
+    served_histogram: Counter = field(default_factory=Counter, repr=False)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def node_added(self, segment: CompressedSegment) -> None:
+        """A compressed node was created; it has served its creator."""
         with self.lock:
             self.compressed_nodes += 1
             self.compressed_tokens += segment.length
             self.kept_cells += segment.num_cells
-            self.requests_compressed += 1
+            self.blocks_compressed += 1
+            self.served_histogram[1] += 1
+
+    def node_served(self, served_before: int) -> None:
+        """One more distinct request used a node that had served ``served_before`` requests."""
+        with self.lock:
+            self.served_histogram[served_before] -= 1
+            self.served_histogram[served_before + 1] += 1
 
     def node_removed(self, segment: CompressedSegment) -> None:
         with self.lock:
@@ -95,16 +127,36 @@ class EngineStats:
         with self.lock:
             setattr(self, name, getattr(self, name) + amount)
 
-    def snapshot(self) -> dict[str, int]:
+    def snapshot(self) -> dict:
+        """The counters, plus ``requests_served_per_block`` (power-of-two buckets of
+        ``served_histogram``) with its max and mean."""
         with self.lock:
-            return {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "lock"}
+            counters = {name: getattr(self, name) for name in self.__dataclass_fields__ if name not in _NOT_COUNTERS}
+            histogram = {served: nodes for served, nodes in self.served_histogram.items() if nodes}
+        buckets: dict[str, int] = {}
+        for served in sorted(histogram):
+            buckets[served_bucket(served)] = buckets.get(served_bucket(served), 0) + histogram[served]
+        nodes = sum(histogram.values())
+        return {
+            **counters,
+            "requests_served_per_block": buckets,
+            "requests_served_per_block_max": max(histogram, default=0),
+            "requests_served_per_block_mean": sum(s * n for s, n in histogram.items()) / nodes if nodes else 0.0,
+        }
+
+
+_NOT_COUNTERS = ("served_histogram", "lock")
 
 
 class EngineState:
     """The policy, the arena, the request index and the stats of one scheduler process."""
 
-    def __init__(self, eviction: EvictionConfig, shape: ModelShape, arena: Arena, allocator):
+    def __init__(
+        self, eviction: EvictionConfig, shape: ModelShape, arena: Arena, allocator, block_size: Optional[int] = None
+    ):
+        """block_size: the block size in block scope, None in request scope (``ServingConfig.scope``)."""
         self.eviction = eviction
+        self.block_size = block_size
         self.policy = build_policy(eviction)
         self.stats_request = self.policy.stats_request()
         self.shape = shape
@@ -121,25 +173,28 @@ class EngineState:
     def track(self, req) -> None:
         self.requests[req.rid] = req
 
-    def start_segment(self, req, start: int, end: int) -> Optional[SegmentCompressor]:
-        """A compressor for the request's own span ``[start, end)`` (its prompt ends at ``end``),
-        kept on the request for the tree's checkpoint; None when the span is too short to compress."""
-        if end - start <= self.eviction.window:
-            return None
+    def start_segments(self, req, start: int, end: int) -> list[SegmentCompressor]:
+        """Compressors for the spans the request compresses when its own prompt tokens ``[start, end)``
+        are prefilled (``segments.compressible_spans``), kept on the request for the tree's checkpoint."""
         shape = self.shape
-        compressor = self.policy.start(SegmentSpec(start, end, shape.num_layers, shape.num_kv_heads, shape.num_q_heads))
-        request_state(req).compressor = compressor
-        return compressor
+        compressors = [
+            self.policy.start(SegmentSpec(a, b, shape.num_layers, shape.num_kv_heads, shape.num_q_heads))
+            for a, b in compressible_spans(start, end, self.eviction.window, self.block_size)
+        ]
+        request_state(req).compressors = compressors
+        return compressors
 
     # ---- reporting -----------------------------------------------------------------------------
 
     def dump_plan(self, rid: str, plan: CompressionPlan) -> None:
+        """Save ``<rid>.pt`` (request scope) or ``<rid>.block<k>.pt`` (block ``k`` in block scope)."""
         if self.plan_dump_dir is None:
             return
         self.plan_dump_dir.mkdir(parents=True, exist_ok=True)
         layers = [(layer.kept_positions, layer.head_indptr) for layer in plan.layers]
         payload = {"segment_start": plan.segment_start, "segment_end": plan.segment_end, "layers": layers}
-        torch.save(payload, self.plan_dump_dir / f"{rid}.pt")
+        name = rid if self.block_size is None else f"{rid}.block{plan.segment_start // self.block_size}"
+        torch.save(payload, self.plan_dump_dir / f"{name}.pt")
 
     def stats_snapshot(self) -> dict:
         """Thread-safe: counters are copied under their lock; the two pool reads are single loads."""
@@ -148,6 +203,8 @@ class EngineState:
             "policy": self.eviction.policy,
             "budget": None if budget is None else str(budget),
             "window": self.eviction.window,
+            "scope": REQUEST_SCOPE if self.block_size is None else BLOCK_SCOPE,
+            "block_size": self.block_size,
             **self.stats.snapshot(),
             "arena_cells_total": self.arena.cells_total,
             "arena_cells_used": self.arena.cells_used,

@@ -138,3 +138,55 @@ def window_stats(
                 joint = (1 + z).square() * v_sq.unsqueeze(1) - 2 * z * (1 + z) * v_dot_o + z.square() * o_sq
                 out["obc_joint"] = (probs_sq * joint).sum(1)
     return WindowStats(window=window, **out)
+
+
+def window_stats_over_kept(
+    q_window: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    kept: torch.Tensor,
+    scaling: float,
+    request: StatsRequest,
+) -> WindowStats:
+    """``window_stats`` when some earlier entries are already evicted, per KV head.
+
+    q_window: ``[H_q, w, D]``; keys, values: ``[H_kv, L, D]``; kept: bool ``[H_kv, L]`` (the window
+    ``[L - w, L)`` must be kept). The softmax of each head runs over its kept keys only, as in an engine
+    that reuses a compressed prefix (the SGLang engine calls it for exactly that); evicted columns of every statistic are 0 (they get no attention).
+    """
+    num_q_heads, window, _ = q_window.shape
+    num_kv_heads, length, _ = keys.shape
+    if bool(kept.all()):
+        return window_stats(q_window, keys, values, scaling, request)
+    if not bool(kept[:, length - window :].all()):
+        raise ValueError("the observation window of a segment cannot contain evicted entries")
+    group = num_q_heads // num_kv_heads
+    # Gathering keeps the window as the last `w` keys of each head, so window_stats' causal mask, which
+    # counts from the end, stays right in the gathered index space.
+    per_head = []
+    for head in range(num_kv_heads):
+        positions = kept[head].nonzero().squeeze(1)
+        per_head.append(
+            (
+                positions,
+                window_stats(
+                    q_window[head * group : (head + 1) * group],
+                    keys[head : head + 1, positions],
+                    values[head : head + 1, positions],
+                    scaling,
+                    request,
+                ),
+            )
+        )
+    scattered: dict[str, torch.Tensor] = {}
+    for field in fields(WindowStats):
+        if field.name == "window" or getattr(per_head[0][1], field.name) is None:
+            continue
+        columns = []
+        for positions, stats in per_head:
+            head_stat = getattr(stats, field.name)
+            full = head_stat.new_zeros(*head_stat.shape[:-1], length)
+            full[..., positions] = head_stat
+            columns.append(full)
+        scattered[field.name] = torch.cat(columns)
+    return WindowStats(window=window, **scattered)

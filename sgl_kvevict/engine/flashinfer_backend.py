@@ -1,0 +1,208 @@
+"""The CUDA attention backend: SGLang's ``FlashInferAttnBackend`` plus scoring capture and segment attention.
+
+**UNTESTED on real hardware.** Nothing here has run on a GPU or against the real ``flashinfer``
+package: it is written against FlashInfer's documented Python API and tested on CPU against
+``tests/fake_flashinfer.py``, a torch implementation of exactly the calls made here
+(``tests/test_engine_flashinfer.py``). The Triton kernel it uses is verified in Triton's
+interpreter only. Correctness on CUDA and speed are unknown.
+
+Registered in place of the stock ``flashinfer`` factory (``plugin.py``). A forward without
+compressed requests is the stock backend's (ragged + paged wrappers, CUDA kernels, no change). A
+forward with compressed requests (``SegmentAttentionBackend`` dispatch, shared with the CPU backend)
+runs every request of the batch as
+
+* **dense part**, FlashInfer: the stock paged prefill wrapper (``prefill_wrappers_paged[0]``),
+  re-planned over each request's *dense* positions only (everything outside its compressed spans,
+  this forward's tokens included) with ``causal=True``, page size 1, ``return_lse=True``. The
+  compressed spans all precede the new tokens, so FlashInfer's bottom-right causal alignment over
+  the compacted position list is exactly "query at position p sees dense keys at positions <= p".
+  The same wrapper serves decode (one query per request): its prefill kernels pack the GQA group
+  into the query tile, like the decode wrapper's tensor-core mode, and have no group-size limits.
+* **compressed part**, Triton: ``kernels.segment_attention``, one pseudo-sequence per (request, KV
+  head), GQA group as its query heads (shared with the CPU backend through ``compressed_attention``).
+* **merge**: ``flashinfer.cascade.merge_state`` of the two, compressed requests' rows only.
+
+Why Triton and not FlashInfer for the compressed part (the alternative of sglang-0.5.23-hooks.md
+§8.5, a paged prefill wrapper planned with ``num_kv_heads=1`` over the (request, head)
+pseudo-sequences): the per-(layer, head) cell counts of Ada-KV/PyramidKV/LAVa differ by layer, so
+FlashInfer would need one ``plan`` per layer per forward (host-side scheduling and H2D copies on
+every decode step) and one wrapper with its own int workspace per layer, plus a permutation of ``q``
+into (request, head, token) order and back. The Triton kernel takes each layer's CSR as device
+tensors, reads ``q`` in place, and returns ``lse = -inf`` for heads without cells, a case where
+FlashInfer's ``kv_len = 0`` behaviour is undocumented. Its cost: no split over the cells, so small
+decode batches over long compressed contexts under-fill the GPU (``kernels/segment_attention.py``).
+
+LSE bases: FlashInfer's ``run(..., return_lse=True)`` returns base-2 LSEs (``log2 sum exp``) and
+``merge_state`` consumes them; ``segment_attention`` returns natural-log LSEs, converted here by
+``* log2(e)`` before merging.
+
+Limits (refused, not approximated): sliding-window and cross-attention models (two wrapper sets),
+page size > 1, quantised KV caches, attention logit soft-capping (the segment kernel has none).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from flashinfer.cascade import merge_state
+from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
+from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+from sgl_kvevict.engine.attention import SegmentAttentionBackend, compressed_attention
+from sgl_kvevict.engine.batch import ForwardPlan
+
+LOG2_E = math.log2(math.e)
+_CUDA_MAX_THREADS_PER_BLOCK = 1024
+_UNQUANTISED_KV_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class DenseLayout:
+    """The FlashInfer paged batch (page size 1, one page per token) of every request's dense positions.
+
+    qo_indptr int32 ``[B + 1]`` and kv_indptr int32 ``[B + 1]`` on the host: ``plan`` schedules from
+    host copies, so device tensors would cost a synchronising D2H copy. kv_indices int32 ``[nnz]``
+    on the KV cache's device: the slot of each dense position, request-major, positions ascending.
+    kv_last_page_len int32 ``[B]`` (host): all ones, every page holds one token.
+    """
+
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_last_page_len: torch.Tensor
+
+    @classmethod
+    def of(cls, plan: ForwardPlan, req_to_token: torch.Tensor) -> "DenseLayout":
+        """``req_to_token`` ``[rows, max_len]`` int32 (device): the slots of every request's row."""
+        host = torch.device("cpu")
+        positions = [request.dense_positions(host) for request in plan.requests]
+        kv_counts = torch.tensor([len(p) for p in positions], dtype=torch.int32)
+        qo_counts = torch.tensor([request.num_queries for request in plan.requests], dtype=torch.int32)
+        # The new tokens are dense, so no request has an empty dense part (FlashInfer's kv_len = 0
+        # behaviour is undocumented) and its queries are the last entries of its dense list.
+        assert bool((kv_counts >= qo_counts).all()) and bool((qo_counts > 0).all())
+        rows = torch.repeat_interleave(torch.tensor([request.row for request in plan.requests]), kv_counts.long())
+        device = req_to_token.device
+        kv_indices = req_to_token[rows.to(device), torch.cat(positions).to(device)].to(torch.int32)
+        return cls(
+            qo_indptr=_indptr(qo_counts),
+            kv_indptr=_indptr(kv_counts),
+            kv_indices=kv_indices,
+            kv_last_page_len=torch.ones(len(plan.requests), dtype=torch.int32),
+        )
+
+
+def _indptr(counts: torch.Tensor) -> torch.Tensor:
+    indptr = torch.zeros(len(counts) + 1, dtype=torch.int32)
+    indptr[1:] = torch.cumsum(counts, 0)
+    return indptr
+
+
+def merge_state_heads_per_launch(num_heads: int, head_dim: int, element_size: int) -> int:
+    """Heads per ``merge_state`` call that keep its CUDA block within 1024 threads.
+
+    FlashInfer's MergeState launches ``(head_dim / vec_size, num_heads)`` threads per block with
+    ``vec_size = max(16 / element_size, head_dim / 32)`` (mirrored from SGLang's
+    ``_merge_state_max_safe_num_heads``); the largest divisor of ``num_heads`` within the limit.
+    """
+    vec_size = max(16 // element_size, head_dim // 32)
+    limit = max(1, _CUDA_MAX_THREADS_PER_BLOCK // max(1, head_dim // vec_size))
+    return max(d for d in range(1, min(num_heads, limit) + 1) if num_heads % d == 0)
+
+
+def merge_states_base2(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``flashinfer.cascade.merge_state`` of ``[N, H, D]`` outputs with base-2 LSEs fp32 ``[N, H]``.
+
+    The merge is independent per (token, head) row, so heads are folded into the token dimension
+    when ``H`` exceeds what one launch takes (large-head models).
+    """
+    num_tokens, num_heads, head_dim = out_a.shape
+    per_launch = merge_state_heads_per_launch(num_heads, head_dim, out_a.element_size())
+    groups = num_tokens * (num_heads // per_launch)
+    out, lse = merge_state(
+        out_a.reshape(groups, per_launch, head_dim),
+        lse_a.reshape(groups, per_launch),
+        out_b.reshape(groups, per_launch, head_dim),
+        lse_b.reshape(groups, per_launch),
+    )
+    return out.view(num_tokens, num_heads, head_dim), lse.view(num_tokens, num_heads)
+
+
+class KVEvictFlashInferBackend(SegmentAttentionBackend, FlashInferAttnBackend):
+    """``FlashInferAttnBackend`` that scores prompts for eviction and attends over compressed nodes.
+
+    UNTESTED on real hardware (module docstring).
+    """
+
+    def __init__(self, model_runner, **kwargs):
+        super().__init__(model_runner, **kwargs)
+        problems = [
+            (self.num_wrappers != 1, "sliding-window and cross-attention models"),
+            (self.page_size != 1, f"page size {self.page_size}"),
+            (
+                self.prefill_uses_dequant_workspace
+                or self.decode_uses_dequant_workspace
+                or model_runner.kv_cache_dtype not in _UNQUANTISED_KV_DTYPES,
+                f"KV cache dtype {model_runner.kv_cache_dtype} (quantised KV)",
+            ),
+        ]
+        refused = [reason for failed, reason in problems if failed]
+        if refused:
+            raise NotImplementedError(
+                f"sgl-kvevict FlashInfer segment attention does not support: {'; '.join(refused)}"
+            )
+        self._dense_layout: Optional[DenseLayout] = None
+        self._dense_planned_scale: Optional[float] = None
+
+    def _init_segment_metadata(self, forward_batch, plan: ForwardPlan) -> None:
+        self._dense_layout = DenseLayout.of(plan, self.req_to_token_pool.req_to_token)
+        self._dense_planned_scale = None  # planned at the first layer, which knows the softmax scale
+
+    def _dense_wrapper(self, layer, q_dtype: torch.dtype, kv_dtype: torch.dtype):
+        """The stock paged prefill wrapper, planned over the dense layout for ``layer``'s scale.
+
+        FlashInfer takes ``sm_scale`` and ``causal`` at ``plan`` time; one plan serves every layer of
+        the forward unless a layer's scale differs (then it is re-planned).
+        """
+        wrapper = self.prefill_wrappers_paged[0]
+        if self._dense_planned_scale != layer.scaling:
+            layout = self._dense_layout
+            wrapper.plan(
+                layout.qo_indptr,
+                layout.kv_indptr,
+                layout.kv_indices,
+                layout.kv_last_page_len,
+                layer.tp_q_head_num,
+                layer.tp_k_head_num,
+                layer.qk_head_dim,
+                1,  # page size: one token per page, the token slot is the page id
+                head_dim_vo=layer.v_head_dim,
+                causal=True,
+                sm_scale=layer.scaling,
+                q_data_type=q_dtype,
+                kv_data_type=kv_dtype,
+            )
+            self._dense_planned_scale = layer.scaling
+        return wrapper
+
+    def _forward_with_segments(self, q, k, v, layer, forward_batch, save_kv_cache, plan: ForwardPlan):
+        if layer.logit_cap:
+            raise NotImplementedError("sgl-kvevict segment attention has no logit soft-capping")
+        if save_kv_cache and k is not None and v is not None:
+            self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc), k, v)
+        num_q_heads, v_head_dim = layer.tp_q_head_num, layer.v_head_dim
+        queries = q.reshape(-1, num_q_heads, layer.qk_head_dim)
+        k_cache, v_cache = self.token_to_kv_pool.get_kv_buffer(layer.layer_id)  # [slots, H_kv, D] each
+        wrapper = self._dense_wrapper(layer, queries.dtype, k_cache.dtype)
+        # NHD paged cache with page size 1: [pages, page_size = 1, H_kv, D]
+        out, lse_base2 = wrapper.run(queries, (k_cache.unsqueeze(1), v_cache.unsqueeze(1)), return_lse=True)
+
+        rows, compressed_out, compressed_lse = compressed_attention(plan, queries, layer)
+        merged, _ = merge_states_base2(out[rows], lse_base2[rows], compressed_out, compressed_lse * LOG2_E)
+        out[rows] = merged
+        return out.view(-1, num_q_heads * v_head_dim)

@@ -1,0 +1,97 @@
+"""Prometheus export of the compression counters, beside SGLang's own series (``--enable-metrics``).
+
+SGLang runs ``prometheus_client`` in multiprocess mode: the engine sets ``PROMETHEUS_MULTIPROC_DIR``
+before it spawns the scheduler, every process writes its metric values to files there, and the
+HTTP server's ``/metrics`` (``add_prometheus_middleware``) merges those files with a
+``MultiProcessCollector``. A custom collector registered in the scheduler process would never reach
+``/metrics``; values have to be written as ordinary ``Counter``/``Gauge`` metrics in the process
+where the tree lives, as SGLang's ``RadixCacheMetricsCollector`` does.
+
+A daemon thread copies ``EngineState.stats_snapshot()`` (thread-safe) into them every ``interval``
+seconds, so the scheduler's loop carries no metrics code: levels become gauges
+(``multiprocess_mode="mostrecent"``, like SGLang's scheduler gauges), running totals become counters
+increased by their change since the last copy. Series carry SGLang's radix-cache labels
+(``cache_type``, ``tp_rank``, ``pp_rank``, ``dp_rank`` and any ``--extra-metric-labels``) so they
+line up with its ``sglang:*`` cache series.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, Mapping
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "kvevict_"
+# Levels: what the tree and the pools hold now (they fall on eviction and /flush_cache).
+GAUGES = {
+    "compressed_nodes": "Compressed radix-tree nodes currently cached.",
+    "compressed_tokens": "Logical prompt tokens covered by the cached compressed nodes.",
+    "kept_cells": "Arena cells held by cached compressed nodes (one cell: one KV head of one layer of one token).",
+    "arena_cells_total": "Arena capacity in cells.",
+    "arena_cells_used": "Arena cells allocated now.",
+    "dense_slots_total": "SGLang's dense token-slot pool size (the KV memory minus the arena).",
+    "dense_slots_free": "Dense token slots free now.",
+}
+# Running totals since the server started (prometheus_client appends _total to the names).
+COUNTERS = {
+    "requests_compressed": "Requests whose prompt was compressed into a compressed node.",
+    "reuse_hits": "Prefix matches that reused at least one compressed node.",
+    "reused_tokens": "Logical prompt tokens served from compressed nodes instead of being prefilled again.",
+    "requests_left_dense": "Requests left uncompressed because the arena was full.",
+    "compressed_nodes_evicted": "Compressed nodes evicted under memory pressure (LRU; /flush_cache not counted).",
+}
+DEFAULT_INTERVAL_SECONDS = 1.0
+
+
+class StatsExporter:
+    """The kvevict_* metrics of one scheduler process and the copy from a stats snapshot into them."""
+
+    def __init__(self, labels: Mapping[str, object]):
+        # Imported here: prometheus_client reads PROMETHEUS_MULTIPROC_DIR when it is first imported,
+        # which SGLang has set by the time the scheduler builds its tree.
+        from prometheus_client import Counter, Gauge
+
+        names = list(labels)
+        values = {name: str(value) for name, value in labels.items()}
+        self.gauges = {
+            field: Gauge(PREFIX + field, doc, labelnames=names, multiprocess_mode="mostrecent").labels(**values)
+            for field, doc in GAUGES.items()
+        }
+        self.counters = {
+            field: Counter(PREFIX + field, doc, labelnames=names).labels(**values) for field, doc in COUNTERS.items()
+        }
+        self._exported_totals = dict.fromkeys(COUNTERS, 0)
+
+    def update(self, stats: Mapping[str, object]) -> None:
+        for field, gauge in self.gauges.items():
+            gauge.set(stats[field])
+        for field, counter in self.counters.items():
+            increase = stats[field] - self._exported_totals[field]
+            if increase > 0:  # totals never fall; a smaller value would only be a torn read
+                counter.inc(increase)
+                self._exported_totals[field] = stats[field]
+
+
+def export_metrics(
+    snapshot: Callable[[], Mapping[str, object]],
+    labels: Mapping[str, object],
+    interval: float = DEFAULT_INTERVAL_SECONDS,
+) -> StatsExporter:
+    """Create the metrics, write the first values now and start the copying thread."""
+    exporter = StatsExporter(labels)
+    exporter.update(snapshot())
+
+    def copy_forever() -> None:
+        while True:  # a daemon thread: it ends with the scheduler process
+            time.sleep(interval)
+            try:
+                exporter.update(snapshot())
+            except Exception:  # monitoring must never take the scheduler down
+                logger.exception("sgl-kvevict: updating the kvevict_* metrics failed")
+
+    threading.Thread(target=copy_forever, name="kvevict-metrics", daemon=True).start()
+    logger.info("sgl-kvevict: exporting kvevict_* Prometheus metrics every %.1f s", interval)
+    return exporter

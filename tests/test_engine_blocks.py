@@ -1,0 +1,190 @@
+"""Block scope on real servers (tiny fp32 model): shared prefixes compressed once, reused by every request.
+
+Blocks of ``BLOCK`` tokens aligned at position 0; a document of three blocks plus a short tail, then
+a question. Server ``blocks`` (lava, a roomy arena) checks reuse, parity with the reference engine
+and concurrent sharing; server ``tight`` (snapkv, an arena of a few blocks) checks LRU eviction.
+Both end with /flush_cache giving every cell and dense slot back.
+
+Reference schedules (``sgl_kvevict.reference.schedule``) mirror the server's forwards: a request
+prefills its own tokens in one forward and compresses the blocks ending in it afterwards (blocks of
+that forward score over each other densely, blocks reused from the tree over their kept entries).
+A request that reuses every block of the document is the reference's context-only mode (document
+compressed, then the question over it); the request that first computes them is the reference's
+one-forward schedule over its whole prompt.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine_client import (
+    TINY_SERVER_FLAGS,
+    assert_no_leak_after_flush,
+    assert_strict_idle_check_passed,
+    generate,
+    stats,
+)
+from serving import running_server
+from sgl_kvevict.config import EvictionConfig, build_policy
+from sgl_kvevict.engine.state import PLAN_DUMP_ENV
+from test_engine_memory import run_concurrently
+from test_engine_parity import assert_same_plan
+
+pytestmark = pytest.mark.server
+
+BLOCK = 96
+DOCUMENT = 3 * BLOCK + 20  # three blocks and a dense tail
+QUESTION = 15
+MAX_NEW_TOKENS = 6
+BLOCK_FLAGS = ("--kv-evict-scope", "block", "--kv-evict-block-size", str(BLOCK), *TINY_SERVER_FLAGS)
+LAVA = EvictionConfig(policy="lava", budget="0.25")
+
+
+def tokens(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(5, 250) for _ in range(length)]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir):
+    from sgl_kvevict.reference.engine import ReferenceEngine
+
+    return ReferenceEngine(tiny_llama_dir, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def dump_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("block-plans")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir, tmp_path_factory, dump_dir):
+    flags = ("--kv-evict-policy", "lava", "--kv-evict-budget", "0.25", "--max-total-tokens", "4096", *BLOCK_FLAGS)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(PLAN_DUMP_ENV, str(dump_dir))
+        with running_server(tiny_llama_dir, tmp_path_factory.mktemp("blocks"), *flags) as running:
+            yield running
+            assert_strict_idle_check_passed(running)
+
+
+def reference_run(reference, prompt_ids, context_end, *steps):
+    """The reference's greedy run of ``prompt_ids`` prefilled in forwards ending at ``steps``
+    (``(end, blocks compressed after it)``), then the rest densely."""
+    from sgl_kvevict.reference import Prompt, PrefillStep, Schedule, Segment
+
+    schedule = Schedule(
+        tuple(PrefillStep(end, tuple(Segment(k * BLOCK, (k + 1) * BLOCK) for k in blocks)) for end, blocks in steps)
+        + ((PrefillStep(len(prompt_ids)),) if steps[-1][0] < len(prompt_ids) else ())
+    )
+    prompt = Prompt.from_ids(prompt_ids, context_end)
+    return reference.generate_scheduled(prompt, build_policy(LAVA), schedule, MAX_NEW_TOKENS)
+
+
+def assert_block_plans(dump_dir, rid: str, blocks, expected_plans) -> None:
+    for block, plan in zip(blocks, expected_plans, strict=True):
+        assert_same_plan(torch.load(dump_dir / f"{rid}.block{block}.pt"), plan)
+
+
+def test_different_questions_share_the_document_blocks(server, reference, dump_dir):
+    document = tokens(1, DOCUMENT)
+    first_prompt, second_prompt = document + tokens(2, QUESTION), document + tokens(3, QUESTION)
+
+    first = generate(server, first_prompt, MAX_NEW_TOKENS, rid="first")
+    expected_first = reference_run(reference, first_prompt, len(first_prompt), (len(first_prompt), (0, 1, 2)))
+    assert_block_plans(dump_dir, "first", (0, 1, 2), expected_first.plans)
+    assert tuple(first["output_ids"]) == expected_first.output_ids
+    after_first = stats(server)
+    assert (after_first["scope"], after_first["block_size"]) == ("block", BLOCK)
+    assert after_first["compressed_nodes"] == after_first["blocks_compressed"] == 3
+    assert after_first["compressed_tokens"] == 3 * BLOCK
+    kept = sum(plan.total_kept() for plan in expected_first.plans)  # a block keeps its window in its cells
+    assert after_first["arena_cells_used"] == after_first["kept_cells"] == kept
+
+    second = generate(server, second_prompt, MAX_NEW_TOKENS, rid="second")
+    assert second["meta_info"]["cached_tokens"] >= DOCUMENT  # three blocks and the dense tail
+    assert not list(dump_dir.glob("second.*"))  # nothing scored, nothing compressed
+    # Context-only: the document compressed in blocks, then the question over it.
+    expected_second = reference_run(reference, second_prompt, DOCUMENT, (DOCUMENT, (0, 1, 2)))
+    for recomputed, stored in zip(expected_second.plans, expected_first.plans, strict=True):
+        for layer, other in zip(recomputed.layers, stored.layers):  # the blocks the server holds
+            assert torch.equal(layer.kept_positions, other.kept_positions)
+    assert tuple(second["output_ids"]) == expected_second.output_ids
+    after_second = stats(server)
+    assert after_second["compressed_nodes"] == after_second["blocks_compressed"] == 3  # each block held once
+    assert after_second["arena_cells_used"] == after_first["arena_cells_used"]
+    assert after_second["shared_block_hits"] == 3
+    assert after_second["requests_served_per_block"] == {"2": 3}
+
+    # Diverging inside block 2 (the second block): block 1 is reused; its own block 2 is scored in
+    # one forward over the compressed block 1 (the reference's second forward), but it starts with
+    # the same tokens as the stored block 2, and a compressed node cannot be split to make room for a
+    # sibling: it stays dense (README, "Block scope", limits), and so does everything after it.
+    diverging_prompt = document[: BLOCK + 40] + tokens(4, 2 * BLOCK + 10) + tokens(5, QUESTION)
+    diverging = generate(server, diverging_prompt, MAX_NEW_TOKENS, rid="diverging")
+    assert diverging["meta_info"]["cached_tokens"] == BLOCK
+    scored = reference_run(reference, diverging_prompt, BLOCK, (BLOCK, (0,)), (len(diverging_prompt), (1,)))
+    assert_block_plans(dump_dir, "diverging", (1,), scored.plans[1:])  # scores over block 1's kept entries
+    expected_diverging = reference_run(reference, diverging_prompt, BLOCK, (BLOCK, (0,)))
+    assert tuple(diverging["output_ids"]) == expected_diverging.output_ids
+    after_diverging = stats(server)
+    assert after_diverging["compressed_nodes"] == after_diverging["blocks_compressed"] == 3
+    assert after_diverging["shared_block_hits"] == 4
+    assert after_diverging["requests_served_per_block"] == {"2": 2, "3-4": 1}
+    assert_no_leak_after_flush(server)
+
+
+def test_concurrent_requests_compress_every_shared_block_once(server):
+    documents = [tokens(10 + d, DOCUMENT) for d in range(3)]
+    prompts = [document + tokens(20 + q, QUESTION) for document in documents for q in range(4)]
+    before = stats(server)
+    calls = [lambda prompt=prompt: generate(server, prompt, 2) for prompt in prompts]
+    run_concurrently(calls)
+    after = stats(server)
+    distinct_blocks = 3 * len(documents)
+    assert after["compressed_nodes"] == distinct_blocks
+    assert after["blocks_compressed"] - before["blocks_compressed"] == distinct_blocks
+    assert after["arena_cells_used"] == after["kept_cells"]
+    # Each of the 12 requests used its document's 3 blocks: reused, compressed or adopted after a lost race.
+    served = after["requests_served_per_block"]
+    assert sum(served.values()) == after["blocks_compressed"]
+    races = after["block_races_lost"] - before["block_races_lost"]
+    hits = after["shared_block_hits"] - before["shared_block_hits"]
+    assert races + hits == len(prompts) * 3 - distinct_blocks
+    assert_no_leak_after_flush(server)
+
+
+def test_blocks_are_evicted_least_recently_used_under_a_tight_arena(tiny_llama_dir, tmp_path):
+    # snapkv at 0.25 keeps its 32-token window of a 96-token block: 32 slot-equivalents per block; the
+    # arena holds 130, so four blocks.
+    flags = (
+        "--kv-evict-policy", "snapkv", "--kv-evict-budget", "0.25", "--kv-evict-arena-fraction", "0.05",
+        "--max-total-tokens", "2600", *BLOCK_FLAGS,
+    )  # fmt: skip
+    documents = [tokens(30 + d, DOCUMENT) for d in range(3)]
+    with running_server(tiny_llama_dir, tmp_path, *flags) as server:
+        for document in documents:
+            generate(server, document + tokens(40, QUESTION), 2)
+        full = stats(server)
+        assert full["blocks_compressed"] == 9
+        assert full["compressed_nodes_evicted"] >= 5 and full["compressed_nodes"] <= 4
+        assert full["arena_cells_used"] == full["kept_cells"] <= full["arena_cells_total"]
+        latest = generate(server, documents[-1] + tokens(41, QUESTION), 2)
+        assert latest["meta_info"]["cached_tokens"] >= 3 * BLOCK  # the newest document's blocks stayed
+        oldest = generate(server, documents[0] + tokens(42, QUESTION), 2)
+        assert oldest["meta_info"]["cached_tokens"] < BLOCK  # the oldest one's were evicted first
+        assert_no_leak_after_flush(server)
+        assert_strict_idle_check_passed(server)
+
+
+def test_compressible_spans_by_scope():
+    from sgl_kvevict.engine.segments import compressible_spans
+
+    assert compressible_spans(10, 300, window=32, block_size=None) == [(10, 300)]  # request scope: its own span
+    assert compressible_spans(10, 40, window=32, block_size=None) == []  # not longer than the window
+    # Block scope: full blocks of the request's own tokens, ending before its last token.
+    assert compressible_spans(0, 289, window=32, block_size=96) == [(0, 96), (96, 192), (192, 288)]
+    assert compressible_spans(0, 288, window=32, block_size=96) == [(0, 96), (96, 192)]
+    assert compressible_spans(100, 400, window=32, block_size=96) == [(192, 288), (288, 384)]  # block 1 is the tree's
