@@ -20,9 +20,9 @@ import sys
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
-from benchmarks.load.conversations import ConversationError, ConversationSpec, build_conversations
+from benchmarks.load.conversations import ConversationError, ConversationSpec, build_conversations, model_token_counter
 from benchmarks.load.driver import (
     POOL_NAMES,
     CompareConfig,
@@ -30,6 +30,7 @@ from benchmarks.load.driver import (
     PoolSizes,
     RunResult,
     compare,
+    fewest_dense_slots,
     history_tokens,
     pool_sizes,
 )
@@ -48,16 +49,6 @@ SETTING_ERRORS = (ConversationError, DriverError, LoadError, SoakError, ValueErr
 
 def _csv(text: str) -> list[str]:
     return [item.strip() for item in text.split(",") if item.strip()]
-
-
-def _count_tokens_for(model: str) -> Callable[[str], int]:
-    """Token counts with the served model's own tokenizer (documents are sized in its tokens)."""
-    from tokenizers import Tokenizer
-
-    from sgl_kvevict.models import resolve_model
-
-    tokenizer = Tokenizer.from_file(str(resolve_model(model, log=lambda m: print(m, file=sys.stderr)) / "tokenizer.json"))
-    return lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids)
 
 
 def _add_workload_flags(parser: argparse.ArgumentParser) -> None:
@@ -127,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     comparison.add_argument("--pools", default=",".join(POOL_NAMES), help="which pools to run (default large,tight)")
     comparison.add_argument("--large-pool", type=int, default=65536, help="--max-total-tokens of the large pool (default 65536)")
     comparison.add_argument(
-        "--tight-pool", type=int, help="--max-total-tokens of the tight pool (default: --tight-fraction of all histories)"
+        "--tight-pool", type=int, help="--max-total-tokens of the tight pool (default: --tight-fraction of all histories, raised "
+        "when a policy server's dense share, the pool minus its arena, would not hold the longest conversation)"
     )
     comparison.add_argument(
         "--tight-fraction", type=float, default=0.33, help="tight pool as a share of all final histories' tokens (default 0.33)"
@@ -190,9 +182,16 @@ def run_compare(args: argparse.Namespace, argv: Sequence[str]) -> int:
         tight_fraction=args.tight_fraction,
         launcher_extra=tuple(args.server_arg),
     )
-    count_tokens = _count_tokens_for(args.model)
+    count_tokens = model_token_counter(args.model)
     conversations = build_conversations(spec, count_tokens)
-    sizes = pool_sizes(config, [history_tokens(c, count_tokens, settings.max_tokens) for c in conversations], settings.max_tokens)
+    histories = [history_tokens(c, count_tokens, settings.max_tokens) for c in conversations]
+    sizes = pool_sizes(config, histories, settings.max_tokens, fewest_dense_slots(config))
+    if sizes.tight_raised_for_dense:
+        print(
+            f"tight pool raised to {sizes.tight} tokens ({sizes.tight / sizes.all_histories:.2f} of all histories): "
+            "a policy server's dense share must hold the longest conversation",
+            flush=True,
+        )
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="multiturn-logs-"))
     print(
         f"{len(conversations)} users x {spec.turns} turns, ~{sizes.all_histories} history tokens in all; pools: "
@@ -208,7 +207,7 @@ def run_compare(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 def run_single(args: argparse.Namespace, argv: Sequence[str]) -> int:
     spec, settings = _workload(args)
-    count_tokens = _count_tokens_for(args.model)
+    count_tokens = model_token_counter(args.model)
     conversations = build_conversations(spec, count_tokens)
     histories = [history_tokens(c, count_tokens, settings.max_tokens) for c in conversations]
     base_url = args.url.rstrip("/")
@@ -222,7 +221,7 @@ def run_single(args: argparse.Namespace, argv: Sequence[str]) -> int:
         return await run_users(base_url, conversations, settings, lambda m: print(m, flush=True))
 
     outcome = asyncio.run(measure())
-    result = RunResult("external", outcome.pool_tokens or 0, ServerVariant(VANILLA_POLICY), outcome, None, 0.0, (0, 0, 0))
+    result = RunResult("external", outcome.dense_slots or 0, ServerVariant(VANILLA_POLICY), outcome, None, 0.0, (0, 0, 0))
     sizes = PoolSizes(large=0, tight=0, all_histories=sum(histories), longest_history=max(histories))
     meta = {**_workload_meta(argv, args.model, spec, settings, sizes), "url": base_url, "label": args.label}
     paths = write_comparison([result], meta, args.out, args.name)
@@ -274,7 +273,7 @@ def run_soak_command(args: argparse.Namespace, argv: Sequence[str]) -> int:
         prompt_tokens=(min(40, args.max_prompt_tokens), args.max_prompt_tokens),
         seed=args.seed,
     )
-    count_tokens = _count_tokens_for(args.model)
+    count_tokens = model_token_counter(args.model)
     log = lambda m: print(m, flush=True)  # noqa: E731
     if args.url:
         server_description = f"external {args.url}"

@@ -12,6 +12,8 @@ import pytest
 from benchmarks import multiturn
 from benchmarks.load.client import StreamedReply, check_reply
 from benchmarks.load.conversations import ConversationError, ConversationSpec, build_conversations
+from benchmarks.load.driver import CompareConfig, DriverError, fewest_dense_slots, pool_sizes
+from benchmarks.load.servers import ServerVariant
 from benchmarks.load.metrics import RequestRecord, hit_rate, percentile, summarize
 from benchmarks.load.soak import FAULT_KINDS
 
@@ -66,6 +68,23 @@ def test_spec_validation():
         spec(users=0)
     with pytest.raises(ConversationError, match="facts"):
         spec(turns=200, fact_every=1)
+
+
+def test_tight_pool_leaves_a_policy_server_dense_slots_for_the_longest_conversation():
+    variants = (ServerVariant("none"), ServerVariant("lava", "0.25"))
+    config = CompareConfig("smollm2", variants, ("large", "tight"), 65536, None, 0.33)
+    histories, max_tokens = [1300, 1310, 1317, 1313], 32
+    # The launcher's default arena fraction 0.5 halves the dense slots of the policy server.
+    dense_slots_of = fewest_dense_slots(config)
+    assert dense_slots_of(2000) == 1000
+    sizes = pool_sizes(config, histories, max_tokens, dense_slots_of)
+    assert sizes.tight_raised_for_dense and dense_slots_of(sizes.tight) >= 1317 + max_tokens > dense_slots_of(sizes.tight - 2)
+    vanilla_only = CompareConfig("smollm2", variants[:1], ("large", "tight"), 65536, None, 0.33)
+    sizes = pool_sizes(vanilla_only, histories, max_tokens, fewest_dense_slots(vanilla_only))
+    assert not sizes.tight_raised_for_dense and sizes.tight == 1730
+    explicit = CompareConfig("smollm2", variants, ("tight",), 65536, 2000, 0.33)
+    with pytest.raises(DriverError, match="leaves 1000 dense slots, too few for the longest conversation"):
+        pool_sizes(explicit, histories, max_tokens, fewest_dense_slots(explicit))
 
 
 def test_percentile_matches_linear_interpolation():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import random
 import re
+import sys
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -209,3 +210,13 @@ def build_conversations(spec: ConversationSpec, count_tokens: Callable[[str], in
                 turns.append(Turn(open_questions[index % len(open_questions)], None))
         conversations.append(Conversation(user, document, tuple(facts), tuple(turns)))
     return conversations
+
+
+def model_token_counter(model: str) -> Callable[[str], int]:
+    """Token counts with the served model's own tokenizer (documents are sized in its tokens)."""
+    from tokenizers import Tokenizer
+
+    from sgl_kvevict.models import resolve_model
+
+    tokenizer = Tokenizer.from_file(str(resolve_model(model, log=lambda m: print(m, file=sys.stderr)) / "tokenizer.json"))
+    return lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from benchmarks.load.conversations import Conversation, ConversationSpec
-from benchmarks.load.servers import ServerError, ServerVariant, check_launcher_accepts, launched_server
+from benchmarks.load.servers import ServerError, ServerVariant, check_launcher_accepts, dense_slots, launched_server
 from benchmarks.load.users import LoadSettings, RunOutcome, run_users
 
 POOL_NAMES = ("large", "tight")
@@ -72,27 +72,44 @@ class PoolSizes:
     tight: int
     all_histories: int  # estimated tokens of every final history together
     longest_history: int
+    # The tight pool was raised above --tight-fraction so that a policy server's dense share (the pool
+    # minus its arena) still holds the longest conversation: every prompt is prefilled dense.
+    tight_raised_for_dense: bool = False
 
     def of(self, name: str) -> int:
         return self.large if name == "large" else self.tight
 
 
-def pool_sizes(config: CompareConfig, histories: Sequence[int], max_tokens: int) -> PoolSizes:
-    """The two pools; refuses sizes that make the comparison meaningless."""
+def pool_sizes(
+    config: CompareConfig, histories: Sequence[int], max_tokens: int, dense_slots_of: Callable[[int], int] = lambda n: n
+) -> PoolSizes:
+    """The two pools; refuses sizes that make the comparison meaningless. ``dense_slots_of(pool)``:
+    the fewest dense slots any variant gets from a pool of that size (a policy server gives part of
+    it to its arena)."""
     total, longest = sum(histories), max(histories)
-    tight = config.tight_pool or math.ceil(config.tight_fraction * total)
+    # One request needs its whole prompt plus its answer in the dense slots at once.
+    needed = longest + max_tokens
+    tight, raised = config.tight_pool or math.ceil(config.tight_fraction * total), False
+    while config.tight_pool is None and dense_slots_of(tight) < needed:
+        # Dense slots grow no faster than the pool, so stepping by the shortfall never overshoots.
+        tight, raised = tight + needed - dense_slots_of(tight), True
+    for name in config.pools:
+        pool = config.large_pool if name == "large" else tight
+        if dense_slots_of(pool) < needed:
+            raise DriverError(
+                f"{name} pool {pool} tokens leaves {dense_slots_of(pool)} dense slots, too few for the longest "
+                f"conversation ({needed} tokens with its answer); use more users, shorter documents, or a larger pool"
+            )
     if "large" in config.pools and config.large_pool < total:
         raise DriverError(f"large pool {config.large_pool} tokens does not hold every history ({total} tokens)")
-    if "tight" in config.pools:
-        # One request needs its whole prompt plus its answer in the pool at once.
-        if tight < longest + max_tokens:
-            raise DriverError(
-                f"tight pool {tight} tokens cannot hold the longest conversation ({longest} tokens); "
-                "use more users, shorter documents, or a larger --tight-pool"
-            )
-        if tight >= total:
-            raise DriverError(f"tight pool {tight} tokens holds every history ({total} tokens): nothing would be evicted")
-    return PoolSizes(config.large_pool, tight, total, longest)
+    if "tight" in config.pools and tight >= total:
+        raise DriverError(f"tight pool {tight} tokens holds every history ({total} tokens): nothing would be evicted")
+    return PoolSizes(config.large_pool, tight, total, longest, raised)
+
+
+def fewest_dense_slots(config: CompareConfig) -> Callable[[int], int]:
+    """``dense_slots_of`` for ``pool_sizes``: the launcher's own split, over every variant."""
+    return lambda pool: min(dense_slots(config.model, v, pool, config.launcher_extra) for v in config.variants)
 
 
 @dataclass(frozen=True)

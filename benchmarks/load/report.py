@@ -116,12 +116,18 @@ def _fmt(value: Optional[float], digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def _peak(result: RunResult, name: str) -> str:
+def _stats_columns(result: RunResult) -> str:
+    """Peak arena cells (of the total), peak compressed nodes and requests compressed, peak dense
+    slots used, from ``/kvevict/stats``: n/a without the endpoint, - without an arena (vanilla)."""
     stats = result.outcome.stats
     if not stats.available:
-        return "n/a"
-    value = stats.peak_dense_slots_used if name == "dense" else stats.peaks.get(name)
-    return "-" if value is None else str(int(value))
+        return "n/a | n/a | n/a"
+    last = stats.last or {}
+    if "arena_cells_total" not in last:
+        return "- | - | -"
+    arena = f"{int(stats.peaks['arena_cells_used'])} of {last['arena_cells_total']}"
+    nodes = f"{int(stats.peaks['compressed_nodes'])} / {last['requests_compressed']}"
+    return f"{arena} | {nodes} | {stats.peak_dense_slots_used} of {last['dense_slots_total']}"
 
 
 def markdown(payload: dict, results: Sequence[RunResult]) -> str:
@@ -143,22 +149,22 @@ def markdown(payload: dict, results: Sequence[RunResult]) -> str:
         f"~{meta['pools']['longest_history']}). Pools (`--max-total-tokens`, the same for every server of a row "
         f"group): large {meta['pools']['large']}, tight {meta['pools']['tight']}.",
         "",
-        "| pool | server | pool tokens | req/s | output tok/s | TTFT p50 / p90 / p99 (s) | latency p50 / p90 / p99 (s) "
-        "| hit rate | prompt tokens recomputed | facts correct | peak arena cells | peak dense slots | failed |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| pool | server | KV memory (tokens) | dense slots | req/s | output tok/s | TTFT p50 / p90 / p99 (s) "
+        "| latency p50 / p90 / p99 (s) | hit rate | prompt tokens recomputed | facts correct | peak arena cells "
+        "| compressed nodes peak / requests compressed | peak dense slots used | failed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if r.outcome is None:
-            lines.append(f"| {r.pool} | {r.variant.label} | {r.pool_tokens} | failed: {r.error.splitlines()[0]} |" + " |" * 9)
+            lines.append(f"| {r.pool} | {r.variant.label} | {r.pool_tokens} | failed: {r.error.splitlines()[0]} |" + " |" * 11)
             continue
         m = r.outcome.metrics
         ttft = " / ".join(_fmt(m.ttft[k]) for k in ("p50", "p90", "p99"))
         latency = " / ".join(_fmt(m.latency[k]) for k in ("p50", "p90", "p99"))
         lines.append(
-            f"| {r.pool} | {r.variant.label} | {r.outcome.pool_tokens or r.pool_tokens} | {m.requests_per_second:.3f} "
+            f"| {r.pool} | {r.variant.label} | {r.pool_tokens} | {r.outcome.dense_slots or '?'} | {m.requests_per_second:.3f} "
             f"| {m.output_tokens_per_second:.2f} | {ttft} | {latency} | {_fmt(m.hit_rate)} | {m.prompt_tokens_recomputed} "
-            f"| {m.fact_correct}/{m.fact_questions} | {_peak(r, 'arena_cells_used')} | {_peak(r, 'dense')} "
-            f"| {m.failed_requests} |"
+            f"| {m.fact_correct}/{m.fact_questions} | {_stats_columns(r)} | {m.failed_requests} |"
         )
     rows = payload["ratios"]
     if rows:
@@ -181,8 +187,10 @@ def markdown(payload: dict, results: Sequence[RunResult]) -> str:
     lines += [
         "",
         "Reading it: hit rate = cached prompt tokens / prompt tokens (`usage.prompt_tokens_details.cached_tokens`). "
-        "Peak arena cells / dense slots come from `GET /kvevict/stats`: n/a when the server has no such endpoint, "
-        "- when it reports no arena (vanilla). Greedy answers are not bit-identical across runs on this CPU (batch composition changes "
+        "KV memory = the `--max-total-tokens` every server of a pool gets; a policy server gives part of it to its "
+        "arena and SGLang's dense slots are the rest. Arena cells, compressed nodes and dense slots used come from "
+        "`GET /kvevict/stats` (sampled twice a second; n/a when the server has no such endpoint, - when it reports no "
+        "arena: vanilla). Greedy answers are not bit-identical across runs on this CPU (batch composition changes "
         "bf16 numerics), so a couple of flipped fact answers is noise; the load average before each run is in the JSON.",
     ]
     return "\n".join(lines) + "\n"

@@ -10,6 +10,7 @@ half-finished comparison.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import signal
@@ -23,7 +24,7 @@ from typing import Iterator, Optional
 
 import psutil
 
-from sgl_kvevict.server.flags import FlagError, parse_args
+from sgl_kvevict.server.flags import FlagError, LaunchConfig, parse_args
 
 VANILLA_POLICY = "none"
 STOP_TIMEOUT_SECONDS = 90.0  # the launcher's own SIGTERM grace is 30 s, SGLang needs ~10 s
@@ -62,12 +63,22 @@ def launcher_argv(model: str, port: int, variant: ServerVariant, pool_tokens: in
     ]  # fmt: skip
 
 
-def check_launcher_accepts(model: str, variant: ServerVariant, pool_tokens: int, extra: tuple[str, ...]) -> None:
+def check_launcher_accepts(model: str, variant: ServerVariant, pool_tokens: int, extra: tuple[str, ...]) -> LaunchConfig:
     """Run the launcher's own flag validation; raises ServerError with its message."""
     try:
-        parse_args(launcher_argv(model, 1, variant, pool_tokens, extra))
+        return parse_args(launcher_argv(model, 1, variant, pool_tokens, extra))
     except FlagError as error:
         raise ServerError(f"the launcher refuses {variant.label}: {error}") from None
+
+
+def dense_slots(model: str, variant: ServerVariant, pool_tokens: int, extra: tuple[str, ...]) -> int:
+    """SGLang's dense token slots when this variant gets ``pool_tokens`` of KV memory: all of it for
+    vanilla; with a policy, what the launcher's own split leaves beside the arena. Every prompt must
+    fit in the dense slots, because a prompt is prefilled dense before it is compressed."""
+    serving = check_launcher_accepts(model, variant, pool_tokens, extra).serving
+    if not serving.enabled:
+        return pool_tokens
+    return dataclasses.replace(serving, kv_pool_tokens=pool_tokens).dense_slots
 
 
 def free_port() -> int:

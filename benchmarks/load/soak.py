@@ -268,7 +268,8 @@ async def flush_when_idle(session: aiohttp.ClientSession, base_url: str, timeout
     return False
 
 
-def _stats_leaks(stats: dict) -> list[str]:
+def stats_leaks(stats: dict) -> list[str]:
+    """Why ``/kvevict/stats`` read after a flush shows a leak (empty when every cell and slot is back)."""
     leaks = []
     if stats.get("arena_cells_used", 0) != 0:
         leaks.append(f"arena_cells_used {stats['arena_cells_used']} after flush")
@@ -316,7 +317,7 @@ async def run_soak(
         report.flush_ok = await flush_when_idle(session, base_url)
         report.stats_after_flush = await get_json(session, base_url + STATS_PATH)
         if report.stats_after_flush is not None:
-            report.stats_leaks = _stats_leaks(report.stats_after_flush)
+            report.stats_leaks = stats_leaks(report.stats_after_flush)
         try:
             async with session.get(base_url + "/health") as response:
                 report.healthy_after = response.status == 200

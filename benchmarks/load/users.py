@@ -42,7 +42,7 @@ class RunOutcome:
     records: list[RequestRecord]
     metrics: RunMetrics
     stats: StatsPeaks
-    pool_tokens: Optional[int]  # the KV pool the server reports (max_total_num_tokens)
+    dense_slots: Optional[int]  # SGLang's max_total_num_tokens: the KV memory minus any arena
 
 
 class _Progress:
@@ -145,14 +145,14 @@ async def run_users(
         wall = time.perf_counter() - started
         stats = await sampler.stop()
     records = sorted(progress.records, key=lambda r: (r.user, r.turn))
-    pool_tokens = info.get("max_total_num_tokens") if info else None
-    return RunOutcome(records, summarize(records, wall, turns), stats, pool_tokens)
+    dense_slots = info.get("max_total_num_tokens") if info else None
+    return RunOutcome(records, summarize(records, wall, turns), stats, dense_slots)
 
 
 def outcome_to_json(outcome: RunOutcome) -> dict:
     return {
         "metrics": asdict(outcome.metrics),
         "kvevict_stats": asdict(outcome.stats),
-        "pool_tokens": outcome.pool_tokens,
+        "dense_slots": outcome.dense_slots,
         "records": [asdict(r) for r in outcome.records],
     }
