@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sgl_kvevict.engine.arena import Arena, ArenaError, arena_slot_equivalents
-from sgl_kvevict.engine.segments import CompressedSegment, PathView, truncate_plan
+from sgl_kvevict.engine.segments import CompressedSegment, PathView, skip_plan_prefix, truncate_plan
 from sgl_kvevict.plan import CompressionPlan, LayerPlan
 from sgl_kvevict.serving import ServingConfig
 
@@ -50,6 +50,24 @@ def test_truncate_plan_drops_the_window_per_head():
     assert kept.segment_end == 18
     assert kept.layers[0].kept_positions.tolist() == [10, 12, 11]
     assert kept.layers[0].head_indptr.tolist() == [0, 2, 3]
+
+
+def test_skip_plan_prefix_drops_the_shared_positions_per_head():
+    own = skip_plan_prefix(truncate_plan(plan_of(10, 20, [[10, 12, 18, 19], [11, 14, 15]]), 18), 12)
+    assert (own.segment_start, own.segment_end) == (12, 18)
+    assert own.layers[1].kept_positions.tolist() == [12, 14, 15]
+    assert own.layers[1].head_indptr.tolist() == [0, 1, 3]
+
+
+def test_compressed_segment_splits_its_cells_by_position_per_head():
+    segment = CompressedSegment.of(plan_of(0, 10, [[1, 4, 7], [2, 3, 8, 9]]), [torch.arange(7), torch.arange(7, 14)])
+    head, tail = segment.split(4)
+    assert (head.start, head.length, tail.start, tail.length) == (0, 4, 4, 6)
+    assert head.cells[0].tolist() == [0, 3, 4] and head.head_indptr[0].tolist() == [0, 1, 3]
+    assert head.positions[1].tolist() == [1, 2, 3]
+    assert tail.cells[1].tolist() == [8, 9, 12, 13] and tail.head_indptr[1].tolist() == [0, 2, 4]
+    assert tail.positions[0].tolist() == [4, 7, 8, 9]
+    assert head.num_cells + tail.num_cells == segment.num_cells
 
 
 def test_path_view_groups_cells_by_head_over_spans_and_knows_the_dense_positions():

@@ -105,7 +105,8 @@ class ScoringJob:
 
 
 def path_view(engine: EngineState, req) -> Optional[PathView]:
-    """The request's ``PathView``, memoised per ``last_node`` (a locked path cannot change)."""
+    """The request's ``PathView``, memoised per ``last_node`` (a locked path only changes by the split
+    of a compressed node, which keeps its cells and their order within each KV head)."""
     state = request_state(req)
     if state.view_node is not req.last_node:
         segments = compressed_path(req.last_node)

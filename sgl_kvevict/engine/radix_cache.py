@@ -8,6 +8,18 @@ request's matched node. The last ``window`` prompt tokens (and later the output)
 ordinary dense node by the stock insert path. The request's ``req_to_token`` row then holds dummy
 slot 0 over the compressed span; attention reads those positions from the cells instead.
 
+Shared prefixes in request scope. A request's span starts where its match ended, so the first
+conversation's node also covers whatever later conversations share with it (a chat template's
+system prompt), and they diverge inside it. At such a request's checkpoint the tree *splits* that
+node at the divergence (``CompressedSegment.split``: its cells partitioned by position, nothing
+copied) into a head and a tail, hangs the request's own node for ``[divergence, span end)`` below
+the head (its plan restricted to those positions, ``skip_plan_prefix``), frees the request's dense
+copy of the head's positions and re-points its row. Positions before the divergence are therefore
+reused from the first compressor's selection, chosen with that conversation's observation window;
+the request's own selection of them is dropped. A later request sharing the same prefix finds the
+head whole and hangs its node there too, so every conversation is compressed, however many share
+the prefix. Block scope never splits (blocks are aligned at position 0, so they are shared whole).
+
 Block scope (shared prefixes). The spans are the blocks ``[k * B, (k + 1) * B)`` of the request's
 own prompt tokens that end before its last token (``segments.compressible_spans``), each scored by
 its own last ``window`` tokens and kept whole as one compressed node, window included. The
@@ -42,11 +54,19 @@ Invariants and the methods that keep them:
   compressed node is never added to them, and ``inc_lock_ref``/``dec_lock_ref``/``_delete_leaf``,
   which move ``len(node.key)`` for every node, are compensated for compressed nodes. Cells have
   their own ledger (``Arena``).
-* **Compressed nodes are atomic.** Their content was selected with the observation window that
-  followed them, so a request diverging inside one must not reuse part of it: a match stops at the
-  start of a compressed node it does not cover entirely, and an insert stops there too (the rest of
-  the inserting request's tokens stay request-owned and are freed with its row). Nothing ever splits
-  a compressed node (``_split_node`` asserts it).
+* **Compressed content is matched atomically.** A node's content was selected with the
+  observation window that followed it, so a request diverging inside one must not reuse part of it:
+  a match passes through compressed nodes only whole, and ends only at the end of a dense node (or
+  inside one) or of a compressed node whose ``kvevict_match_end`` is True (``match_may_end``). Every
+  node has it True except the head of a split, so a request diverging inside the tail, or between
+  the head and its children, matches only up to the head's start, exactly as before the split: the
+  original node is still all-or-nothing. An insert stops at the same point (the rest of the
+  inserting request's tokens stay request-owned and are freed with its row). The stock match and
+  insert never split a compressed node (``_split_node`` asserts it); only ``_compress`` does, through
+  ``_split_compressed_node``, after locking the node so that the cell allocation cannot evict it.
+  A head keeps the stock split's bookkeeping (lock count copied), so the lock compensation below
+  holds for head and tail as it did for the whole node; a head with children is no leaf, and once
+  its children are evicted it is an ordinary compressed leaf whose eviction frees its cells.
 * **Arena pressure** evicts LRU leaves (dense leaves included: a compressed node is usually the
   parent of its dense window node) until the new segment's cells fit; if the tree cannot free enough
   (locked), the request stays dense and ``requests_left_dense`` counts it.
@@ -76,7 +96,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
-from sgl_kvevict.engine.segments import CompressedSegment, truncate_plan
+from sgl_kvevict.engine.segments import CompressedSegment, skip_plan_prefix, truncate_plan
 from sgl_kvevict.engine.state import EngineState, request_state
 from sgl_kvevict.kernels import ArenaCellMap, gather_kv_to_arena
 from sgl_kvevict.policies.base import SegmentCompressor
@@ -86,10 +106,17 @@ logger = logging.getLogger(__name__)
 SEGMENT_ATTR = "kvevict_segment"
 # Distinct requests a compressed node served: its creator, then each request whose path took it.
 SERVED_ATTR = "kvevict_requests_served"
+# False on the head of a split compressed node: a match may pass through it but not end at it.
+MATCH_END_ATTR = "kvevict_match_end"
 
 
 def compressed_segment(node: TreeNode) -> Optional[CompressedSegment]:
     return getattr(node, SEGMENT_ATTR, None)
+
+
+def match_may_end(node: TreeNode) -> bool:
+    """A match may end at ``node``'s end: always for a dense node, not for a split head."""
+    return getattr(node, MATCH_END_ATTR, True)
 
 
 def compressed_nodes(node: TreeNode) -> list[TreeNode]:
@@ -107,6 +134,21 @@ def compressed_path(node: TreeNode) -> list[CompressedSegment]:
     return [compressed_segment(path_node) for path_node in compressed_nodes(node)]
 
 
+@dataclasses.dataclass(frozen=True)
+class Walk:
+    """A read-only match of a key against the tree (``CompressedRadixCache._walk``).
+
+    passed: the nodes the key covers whole, in path order; covered: the key's length up to the end
+    of the last of them; partial: the node the key diverges or ends inside, or None;
+    partial_matched: the key's tokens that match inside ``partial``.
+    """
+
+    passed: list[TreeNode]
+    covered: int
+    partial: Optional[TreeNode] = None
+    partial_matched: int = 0
+
+
 class CompressedRadixCache(RadixCache):
     def __init__(self, params: CacheInitParams, engine: EngineState):
         self.engine = engine  # before super().__init__, which calls reset()
@@ -120,10 +162,11 @@ class CompressedRadixCache(RadixCache):
         self.engine.arena.reset()
         self.engine.stats.tree_cleared()
 
-    def _walk(self, key: RadixKey) -> tuple[int, Optional[TreeNode]]:
-        """Read-only match of ``key``: (tokens covered by whole nodes, the node ``key`` diverges or
-        ends inside, or None)."""
-        node, offset = self.root_node, 0
+    def _walk(self, key: RadixKey, node: Optional[TreeNode] = None, offset: int = 0) -> Walk:
+        """Read-only match of ``key[offset:]`` below ``node`` (the root by default; ``offset`` is
+        ``node``'s depth)."""
+        node = self.root_node if node is None else node
+        passed = []
         while offset < len(key):
             rest = key[offset:]
             child = node.children.get(rest.child_key(self.page_size))
@@ -131,15 +174,24 @@ class CompressedRadixCache(RadixCache):
                 break
             matched = child.key.match(rest, page_size=self.page_size)
             if matched < len(child.key):
-                return offset, child
+                return Walk(passed, offset, child, matched)
+            passed.append(child)
             node, offset = child, offset + matched
-        return offset, None
+        return Walk(passed, offset)
 
     def _atomic_prefix_length(self, key: RadixKey) -> int:
-        """Length of the longest prefix of ``key`` that ends outside every compressed node, so that
-        matching or inserting it never splits one."""
-        covered, partial = self._walk(key)
-        return covered if partial is not None and compressed_segment(partial) is not None else len(key)
+        """Length of the longest prefix of ``key`` that matching or inserting may take: it ends at
+        the end of a node a match may end at, or inside a dense node (the stock split), or covers the
+        whole key when the key leaves the tree at such a point (the rest is new)."""
+        walk = self._walk(key)
+        limit = offset = 0
+        for node in walk.passed:
+            offset += len(node.key)
+            if match_may_end(node):
+                limit = offset
+        if limit == walk.covered and (walk.partial is None or compressed_segment(walk.partial) is None):
+            return len(key)
+        return limit
 
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         if params.req is not None:
@@ -158,8 +210,22 @@ class CompressedRadixCache(RadixCache):
         return super()._insert_helper(node, key[:limit], value[:limit], priority, inserted_len)
 
     def _split_node(self, key: RadixKey, child: TreeNode, split_len: int):
-        assert compressed_segment(child) is None, "compressed nodes are atomic and never split"
+        assert compressed_segment(child) is None, "matching and inserting never split a compressed node"
         return super()._split_node(key, child, split_len)
+
+    def _split_compressed_node(self, node: TreeNode, split_len: int) -> TreeNode:
+        """Split compressed ``node`` after its first ``split_len`` tokens as the stock split does
+        (lock count, priority and hit count copied to the head); returns the head, which a match
+        may pass through but not end at. Request scope only (module doc)."""
+        segment = compressed_segment(node)
+        head_segment, tail_segment = segment.split(segment.start + split_len)
+        head = super()._split_node(node.key, node, split_len)
+        setattr(head, SEGMENT_ATTR, head_segment)
+        setattr(head, MATCH_END_ATTR, False)
+        setattr(head, SERVED_ATTR, getattr(node, SERVED_ATTR))
+        setattr(node, SEGMENT_ATTR, tail_segment)
+        self.engine.stats.node_split(getattr(node, SERVED_ATTR))
+        return head
 
     # ---- dense-slot accounting: compressed nodes hold none -----------------------------------------
 
@@ -313,29 +379,45 @@ class CompressedRadixCache(RadixCache):
         if kept.total_kept() == span_entries:
             return None  # nothing evicted: the policy kept the span whole
         key = RadixKey(req.full_untruncated_fill_ids[:compressed_end], req.extra_key, cache_salt=req.cache_salt)
-        covered, partial = self._walk(key)
-        if (covered, partial) != (start, None):
+        walk = self._walk(key, req.last_node, start)
+        parent, own_start = (walk.passed[-1] if walk.passed else req.last_node), walk.covered
+        split = None  # the compressed node the request diverges inside, split to attach its own node
+        if walk.partial is not None and compressed_segment(walk.partial) is not None and not self.engine.block_size:
+            split, own_start = walk.partial, walk.covered + walk.partial_matched
+        # Past its own path the request may only cover split heads, which nothing may match to the
+        # end: its own node hangs below them (or below the head of `split`).
+        if any(match_may_end(node) for node in walk.passed) or (walk.partial is not None and split is None):
             # Another request put (part of) this span in the tree meanwhile: reuse theirs.
-            existing = req.last_node.children.get(key[start:].child_key(self.page_size))
-            if covered == compressed_end and existing is not None and compressed_segment(existing) is not None:
+            if walk.covered == compressed_end and compressed_segment(walk.passed[-1]) is not None:
                 self.engine.stats.count("block_races_lost")  # the very same span, compressed first by another request
             return None
-        cells = self._alloc_cells([len(layer.kept_positions) for layer in kept.layers])
-        if cells is None:
-            self.engine.stats.count("requests_left_dense")
-            return None
-        row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
-        arena = self.engine.arena
-        for layer, (layer_plan, layer_cells) in enumerate(zip(kept.layers, cells)):
-            cell_map = ArenaCellMap.from_layer_plan(layer_plan, row, layer_cells)
-            k_buffer, v_buffer = self.kv_pool.get_kv_buffer(layer)
-            gather_kv_to_arena(k_buffer, v_buffer, arena.k[layer], arena.v[layer], cell_map)
-        segment = CompressedSegment.of(kept, cells)
-        node = self._attach_compressed_node(req.last_node, key[start:], segment, req.priority or 0)
-        self.token_to_kv_pool_allocator.free(row[start:compressed_end].to(torch.int64))
-        self.engine.stats.node_added(segment)
-        self._adopt_path(req, node)
-        return node
+        if own_start == compressed_end:
+            return None  # split heads hold the whole span: nothing of it is the request's own
+        own = skip_plan_prefix(kept, own_start)
+        # The allocation below may evict: lock the nodes the request's own node will hang on.
+        anchor = self.lock(split if split is not None else parent)
+        try:
+            cells = self._alloc_cells([len(layer.kept_positions) for layer in own.layers])
+            if cells is None:
+                self.engine.stats.count("requests_left_dense")
+                return None
+            row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+            arena = self.engine.arena
+            for layer, (layer_plan, layer_cells) in enumerate(zip(own.layers, cells)):
+                cell_map = ArenaCellMap.from_layer_plan(layer_plan, row, layer_cells)
+                k_buffer, v_buffer = self.kv_pool.get_kv_buffer(layer)
+                gather_kv_to_arena(k_buffer, v_buffer, arena.k[layer], arena.v[layer], cell_map)
+            if split is not None:
+                parent = self._split_compressed_node(split, own_start - walk.covered)
+            segment = CompressedSegment.of(own, cells)
+            node = self._attach_compressed_node(parent, key[own_start:], segment, req.priority or 0)
+            # [start, own_start) is read from the split heads' cells from now on.
+            self.token_to_kv_pool_allocator.free(row[start:compressed_end].to(torch.int64))
+            self.engine.stats.node_added(segment)
+            self._adopt_path(req, node)
+            return node
+        finally:
+            self.unlock(anchor)
 
     def _attach_compressed_node(
         self, parent: TreeNode, key: RadixKey, segment: CompressedSegment, priority: int
@@ -345,6 +427,7 @@ class CompressedRadixCache(RadixCache):
         node.key = key
         node.value = torch.zeros(len(key), dtype=torch.int64, device=self.device)  # dummy slot 0
         setattr(node, SEGMENT_ATTR, segment)
+        setattr(node, MATCH_END_ATTR, True)
         setattr(node, SERVED_ATTR, 1)
         parent.children[key.child_key(self.page_size)] = node
         # Not added to evictable_size_: it holds no dense slot.

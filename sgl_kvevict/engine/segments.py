@@ -3,7 +3,8 @@
 * ``compressible_spans``: which spans of a request's new prompt tokens become compressed nodes, in
   request scope (one span) or block scope (the full blocks aligned at position 0).
 * ``CompressedSegment``: the content of one compressed radix node, i.e. the kept entries of a
-  logical span ``[start, start + length)`` as arena cells, per layer CSR over KV heads.
+  logical span ``[start, start + length)`` as arena cells, per layer CSR over KV heads; split at a
+  position when a request diverges inside its node (request scope, shared prefixes).
 * ``PathView``: everything compressed on a request's tree path (root to ``req.last_node``): the
   logical spans (whose ``req_to_token`` entries are dummy slot 0) and, per layer and KV head, the
   cells of all those spans. Attention treats the cells as one pseudo-sequence per (request, KV head)
@@ -40,16 +41,29 @@ def compressible_spans(start: int, end: int, window: int, block_size: Optional[i
 
 def truncate_plan(plan: CompressionPlan, end: int) -> CompressionPlan:
     """The plan restricted to positions ``[plan.segment_start, end)`` (drops the dense window)."""
+    return _restrict_plan(plan, plan.segment_start, end)
+
+
+def skip_plan_prefix(plan: CompressionPlan, start: int) -> CompressionPlan:
+    """The plan restricted to positions ``[start, plan.segment_end)`` (drops the positions a shared
+    compressed node already holds)."""
+    return _restrict_plan(plan, start, plan.segment_end)
+
+
+def _restrict_plan(plan: CompressionPlan, start: int, end: int) -> CompressionPlan:
     layers = []
     for layer in plan.layers:
-        inside = layer.kept_positions < end
-        counts = torch.zeros(layer.num_kv_heads, dtype=torch.int64).index_add_(
-            0, layer.head_ids(), inside.to(torch.int64)
-        )
-        indptr = torch.zeros(layer.num_kv_heads + 1, dtype=torch.int64)
-        indptr[1:] = torch.cumsum(counts, 0)
+        inside = (layer.kept_positions >= start) & (layer.kept_positions < end)
+        indptr = _head_indptr(layer.head_ids()[inside], layer.num_kv_heads)
         layers.append(LayerPlan(kept_positions=layer.kept_positions[inside], head_indptr=indptr))
-    return CompressionPlan(plan.segment_start, end, tuple(layers))
+    return CompressionPlan(start, end, tuple(layers))
+
+
+def _head_indptr(heads: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """int64 ``[H_kv + 1]``: the CSR offsets of head-major entries whose KV heads are ``heads``."""
+    indptr = torch.zeros(num_kv_heads + 1, dtype=torch.int64)
+    indptr[1:] = torch.cumsum(torch.bincount(heads, minlength=num_kv_heads), 0)
+    return indptr
 
 
 @dataclass(frozen=True)
@@ -86,6 +100,22 @@ class CompressedSegment:
         """int64 ``[kept_l]``: the KV head of every cell of ``layer``."""
         indptr = self.head_indptr[layer]
         return torch.repeat_interleave(torch.arange(len(indptr) - 1), indptr[1:] - indptr[:-1])
+
+    def split(self, at: int) -> tuple["CompressedSegment", "CompressedSegment"]:
+        """The segments of ``[start, at)`` and ``[at, start + length)``: each layer's cells are
+        partitioned by position (no K/V is copied), each part keeping the head-major CSR order."""
+        assert self.start < at < self.start + self.length, (self.start, self.length, at)
+        return self._restricted(self.start, at), self._restricted(at, self.start + self.length)
+
+    def _restricted(self, start: int, end: int) -> "CompressedSegment":
+        num_kv_heads = len(self.head_indptr[0]) - 1
+        cells, head_indptr, positions = [], [], []
+        for layer, layer_positions in enumerate(self.positions):
+            inside = (layer_positions >= start) & (layer_positions < end)
+            cells.append(self.cells[layer][inside.to(self.cells[layer].device)])
+            head_indptr.append(_head_indptr(self.head_ids(layer)[inside], num_kv_heads))
+            positions.append(layer_positions[inside])
+        return CompressedSegment(start, end - start, tuple(cells), tuple(head_indptr), tuple(positions))
 
 
 @dataclass(frozen=True)

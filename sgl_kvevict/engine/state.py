@@ -76,10 +76,11 @@ class EngineStats:
     Sharing of compressed nodes (blocks, in block scope): ``shared_block_hits`` counts (request,
     node) pairs where a request's prefix match reused a node another request compressed;
     ``blocks_compressed`` counts nodes ever created (a block compressed twice would show as more
-    nodes than distinct blocks); ``block_races_lost`` counts spans a request scored but found already
+    nodes than distinct blocks; in request scope a split adds its head); ``block_races_lost`` counts spans a request scored but found already
     compressed by a concurrent request at its checkpoint (its plan is dropped before any cell is
     taken). ``served_histogram`` maps "distinct requests a node served" (its creator, every request
-    that reused it, every race loser that adopted it) to the number of nodes, over every node created
+    that reused it, every race loser that adopted it, every request that hung its own node below a
+    split head) to the number of nodes, over every node created
     since the server started (evicted and flushed ones keep their final count).
     """
 
@@ -105,6 +106,14 @@ class EngineStats:
             self.kept_cells += segment.num_cells
             self.blocks_compressed += 1
             self.served_histogram[1] += 1
+
+    def node_split(self, served: int) -> None:
+        """A compressed node that had served ``served`` requests was split: its head is a new node with
+        the same history; cells and tokens are only partitioned."""
+        with self.lock:
+            self.compressed_nodes += 1
+            self.blocks_compressed += 1
+            self.served_histogram[served] += 1
 
     def node_served(self, served_before: int) -> None:
         """One more distinct request used a node that had served ``served_before`` requests."""
