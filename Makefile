@@ -12,8 +12,13 @@ STAMP := $(VENV)/.sgl-kvevict-setup
 POLICY ?= lava
 BUDGET ?= 0.25
 PORT ?= 30000
+# Prompts shorter than this stay dense: below ~4 windows a 25% budget is smaller than the 32-token
+# observation window, so a policy would keep only the window and drop the prompt's first tokens
+# (the attention sinks), which wrecks short chats (see README, "Limits").
+MIN_SEGMENT ?= 128
 # Policies without a budget (none, full, dbudget) take no --kv-evict-budget.
 BUDGET_FLAG := $(if $(filter none full dbudget,$(POLICY)),,--kv-evict-budget $(BUDGET))
+EVICT_FLAGS := $(if $(filter none,$(POLICY)),,$(BUDGET_FLAG) --kv-evict-min-segment-length $(MIN_SEGMENT))
 
 .PHONY: setup serve test clean-venv
 
@@ -30,7 +35,7 @@ $(STAMP): requirements/cpu.txt pyproject.toml
 	touch $(STAMP)
 
 serve: setup
-	$(PY) -m sgl_kvevict.server --model smollm2 --port $(PORT) --kv-evict-policy $(POLICY) $(BUDGET_FLAG)
+	$(PY) -m sgl_kvevict.server --model smollm2 --port $(PORT) --kv-evict-policy $(POLICY) $(EVICT_FLAGS)
 
 test: setup
 	$(PY) -m pytest tests -v --durations=15
