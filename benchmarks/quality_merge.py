@@ -13,7 +13,8 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-from benchmarks.quality import CellResult, SampleResult, write_outputs
+from benchmarks.quality import CellResult, GridConfig, SampleResult, write_outputs
+from sgl_kvevict.reference import Mode
 
 # Grid fields that must agree for the runs' cells to be comparable (lengths and modes may differ).
 SHARED_GRID_FIELDS = ("model", "dtype", "policies", "budgets", "kinds", "samples", "seed", "max_new_tokens")
@@ -42,8 +43,22 @@ def merged_meta(metas: Sequence[dict]) -> dict:
         "seconds": sum(meta["seconds"] for meta in metas),
         "date": max(meta["date"] for meta in metas),
         "cells_done": sum(meta["cells_done"] for meta in metas),
-        "cells_total": sum(meta["cells_total"] for meta in metas),
+        # The merged grid's size: a run cut short after its share of the grid (one mode of two, say)
+        # still counts its whole grid in its own cells_total.
+        "cells_total": len(grid_config({**first["grid"], "lengths": lengths, "modes": modes}).cells()),
     }
+
+
+def grid_config(grid: dict) -> GridConfig:
+    """The ``GridConfig`` a report's ``meta["grid"]`` describes (JSON lists back to tuples)."""
+    return GridConfig(
+        **{
+            **grid,
+            **{name: tuple(grid[name]) for name in ("policies", "budgets", "lengths", "kinds")},
+            "modes": tuple(Mode(mode) for mode in grid["modes"]),
+            "block_sizes": tuple(grid.get("block_sizes", (None,))),
+        }
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
