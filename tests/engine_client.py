@@ -8,6 +8,8 @@ import time
 import urllib.error
 import urllib.request
 
+import torch
+
 from serving import RunningServer
 
 # With a policy the launcher passes SGLang a shrunk --max-total-tokens, from which SGLang's CPU memory
@@ -74,3 +76,14 @@ def assert_strict_idle_check_passed(server: RunningServer) -> None:
         assert marker not in log, marker
     with urllib.request.urlopen(server.base_url + "/health", timeout=60) as response:
         assert response.status == 200
+
+
+def assert_same_plan(server_plan: dict, reference_plan) -> None:
+    """A plan the server dumped (``KVEVICT_PLAN_DUMP_DIR``) equals the reference engine's ``CompressionPlan``."""
+    assert (server_plan["segment_start"], server_plan["segment_end"]) == (
+        reference_plan.segment_start,
+        reference_plan.segment_end,
+    )
+    for layer, ((kept_positions, head_indptr), expected) in enumerate(zip(server_plan["layers"], reference_plan.layers)):
+        assert torch.equal(head_indptr, expected.head_indptr), f"layer {layer}: kept counts per KV head differ"
+        assert torch.equal(kept_positions, expected.kept_positions), f"layer {layer}: kept positions differ"

@@ -31,7 +31,7 @@ from serving import running_server
 from sgl_kvevict.config import EvictionConfig, build_policy
 from sgl_kvevict.engine.state import PLAN_DUMP_ENV
 from test_engine_memory import run_concurrently
-from test_engine_parity import assert_same_plan
+from engine_client import assert_same_plan
 
 pytestmark = pytest.mark.server
 

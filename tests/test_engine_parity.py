@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from engine_client import TINY_SERVER_FLAGS, assert_no_leak_after_flush, assert_strict_idle_check_passed, generate, stats
+from engine_client import TINY_SERVER_FLAGS, assert_no_leak_after_flush, assert_same_plan, assert_strict_idle_check_passed, generate, stats
 from serving import running_server
 from sgl_kvevict.config import EvictionConfig, build_policy
 from sgl_kvevict.engine.state import PLAN_DUMP_ENV
@@ -35,16 +35,6 @@ def reference(tiny_llama_dir):
 def random_prompt(length: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(5, 250) for _ in range(length)]
-
-
-def assert_same_plan(server_plan: dict, reference_plan) -> None:
-    assert (server_plan["segment_start"], server_plan["segment_end"]) == (
-        reference_plan.segment_start,
-        reference_plan.segment_end,
-    )
-    for layer, ((kept_positions, head_indptr), expected) in enumerate(zip(server_plan["layers"], reference_plan.layers)):
-        assert torch.equal(head_indptr, expected.head_indptr), f"layer {layer}: kept counts per KV head differ"
-        assert torch.equal(kept_positions, expected.kept_positions), f"layer {layer}: kept positions differ"
 
 
 def compressed_cells(plan, window: int) -> int:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from benchmarks.tasks import make_task
-from engine_client import TINY_SERVER_FLAGS, assert_no_leak_after_flush, assert_strict_idle_check_passed, generate
+from engine_client import TINY_SERVER_FLAGS, assert_no_leak_after_flush, assert_same_plan, assert_strict_idle_check_passed, generate
 from serving import running_server
 from sgl_kvevict.config import EvictionConfig, build_policy
 from sgl_kvevict.engine.state import PLAN_DUMP_ENV
@@ -69,16 +69,6 @@ def prompts(reference) -> list[Prompt]:
         assert list(prompt.token_ids) == tokenizer.encode(rendered + task.answer_prefix, add_special_tokens=False)
         built.append(prompt)
     return built
-
-
-def assert_same_plan(server_plan: dict, reference_plan) -> None:
-    assert (server_plan["segment_start"], server_plan["segment_end"]) == (
-        reference_plan.segment_start,
-        reference_plan.segment_end,
-    )
-    for layer, ((kept_positions, head_indptr), expected) in enumerate(zip(server_plan["layers"], reference_plan.layers)):
-        assert torch.equal(head_indptr, expected.head_indptr), f"layer {layer}: kept counts per KV head differ"
-        assert torch.equal(kept_positions, expected.kept_positions), f"layer {layer}: kept positions differ"
 
 
 def reference_top2_gaps(reference, prompt: Prompt, policy, tokens: tuple[int, ...]) -> list[tuple[int, int, float]]:
