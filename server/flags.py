@@ -9,16 +9,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from sgl_kvevict.config import DEFAULT_BUDGET, ConfigError, EvictionConfig, PolicyDefaults
-from sgl_kvevict.policies import get_policy_class, registered_policies
-from sgl_kvevict.serving import (
-    DEFAULT_ARENA_FRACTION,
-    DEFAULT_BLOCK_SIZE,
-    NO_EVICTION,
-    REQUEST_SCOPE,
-    SCOPES,
-    ServingConfig,
-)
+from sgl_kvevict.config import DEFAULT_BUDGET, EvictionConfig
+from sgl_kvevict.policies import PolicyDefaults, get_policy_class, registered_policies
+from sgl_kvevict.scope import DEFAULT_BLOCK_SIZE, SCOPE_NAMES, RequestScope, Scope
+from sgl_kvevict.serving import DEFAULT_ARENA_FRACTION, NO_EVICTION, ServingConfig
+from sgl_kvevict.settings import ConfigError, help_of, settings_of
 
 DEFAULT_PORT = 30000
 DEFAULT_HOST = "127.0.0.1"
@@ -55,40 +50,13 @@ def serving_policies() -> list[str]:
 # --kv-evict-<field>: one flag per EvictionConfig field
 # --------------------------------------------------------------------------------------------------
 
-# What each EvictionConfig knob means on the command line; the defaults are appended from the
-# config and the policy classes, so they cannot drift from what the library does.
-KNOB_HELP = {
-    "budget": "average entries kept per (layer, KV head) of each compressed prompt span, observation "
-    "window included: a ratio of the span ('0.25' or '25%%') or a token count ('128t', the papers' "
-    "'budget 128')",
-    "window": "observation window: the span's last W tokens are always kept (never compressed) and "
-    "their queries score the rest",
-    "score": "what ranks the candidates: 'attn' (attention the window pays them) or an OBCache "
-    "score (obc-value, obc-key, obc-joint)",
-    "pooling": "smoothing of candidate scores along positions before the top-k (max, avg, none)",
-    "pooling_kernel": "width of that smoothing, odd (SnapKV / Ada-KV / LAVa use 7)",
-    "gqa": "how the scores of a GQA group's query heads reduce onto their KV head (mean, max, sum); "
-    "OBCache scores default to sum",
-    "alpha": "Ada-KV safeguard and LAVa head floor: fraction of the uniform per-head share every KV "
-    "head is guaranteed (ada-snapkv, ada-pyramidkv, lava)",
-    "pyramid_beta": "PyramidKV: ratio between the average and the last layer's budget "
-    "(pyramidkv, ada-pyramidkv)",
-    "dbudget_threshold": "DBudgetKV t: stop keeping tokens once the attention-output norm drops by "
-    "less than this fraction (dbudget)",
-    "dbudget_query_rows": "DBudgetKV k: last query rows that measure the norm drop; at most the "
-    "window (dbudget)",
-    "dbudget_sinks": "DBudgetKV m: leading tokens always kept (dbudget)",
-    "dbudget_frozen_layers": "DBudgetKV: comma-separated layer indices never pruned (dbudget)",
-    "streaming_sinks": "StreamingLLM attention-sink tokens kept besides the recent window (streaming)",
-    "min_segment_length": "prompt spans shorter than this many tokens stay dense (all policies)",
-}
 # Fields whose default each policy declares (PolicyDefaults), rather than EvictionConfig itself.
 PER_POLICY_FIELDS = {f.name for f in dataclasses.fields(PolicyDefaults)}
 
 
 def knob_fields() -> list[dataclasses.Field]:
     """The EvictionConfig fields that have a ``--kv-evict-<field>`` flag (all but the policy)."""
-    return [f for f in dataclasses.fields(EvictionConfig) if f.name != "policy"]
+    return [f for f in settings_of(EvictionConfig) if f.name != "policy"]
 
 
 def knob_flag(name: str) -> str:
@@ -284,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     evict.add_argument(
         "--kv-evict-scope",
-        choices=SCOPES,
+        choices=SCOPE_NAMES,
         help="what a compressed radix node is. request: each request compresses its own new prompt tokens "
         "(minus the window) with its own observation window; its next chat turn reuses it. block: prompts "
         "are compressed in blocks of --kv-evict-block-size tokens aligned at position 0, each scored by "
@@ -293,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
         "whatever the question) reuses it; a block is compressed once, by the first request that needs "
         "it. The tail after the last full block (the last prompt token at least) and the question stay "
         "dense: the scopes are exclusive, block scope does not compress the tail per request "
-        f"(default {REQUEST_SCOPE})",
+        f"(default {RequestScope.name})",
     )
     evict.add_argument(
         "--kv-evict-block-size",
@@ -302,13 +270,12 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"tokens per block in block scope; must exceed the observation window (default {DEFAULT_BLOCK_SIZE})",
     )
     for knob in knob_fields():
-        if knob.name not in KNOB_HELP:
-            raise AssertionError(f"EvictionConfig field {knob.name!r} has no --help text in KNOB_HELP")
         evict.add_argument(
             knob_flag(knob.name),
             dest=f"knob_{knob.name}",
             metavar="VALUE",
-            help=f"{KNOB_HELP[knob.name]} (default {knob_default(knob)})",
+            # argparse formats help with %: a literal one must be doubled.
+            help=f"{help_of(knob)} (default {knob_default(knob)})".replace("%", "%%"),
         )
     return parser
 
@@ -361,10 +328,9 @@ def serving_config(args: argparse.Namespace) -> ServingConfig:
     if args.kv_evict_block_size is not None and args.kv_evict_scope != "block":
         raise FlagError(f"--kv-evict-block-size {args.kv_evict_block_size}: only with --kv-evict-scope block")
     arena_fraction = DEFAULT_ARENA_FRACTION if args.kv_evict_arena_fraction is None else args.kv_evict_arena_fraction
-    scope = args.kv_evict_scope or REQUEST_SCOPE
-    block_size = DEFAULT_BLOCK_SIZE if args.kv_evict_block_size is None else args.kv_evict_block_size
     try:
-        return ServingConfig(policy, options, arena_fraction, scope=scope, block_size=block_size)
+        scope = Scope.parse(args.kv_evict_scope or RequestScope.name, args.kv_evict_block_size)
+        return ServingConfig(policy, options, arena_fraction, scope=scope)
     except ConfigError as error:
         raise FlagError(f"--kv-evict-*: {error}") from None
 

@@ -1,145 +1,31 @@
-"""EvictionConfig: every knob of KV eviction, its paper default, and its validation.
+"""EvictionConfig: every knob of KV eviction, its paper default, its help text and its validation.
 
 This module is the edge: it turns user input (Python values or CLI strings) into a fully resolved,
-validated, immutable config. Everything downstream (scoring, budget, policies) trusts it.
+validated, immutable config. Everything downstream (scoring, budget, policies) trusts it; none of
+those modules imports this one (they read the config's attributes), so the dependency runs one way.
 
-Per-policy paper defaults (window, pooling, GQA reduction, which scores apply, whether the policy
-takes a budget) are declared by each policy class as ``PolicyDefaults``; fields left ``None`` here
-are filled from them, so adding a paper means one new policy module, not an edit of this file.
+Each field is a ``setting`` (``sgl_kvevict.settings``): its annotation, default and help text are
+declared once here, and the CLI parsing, the launcher's ``--kv-evict-<field>`` flags and ``--help``
+are derived from them. Per-policy paper defaults (window, pooling, GQA reduction, which scores apply,
+whether the policy takes a budget) are declared by each policy class as ``PolicyDefaults``; fields
+left ``None`` here are filled from them, so adding a paper means one new policy module.
 """
 
 from __future__ import annotations
 
-import abc
-import math
-from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Mapping, Optional, Union
+from dataclasses import dataclass
+from typing import Mapping, Optional, Union
 
-if TYPE_CHECKING:
-    from sgl_kvevict.policies.base import Policy
+from sgl_kvevict.policies import Policy, PolicyDefaults, get_policy_class, registered_policies
+from sgl_kvevict.scoring import OBC_SCORES, SCORES
+from sgl_kvevict.settings import Budget, ConfigError, parse_text, setting, settings_of
 
 POOLINGS = ("max", "avg", "none")
 GQA_REDUCTIONS = ("mean", "max", "sum")
-SCORES = ("attn", "obc-value", "obc-key", "obc-joint")
-OBC_SCORES = SCORES[1:]
-
-
-class ConfigError(ValueError):
-    """One user mistake in the eviction configuration, with a message that says how to fix it."""
-
-
-# --------------------------------------------------------------------------------------------------
-# Budget
-# --------------------------------------------------------------------------------------------------
-
-
-class Budget(abc.ABC):
-    """Average kept entries per (layer, KV head) of a segment, observation window included."""
-
-    @abc.abstractmethod
-    def per_head(self, segment_length: int) -> int:
-        """Average entries each (layer, KV head) keeps of a segment of ``segment_length`` tokens."""
-
-    @staticmethod
-    def parse(value: Union["Budget", str, float]) -> "Budget":
-        """``"0.25"`` / ``0.25`` / ``"25%"`` -> ``RatioBudget``; ``"128t"`` -> ``TokenBudget``."""
-        if isinstance(value, Budget):
-            return value
-        if isinstance(value, float):
-            return RatioBudget(value)
-        if not isinstance(value, str):
-            raise ConfigError(
-                f"budget {value!r} must be a ratio such as 0.25 or a string such as '0.25', '25%' or '128t'"
-            )
-        text = value.strip().lower()
-        if text.endswith("t") and text[:-1].isdigit():
-            return TokenBudget(int(text[:-1]))
-        if text.endswith("%") and _is_number(text[:-1]):
-            return RatioBudget(float(text[:-1]) / 100)
-        if "." in text and _is_number(text):
-            return RatioBudget(float(text))
-        raise ConfigError(
-            f"budget {value!r} is neither a ratio in (0, 1) such as '0.25' or '25%' "
-            "nor a token count per (layer, KV head) such as '128t'"
-        )
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
-
-
-@dataclass(frozen=True)
-class RatioBudget(Budget):
-    """Keep ``fraction`` of the segment per (layer, KV head) on average (rounded to nearest)."""
-
-    fraction: float
-
-    def __post_init__(self):
-        if not 0.0 < self.fraction < 1.0:
-            raise ConfigError(
-                f"budget ratio {self.fraction} must be in (0, 1): it is the fraction of the segment kept "
-                "(1 or more keeps everything: use policy 'full')"
-            )
-
-    def per_head(self, segment_length: int) -> int:
-        return math.floor(self.fraction * segment_length + 0.5)
-
-    def __str__(self) -> str:
-        return f"{self.fraction:g}"
-
-
-@dataclass(frozen=True)
-class TokenBudget(Budget):
-    """Keep ``tokens`` entries per (layer, KV head) on average (the papers' "budget 128")."""
-
-    tokens: int
-
-    def __post_init__(self):
-        if self.tokens <= 0:
-            raise ConfigError(f"budget '{self.tokens}t' must keep at least one token per (layer, KV head)")
-
-    def per_head(self, segment_length: int) -> int:
-        return self.tokens
-
-    def __str__(self) -> str:
-        return f"{self.tokens}t"
-
-
-# --------------------------------------------------------------------------------------------------
-# Per-policy defaults
-# --------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PolicyDefaults:
-    """What a policy class declares about itself; ``EvictionConfig`` resolves ``None`` fields from it.
-
-    window: observation window (queries that score, tokens always kept).
-    pooling: smoothing of candidate scores along positions.
-    gqa: reduction of query-head scores onto their KV head for the ``attn`` score (OBCache scores
-        always default to ``sum``, the GQA-aware objective of OBCache Eq. 33-35).
-    scores: the ``score`` values the policy accepts.
-    takes_budget: False for policies that keep everything or decide their own budget.
-    """
-
-    window: int = 32
-    pooling: str = "max"
-    gqa: str = "mean"
-    scores: tuple[str, ...] = ("attn",)
-    takes_budget: bool = True
-
-
 DEFAULT_BUDGET = "0.25"
 
 
-def _policy_class(policy: str) -> type["Policy"]:
-    # Imported here, not at module level: the policy modules import this module.
-    from sgl_kvevict.policies import get_policy_class, registered_policies
-
+def _policy_class(policy: str) -> type[Policy]:
     try:
         return get_policy_class(policy)
     except KeyError:
@@ -154,41 +40,58 @@ def _policy_class(policy: str) -> type["Policy"]:
 @dataclass(frozen=True)
 class EvictionConfig:
     """Every eviction knob; ``None`` fields resolve to the policy's paper default on construction.
+    Each field's help text says what it means (``sgl_kvevict.settings.help_of``)."""
 
-    policy: registered policy name (``sgl_kvevict.policies.registered_policies()``).
-    budget: average kept entries per (layer, KV head), window included: ``"0.25"`` (ratio of the
-        segment), ``"128t"`` (tokens). ``None`` = 0.25 for policies that take a budget.
-    window: observation window; its tokens are always kept and its queries score the rest.
-    pooling, pooling_kernel: smoothing of candidate scores along positions (``max`` kernel 7 as
-        SnapKV/Ada-KV/LAVa; ``none`` for H2O and TOVA).
-    gqa: reduction of query-head scores to KV heads (``mean`` SnapKV/Ada-KV, ``max`` LAVa, ``sum``
-        OBCache).
-    score: ``attn`` or an OBCache score (``obc-value``/``obc-key``/``obc-joint``) for the policies
-        that accept one (h2o, tova, snapkv, ada-snapkv, ada-pyramidkv).
-    alpha: Ada-KV safeguard (also LAVa's head floor): the fraction of the uniform per-head share every
-        KV head is guaranteed (the code's meaning; the Ada-KV paper prints it swapped).
-    pyramid_beta: PyramidKV's ratio between the average and the last layer's budget.
-    dbudget_threshold, dbudget_query_rows, dbudget_sinks, dbudget_frozen_layers: DBudgetKV's t, k, m
-        and the layers it never prunes.
-    streaming_sinks: StreamingLLM's attention-sink tokens.
-    min_segment_length: segments shorter than this are kept whole.
-    """
-
-    policy: str = "snapkv"
-    budget: Union[Budget, str, float, None] = None
-    window: Optional[int] = None
-    pooling: Optional[str] = None
-    pooling_kernel: int = 7
-    gqa: Optional[str] = None
-    score: str = "attn"
-    alpha: float = 0.2
-    pyramid_beta: int = 20
-    dbudget_threshold: float = 0.01
-    dbudget_query_rows: int = 1
-    dbudget_sinks: int = 4
-    dbudget_frozen_layers: tuple[int, ...] = (0, 1)
-    streaming_sinks: int = 4
-    min_segment_length: int = 0
+    policy: str = setting("snapkv", help="registered eviction policy")
+    budget: Union[Budget, str, float, None] = setting(
+        None,
+        help="average entries kept per (layer, KV head) of each compressed prompt span, observation window "
+        "included: a ratio of the span ('0.25' or '25%') or a token count ('128t', the papers' 'budget 128')",
+        parse=str,
+    )
+    window: Optional[int] = setting(
+        None,
+        help="observation window: the span's last W tokens are always kept (never compressed) and their "
+        "queries score the rest",
+    )
+    pooling: Optional[str] = setting(
+        None, help="smoothing of candidate scores along positions before the top-k (max, avg, none)"
+    )
+    pooling_kernel: int = setting(7, help="width of that smoothing, odd (SnapKV / Ada-KV / LAVa use 7)")
+    gqa: Optional[str] = setting(
+        None,
+        help="how the scores of a GQA group's query heads reduce onto their KV head (mean, max, sum); "
+        "OBCache scores default to sum",
+    )
+    score: str = setting(
+        "attn",
+        help="what ranks the candidates: 'attn' (attention the window pays them) or an OBCache score "
+        "(obc-value, obc-key, obc-joint)",
+    )
+    alpha: float = setting(
+        0.2,
+        help="Ada-KV safeguard and LAVa head floor: fraction of the uniform per-head share every KV head is "
+        "guaranteed (ada-snapkv, ada-pyramidkv, lava; the code's meaning, the Ada-KV paper prints it swapped)",
+    )
+    pyramid_beta: int = setting(
+        20, help="PyramidKV: ratio between the average and the last layer's budget (pyramidkv, ada-pyramidkv)"
+    )
+    dbudget_threshold: float = setting(
+        0.01,
+        help="DBudgetKV t: stop keeping tokens once the attention-output norm drops by less than this fraction "
+        "(dbudget)",
+    )
+    dbudget_query_rows: int = setting(
+        1, help="DBudgetKV k: last query rows that measure the norm drop; at most the window (dbudget)"
+    )
+    dbudget_sinks: int = setting(4, help="DBudgetKV m: leading tokens always kept (dbudget)")
+    dbudget_frozen_layers: tuple[int, ...] = setting(
+        (0, 1), help="DBudgetKV: comma-separated layer indices never pruned (dbudget)"
+    )
+    streaming_sinks: int = setting(
+        4, help="StreamingLLM attention-sink tokens kept besides the recent window (streaming)"
+    )
+    min_segment_length: int = setting(0, help="prompt spans shorter than this many tokens stay dense (all policies)")
 
     def __post_init__(self):
         policy_class = _policy_class(self.policy)
@@ -275,7 +178,7 @@ class EvictionConfig:
         ``None`` values are treated as absent; dashes in keys are accepted (``pooling-kernel``).
         Example: ``{"policy": "lava", "budget": "128t", "window": "32"}``.
         """
-        known = {f.name: f for f in fields(cls)}
+        known = {f.name: f for f in settings_of(cls)}
         kwargs: dict[str, object] = {}
         for raw_key, text in values.items():
             if text is None:
@@ -283,7 +186,7 @@ class EvictionConfig:
             key = raw_key.replace("-", "_")
             if key not in known:
                 raise ConfigError(f"unknown eviction option {raw_key!r}; valid: {', '.join(known)}")
-            kwargs[key] = _parse_field(key, text)
+            kwargs[key] = parse_text(cls, known[key], text)
         return cls(**kwargs)
 
     def describe(self) -> str:
@@ -295,26 +198,6 @@ class EvictionConfig:
         return " ".join(parts)
 
 
-def _parse_field(key: str, text: str) -> object:
-    """One CLI string to the type of field ``key``."""
-    if key in ("policy", "pooling", "gqa", "score", "budget"):
-        return text.strip()
-    if key == "dbudget_frozen_layers":
-        items = [item for item in text.replace(",", " ").split() if item]
-        try:
-            return tuple(int(item) for item in items)
-        except ValueError:
-            raise ConfigError(f"dbudget frozen layers {text!r} must be comma-separated layer indices") from None
-    number_type = float if key in ("alpha", "dbudget_threshold") else int
-    try:
-        return number_type(text)
-    except ValueError:
-        kind = "a number" if number_type is float else "an integer"
-        raise ConfigError(f"{key.replace('_', ' ')} {text!r} must be {kind}") from None
-
-
-def build_policy(config: EvictionConfig) -> "Policy":
+def build_policy(config: EvictionConfig) -> Policy:
     """The policy object ``config`` describes (one per engine; it serves every request)."""
-    from sgl_kvevict.policies import get_policy_class
-
     return get_policy_class(config.policy)(config)

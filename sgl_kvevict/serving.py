@@ -12,15 +12,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
-from sgl_kvevict.config import ConfigError, EvictionConfig
+from sgl_kvevict.config import EvictionConfig
+from sgl_kvevict.scope import BlockScope, RequestScope, Scope
+from sgl_kvevict.settings import ConfigError
 
 ENV_VAR = "KVEVICT_SERVING"
 NO_EVICTION = "none"
 DEFAULT_ARENA_FRACTION = 0.5
-REQUEST_SCOPE = "request"
-BLOCK_SCOPE = "block"
-SCOPES = (REQUEST_SCOPE, BLOCK_SCOPE)
-DEFAULT_BLOCK_SIZE = 512
 
 
 @dataclass(frozen=True)
@@ -33,21 +31,16 @@ class ServingConfig:
     kv_pool_tokens: the KV memory in token slots (one slot = every layer's and KV head's K and V of
         one token) that dense slots and arena share; set by the launcher when a policy is set, which
         then gives SGLang ``--max-total-tokens dense_slots``.
-    scope: what a compressed radix node is (DESIGN.md §4, "Reuse semantics"). ``request``: each
-        request compresses its own new prompt tokens minus the last ``window`` with its own window
-        (reused by its next turn). ``block``: prompts are compressed in blocks of ``block_size``
-        tokens aligned at position 0, each with its window inside the block, reused by every
-        request with the same prefix; the prompt's tail after its last full block stays dense.
-        One scope per server: block scope does not also compress the tail in request scope.
-    block_size: tokens per block in block scope (> the policy's window).
+    scope: which spans become compressed radix nodes (``sgl_kvevict.scope``). One scope per server:
+        block scope does not also compress the tail after the last block in request scope. A block
+        must hold more than the policy's window.
     """
 
     policy: str = NO_EVICTION
     eviction_options: Mapping[str, str] = field(default_factory=dict)
     arena_fraction: float = DEFAULT_ARENA_FRACTION
     kv_pool_tokens: Optional[int] = None
-    scope: str = REQUEST_SCOPE
-    block_size: int = DEFAULT_BLOCK_SIZE
+    scope: Scope = RequestScope()
 
     def __post_init__(self):
         if not 0.0 < self.arena_fraction < 1.0:
@@ -63,14 +56,12 @@ class ServingConfig:
                 f"eviction options {', '.join(sorted(self.eviction_options))} need a policy; "
                 f"--kv-evict-policy is {NO_EVICTION!r}"
             )
-        if self.scope not in SCOPES:
-            raise ConfigError(f"scope {self.scope!r} is not one of {', '.join(SCOPES)}")
-        if self.block_size < 1:
-            raise ConfigError(f"block size {self.block_size} must be a positive number of tokens")
         eviction = self.eviction  # validates the options now, in the process that parsed them
-        if eviction is not None and self.block_size <= eviction.window:
+        if eviction is not None and isinstance(self.scope, BlockScope) and self.scope.block_size <= eviction.window:
             # A block keeps its window whole: it must hold more than that to compress anything.
-            raise ConfigError(f"block size {self.block_size} must exceed the observation window ({eviction.window})")
+            raise ConfigError(
+                f"block size {self.scope.block_size} must exceed the observation window ({eviction.window})"
+            )
 
     @property
     def enabled(self) -> bool:
@@ -81,11 +72,6 @@ class ServingConfig:
         if not self.enabled:
             return None
         return EvictionConfig.from_strings({"policy": self.policy, **self.eviction_options})
-
-    @property
-    def compression_block_size(self) -> Optional[int]:
-        """The block size in block scope, None in request scope (what the engine needs of the scope)."""
-        return self.block_size if self.scope == BLOCK_SCOPE else None
 
     @property
     def dense_slots(self) -> int:
@@ -104,8 +90,7 @@ class ServingConfig:
         """One-line summary for logs: the policy, its budget and window."""
         if not self.enabled:
             return f"policy={NO_EVICTION}"
-        scope = f"block scope, {self.block_size}-token blocks" if self.scope == BLOCK_SCOPE else "request scope"
-        return f"{self.eviction.describe()}, {scope}"
+        return f"{self.eviction.describe()}, {self.scope}"
 
     def to_env(self) -> str:
         return json.dumps(
@@ -114,8 +99,8 @@ class ServingConfig:
                 "eviction_options": dict(self.eviction_options),
                 "arena_fraction": self.arena_fraction,
                 "kv_pool_tokens": self.kv_pool_tokens,
-                "scope": self.scope,
-                "block_size": self.block_size,
+                "scope": self.scope.name,
+                "block_size": getattr(self.scope, "block_size", None),
             }
         )
 
@@ -126,4 +111,5 @@ class ServingConfig:
         if not text:
             return cls()
         values = json.loads(text)
+        values["scope"] = Scope.parse(values.pop("scope"), values.pop("block_size"))
         return cls(**values)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from sgl_kvevict.config import Budget, ConfigError, EvictionConfig, RatioBudget, TokenBudget, build_policy
+from sgl_kvevict.config import EvictionConfig, build_policy
+from sgl_kvevict.settings import Budget, ConfigError, RatioBudget, TokenBudget
 from sgl_kvevict.policies import get_policy_class, registered_policies
 
 BUILT_IN = {"full", "streaming", "h2o", "tova", "snapkv", "pyramidkv", "ada-snapkv", "ada-pyramidkv", "lava", "dbudget"}
@@ -179,7 +180,7 @@ def test_mistake_messages_are_distinct():
         ({"polcy": "lava"}, "unknown eviction option 'polcy'"),
         ({"window": "thirty"}, "window 'thirty' must be an integer"),
         ({"alpha": "high"}, "alpha 'high' must be a number"),
-        ({"dbudget_frozen_layers": "0;1"}, "dbudget frozen layers '0;1' must be comma-separated layer indices"),
+        ({"dbudget_frozen_layers": "0;1"}, "dbudget frozen layers '0;1' must be comma-separated integers"),
     ],
 )
 def test_from_strings_mistakes(flags, fragment):

@@ -180,11 +180,11 @@ def test_blocks_are_evicted_least_recently_used_under_a_tight_arena(tiny_llama_d
 
 
 def test_compressible_spans_by_scope():
-    from sgl_kvevict.engine.segments import compressible_spans
+    from sgl_kvevict.scope import BlockScope, RequestScope
 
-    assert compressible_spans(10, 300, window=32, block_size=None) == [(10, 300)]  # request scope: its own span
-    assert compressible_spans(10, 40, window=32, block_size=None) == []  # not longer than the window
-    # Block scope: full blocks of the request's own tokens, ending before its last token.
-    assert compressible_spans(0, 289, window=32, block_size=96) == [(0, 96), (96, 192), (192, 288)]
-    assert compressible_spans(0, 288, window=32, block_size=96) == [(0, 96), (96, 192)]
-    assert compressible_spans(100, 400, window=32, block_size=96) == [(192, 288), (288, 384)]  # block 1 is the tree's
+    assert RequestScope().compressible_spans(10, 300, window=32) == [(10, 300)]  # request scope: its own span
+    assert RequestScope().compressible_spans(10, 40, window=32) == []  # not longer than the window
+    # Block scope: full blocks before the prompt's last token, and none that starts before `start`.
+    assert BlockScope(96).compressible_spans(0, 289, window=32) == [(0, 96), (96, 192), (192, 288)]
+    assert BlockScope(96).compressible_spans(0, 288, window=32) == [(0, 96), (96, 192)]
+    assert BlockScope(96).compressible_spans(100, 400, window=32) == [(192, 288), (288, 384)]  # block 1 is the tree's

@@ -13,7 +13,6 @@ from sgl_kvevict.config import EvictionConfig, build_policy
 from sgl_kvevict.plan import CompressionPlan, LayerPlan
 from sgl_kvevict.policies.base import Policy, SegmentCompressor, SegmentSpec
 from sgl_kvevict.reference import Mode, PrefillStep, Prompt, ReferenceEngine, Schedule, Segment
-from sgl_kvevict.reference.keep_mask import window_stats_over_kept
 from sgl_kvevict.scoring.window import StatsRequest, WindowStats, window_stats
 
 DOCUMENT = (
@@ -220,7 +219,7 @@ def test_window_statistics_use_post_rope_queries_of_every_layer(tiny_engine, tin
     assert sorted(compressor.stats) == list(range(tiny_engine.num_layers))
 
 
-def test_window_stats_over_kept_equals_masked_softmax():
+def test_window_stats_over_kept_entries_equals_masked_softmax():
     generator = torch.Generator().manual_seed(0)
     num_q_heads, num_kv_heads, window, length, dim = 4, 2, 5, 40, 8
     q = torch.randn(num_q_heads, window, dim, generator=generator)
@@ -229,7 +228,7 @@ def test_window_stats_over_kept_equals_masked_softmax():
     kept = torch.rand(num_kv_heads, length, generator=generator) < 0.5
     kept[:, length - window :] = True
     request = StatsRequest(attn_sum=True, tail_rows=2, obc_value=True, value_l1=True)
-    stats = window_stats_over_kept(q, keys, values, kept, 0.3, request)
+    stats = window_stats(q, keys, values, 0.3, request, kept=kept)
 
     group = num_q_heads // num_kv_heads
     logits = torch.einsum("hid,hpd->hip", q, keys.repeat_interleave(group, 0)) * 0.3

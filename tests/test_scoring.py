@@ -25,7 +25,7 @@ from sgl_kvevict.scoring import (
     window_stats,
 )
 
-ALL = StatsRequest(attn_sum=True, tail_rows=2, obc_value=True, obc_key=True, obc_joint=True, value_l1=True)
+ALL = StatsRequest(attn_sum=True, attn_max=True, tail_rows=2, obc_value=True, obc_key=True, obc_joint=True, value_l1=True)
 
 # (H_q, H_kv, context L, window w)
 SHAPES = [
@@ -81,6 +81,7 @@ def slow_stats(q_window, keys, values, scaling, tail_rows):
                 stats["obc_joint"][h, p] += 2 * a**2 * z * (vp.square().sum() - vp @ o)
             stats["obc_joint"][h, p] += stats["obc_value"][h, p] + stats["obc_key"][h, p]
     stats["tail_attn"] = probs[:, window - tail_rows :]
+    stats["attn_max"] = probs.amax(1)
     stats["value_l1"] = torch.tensor(
         [[float(v[g, p].abs().sum()) for p in range(context)] for g in range(v.shape[0])], dtype=torch.float64
     )
@@ -108,6 +109,29 @@ def test_window_stats_are_causal_inside_the_window():
         assert torch.all(rows[:, i, own_position + 1 :] == 0)
         assert torch.all(rows[:, i, : own_position + 1] > 0)
     torch.testing.assert_close(rows.sum(-1), torch.ones(4, 5))
+
+
+def test_window_stats_in_query_chunks_equal_one_pass(monkeypatch):
+    """Chunking the queries (a reconstruction pass has thousands) changes memory, not the result."""
+    from sgl_kvevict.scoring import window as window_module
+
+    q_window, keys, values = random_window_inputs(6, 2, 23, 9, seed=5)
+    kept = torch.rand(2, 23, generator=torch.Generator().manual_seed(1)) < 0.6
+    kept[:, -9:] = True
+    one_pass = window_stats(q_window, keys, values, SCALING, ALL, kept=kept)
+    monkeypatch.setattr(window_module, "QUERY_CHUNK", 2)
+    chunked = window_stats(q_window, keys, values, SCALING, ALL, kept=kept)
+    for name in window_module.COLUMN_STATS:
+        torch.testing.assert_close(getattr(chunked, name), getattr(one_pass, name), rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_window_stats_create_every_tensor_on_the_inputs_device():
+    """The engines call this on CUDA tensors: on the meta device, any tensor made on the CPU by mistake
+    (a torch.arange without device=) meets a meta tensor and raises."""
+    q_window, keys, values = (t.to("meta") for t in random_window_inputs(4, 2, 12, 5, seed=3))
+    kept = torch.ones(2, 12, dtype=torch.bool, device="meta")
+    stats = window_stats(q_window, keys, values, SCALING, ALL, kept=kept)
+    assert stats.attn_sum.device.type == stats.tail_attn.device.type == "meta"
 
 
 def test_window_stats_compute_only_what_is_requested():
@@ -282,4 +306,5 @@ def test_policies_request_only_the_statistics_their_scorer_reads(policy, scorer_
     built = build_policy(EvictionConfig.for_policy(policy))
     assert isinstance(built.scorer, scorer_type)
     request = built.stats_request()
-    assert {name for name, value in vars(request).items() if value} == request_fields
+    assert {name for name, value in vars(request).items() if value and name != "queries"} == request_fields
+    assert request.queries == "window"

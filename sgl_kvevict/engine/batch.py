@@ -6,7 +6,7 @@ Built once per forward (``init_forward_metadata``), read by every layer:
   goes through the stock attention path);
 * the compressed requests' arena cells per layer, flattened into the (request, KV head)
   pseudo-sequences ``kernels.segment_attention`` takes;
-* the scoring jobs of the extend: one per span compressed after this forward (``compressible_spans``:
+* the scoring jobs of the extend: one per span compressed after this forward (``Scope.compressible_spans``:
   the request's own span in request scope, every block ending in this forward in block scope) of
   each request whose prompt ends in it. Their compressors live on the request until the tree's
   checkpoint.
@@ -14,7 +14,7 @@ Built once per forward (``init_forward_metadata``), read by every layer:
 Scoring semantics (those of the reference engine, which the parity tests hold it to): a span's last
 ``w`` queries attend over keys ``[0, span end)`` as this forward computed them. Spans compressed in
 an earlier forward (reused blocks, earlier chat turns) enter with their kept entries only, a softmax
-per KV head over its own cells plus the dense positions (``window_stats_over_kept``); spans of this
+per KV head over its own cells plus the dense positions (``window_stats(kept=...)``); spans of this
 forward, earlier blocks included, are still dense when scored.
 """
 
@@ -31,7 +31,7 @@ from sgl_kvevict.engine.segments import PathView
 from sgl_kvevict.engine.state import EngineState, request_state
 from sgl_kvevict.kernels import window_stats_paged
 from sgl_kvevict.policies.base import SegmentCompressor
-from sgl_kvevict.scoring.window import StatsRequest, WindowStats, window_stats_over_kept
+from sgl_kvevict.scoring.window import StatsRequest, WindowStats, window_stats
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ class ScoringJob:
         kept = torch.zeros(num_kv_heads, length, dtype=torch.bool, device=keys.device)
         kept[:, dense] = True
         kept[cell_heads, cell_positions] = True
-        return window_stats_over_kept(q_window, keys, values, kept, scaling, stats_request)
+        return window_stats(q_window, keys, values, scaling, stats_request, kept=kept)
 
 
 def path_view(engine: EngineState, req) -> Optional[PathView]:

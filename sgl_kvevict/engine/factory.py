@@ -72,7 +72,7 @@ def create_compressed_radix_cache(ctx: TreeCacheBuildContext) -> CompressedRadix
         dtype=pool.k_buffer[0].dtype,
         device=pool.device,
     )
-    engine = EngineState(serving.eviction, shape, arena, allocator, block_size=serving.compression_block_size)
+    engine = EngineState(serving.eviction, shape, arena, allocator, serving.scope)
     cache = CompressedRadixCache(ctx.params, engine)
     install(engine)
     logger.info(

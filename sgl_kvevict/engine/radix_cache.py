@@ -21,7 +21,7 @@ head whole and hangs its node there too, so every conversation is compressed, ho
 the prefix. Block scope never splits (blocks are aligned at position 0, so they are shared whole).
 
 Block scope (shared prefixes). The spans are the blocks ``[k * B, (k + 1) * B)`` of the request's
-own prompt tokens that end before its last token (``segments.compressible_spans``), each scored by
+own prompt tokens that end before its last token (``BlockScope.compressible_spans``), each scored by
 its own last ``window`` tokens and kept whole as one compressed node, window included. The
 checkpoint compresses them in order, each below the one before; a span that cannot be compressed
 (the policy kept it whole, the arena is full, another request holds it) is inserted densely first,
@@ -373,7 +373,7 @@ class CompressedRadixCache(RadixCache):
         self.engine.dump_plan(req.rid, plan)
         # Request scope keeps the window dense (the next turn continues from it); a block keeps it inside.
         window = self.engine.eviction.window
-        compressed_end = spec.end if self.engine.block_size else spec.end - min(window, spec.length)
+        compressed_end = spec.end - min(window, spec.length) if self.engine.scope.window_stays_dense else spec.end
         kept = truncate_plan(plan, compressed_end)
         span_entries = kept.segment_length * kept.num_layers * kept.layers[0].num_kv_heads
         if kept.total_kept() == span_entries:
@@ -382,7 +382,7 @@ class CompressedRadixCache(RadixCache):
         walk = self._walk(key, req.last_node, start)
         parent, own_start = (walk.passed[-1] if walk.passed else req.last_node), walk.covered
         split = None  # the compressed node the request diverges inside, split to attach its own node
-        if walk.partial is not None and compressed_segment(walk.partial) is not None and not self.engine.block_size:
+        if walk.partial is not None and compressed_segment(walk.partial) is not None and self.engine.scope.window_stays_dense:
             split, own_start = walk.partial, walk.covered + walk.partial_matched
         # Past its own path the request may only cover split heads, which nothing may match to the
         # end: its own node hangs below them (or below the head of `split`).

@@ -1,7 +1,5 @@
 """Compressed spans of the radix tree and what a request sees of them.
 
-* ``compressible_spans``: which spans of a request's new prompt tokens become compressed nodes, in
-  request scope (one span) or block scope (the full blocks aligned at position 0).
 * ``CompressedSegment``: the content of one compressed radix node, i.e. the kept entries of a
   logical span ``[start, start + length)`` as arena cells, per layer CSR over KV heads; split at a
   position when a request diverges inside its node (request scope, shared prefixes).
@@ -16,27 +14,11 @@ Pure torch: nothing here imports SGLang.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 
 from sgl_kvevict.plan import CompressionPlan, LayerPlan
-
-
-def compressible_spans(start: int, end: int, window: int, block_size: Optional[int]) -> list[tuple[int, int]]:
-    """The spans ``[a, b)`` of a prompt that are compressed when its tokens ``[start, end)`` are prefilled.
-
-    Request scope (``block_size`` None): the request's own tokens as one span, scored by its last
-    ``window`` tokens, when it holds more than the window. Block scope: the blocks
-    ``[k * block_size, (k + 1) * block_size)`` inside ``[start, end - 1)``. The prompt's last token
-    never joins a block: SGLang always recomputes at least one prompt token, so a repeated prompt
-    then reuses every block of it (a block ending at the prompt end could never be matched whole).
-    """
-    if block_size is None:
-        return [(start, end)] if end - start > window else []
-    first = -(-start // block_size)  # blocks starting before `start` hold tokens the tree already owns
-    last = (end - 1) // block_size
-    return [(k * block_size, (k + 1) * block_size) for k in range(first, last)]
 
 
 def truncate_plan(plan: CompressionPlan, end: int) -> CompressionPlan:

@@ -25,10 +25,10 @@ import torch
 
 from sgl_kvevict.config import EvictionConfig, build_policy
 from sgl_kvevict.engine.arena import Arena
-from sgl_kvevict.engine.segments import CompressedSegment, PathView, compressible_spans
+from sgl_kvevict.engine.segments import CompressedSegment, PathView
 from sgl_kvevict.plan import CompressionPlan
 from sgl_kvevict.policies.base import SegmentCompressor, SegmentSpec
-from sgl_kvevict.serving import BLOCK_SCOPE, REQUEST_SCOPE
+from sgl_kvevict.scope import BlockScope, Scope
 
 # Debug switch: a directory where every applied plan is saved as ``<rid>.pt`` (parity tests).
 PLAN_DUMP_ENV = "KVEVICT_PLAN_DUMP_DIR"
@@ -161,11 +161,10 @@ class EngineState:
     """The policy, the arena, the request index and the stats of one scheduler process."""
 
     def __init__(
-        self, eviction: EvictionConfig, shape: ModelShape, arena: Arena, allocator, block_size: Optional[int] = None
+        self, eviction: EvictionConfig, shape: ModelShape, arena: Arena, allocator, scope: Scope
     ):
-        """block_size: the block size in block scope, None in request scope (``ServingConfig.scope``)."""
         self.eviction = eviction
-        self.block_size = block_size
+        self.scope = scope
         self.policy = build_policy(eviction)
         self.stats_request = self.policy.stats_request()
         self.shape = shape
@@ -184,11 +183,11 @@ class EngineState:
 
     def start_segments(self, req, start: int, end: int) -> list[SegmentCompressor]:
         """Compressors for the spans the request compresses when its own prompt tokens ``[start, end)``
-        are prefilled (``segments.compressible_spans``), kept on the request for the tree's checkpoint."""
+        are prefilled (``Scope.compressible_spans``), kept on the request for the tree's checkpoint."""
         shape = self.shape
         compressors = [
             self.policy.start(SegmentSpec(a, b, shape.num_layers, shape.num_kv_heads, shape.num_q_heads))
-            for a, b in compressible_spans(start, end, self.eviction.window, self.block_size)
+            for a, b in self.scope.compressible_spans(start, end, self.eviction.window)
         ]
         request_state(req).compressors = compressors
         return compressors
@@ -202,7 +201,8 @@ class EngineState:
         self.plan_dump_dir.mkdir(parents=True, exist_ok=True)
         layers = [(layer.kept_positions, layer.head_indptr) for layer in plan.layers]
         payload = {"segment_start": plan.segment_start, "segment_end": plan.segment_end, "layers": layers}
-        name = rid if self.block_size is None else f"{rid}.block{plan.segment_start // self.block_size}"
+        scope = self.scope
+        name = f"{rid}.block{plan.segment_start // scope.block_size}" if isinstance(scope, BlockScope) else rid
         torch.save(payload, self.plan_dump_dir / f"{name}.pt")
 
     def stats_snapshot(self) -> dict:
@@ -212,8 +212,8 @@ class EngineState:
             "policy": self.eviction.policy,
             "budget": None if budget is None else str(budget),
             "window": self.eviction.window,
-            "scope": REQUEST_SCOPE if self.block_size is None else BLOCK_SCOPE,
-            "block_size": self.block_size,
+            "scope": self.scope.name,
+            "block_size": getattr(self.scope, "block_size", None),
             **self.stats.snapshot(),
             "arena_cells_total": self.arena.cells_total,
             "arena_cells_used": self.arena.cells_used,

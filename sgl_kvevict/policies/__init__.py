@@ -6,6 +6,7 @@ methods) with ``@register_policy("name")``, plus one import line below.
 
 from sgl_kvevict.policies.base import (
     Policy,
+    PolicyDefaults,
     SegmentCompressor,
     SegmentSpec,
     get_policy_class,
@@ -27,6 +28,7 @@ from sgl_kvevict.policies import (  # noqa: F401  (registration)
 
 __all__ = [
     "Policy",
+    "PolicyDefaults",
     "SegmentCompressor",
     "ScoredPolicy",
     "SegmentSpec",

@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 
 from sgl_kvevict.budget.heads import adaptive_head_counts
-from sgl_kvevict.config import SCORES, PolicyDefaults
-from sgl_kvevict.policies.base import register_policy
+from sgl_kvevict.policies.base import PolicyDefaults, register_policy
 from sgl_kvevict.policies.pyramidkv import PyramidKVPolicy
 from sgl_kvevict.policies.scored import ScoredPolicy
+from sgl_kvevict.scoring import SCORES
 
 
 class AdaptiveHeads:

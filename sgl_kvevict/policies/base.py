@@ -19,12 +19,30 @@ import abc
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, ClassVar, TypeVar
 
-from sgl_kvevict.config import PolicyDefaults
 from sgl_kvevict.plan import CompressionPlan
 from sgl_kvevict.scoring.window import StatsRequest, WindowStats
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the config imports this package, never the other way round at run time
     from sgl_kvevict.config import EvictionConfig
+
+
+@dataclass(frozen=True)
+class PolicyDefaults:
+    """What a policy class declares about itself; ``EvictionConfig`` resolves ``None`` fields from it.
+
+    window: observation window (queries that score, tokens always kept).
+    pooling: smoothing of candidate scores along positions.
+    gqa: reduction of query-head scores onto their KV head for the ``attn`` score (OBCache scores
+        always default to ``sum``, the GQA-aware objective of OBCache Eq. 33-35).
+    scores: the ``score`` values the policy accepts.
+    takes_budget: False for policies that keep everything or decide their own budget.
+    """
+
+    window: int = 32
+    pooling: str = "max"
+    gqa: str = "mean"
+    scores: tuple[str, ...] = ("attn",)
+    takes_budget: bool = True
 
 
 @dataclass(frozen=True)

@@ -10,18 +10,23 @@ heads of a layer keep the same positions (one stopping index per layer, heads co
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from sgl_kvevict.budget.dbudget import evicted_prefix_length, reduced_attention_mass
-from sgl_kvevict.config import ConfigError, EvictionConfig, PolicyDefaults
 from sgl_kvevict.plan import CompressionPlan
-from sgl_kvevict.policies.base import Policy, SegmentCompressor, SegmentSpec, register_policy
+from sgl_kvevict.policies.base import Policy, PolicyDefaults, SegmentCompressor, SegmentSpec, register_policy
 from sgl_kvevict.policies.layout import SegmentLayout
 from sgl_kvevict.scoring.window import StatsRequest, WindowStats
+from sgl_kvevict.settings import ConfigError
+
+if TYPE_CHECKING:
+    from sgl_kvevict.config import EvictionConfig
 
 
 class _NormDropCompressor(SegmentCompressor):
-    def __init__(self, layout: SegmentLayout, config: EvictionConfig):
+    def __init__(self, layout: SegmentLayout, config: "EvictionConfig"):
         super().__init__(layout.spec)
         self.layout = layout
         self.threshold = config.dbudget_threshold
@@ -58,7 +63,7 @@ class DBudgetKVPolicy(Policy):
     defaults = PolicyDefaults(window=1, pooling="none", takes_budget=False)
 
     @classmethod
-    def validate_config(cls, config: EvictionConfig) -> None:
+    def validate_config(cls, config: "EvictionConfig") -> None:
         if config.dbudget_query_rows > config.window:
             raise ConfigError(
                 f"dbudget query rows ({config.dbudget_query_rows}) must not exceed the window ({config.window}): "

@@ -4,9 +4,9 @@ the "recent" tokens and the rest of the budget goes to the heavy hitters. SnapKV
 
 from __future__ import annotations
 
-from sgl_kvevict.config import SCORES, PolicyDefaults
-from sgl_kvevict.policies.base import register_policy
+from sgl_kvevict.policies.base import PolicyDefaults, register_policy
 from sgl_kvevict.policies.scored import ScoredPolicy
+from sgl_kvevict.scoring import SCORES
 
 
 @register_policy("h2o")

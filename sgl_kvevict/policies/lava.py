@@ -17,9 +17,8 @@ from __future__ import annotations
 import torch
 
 from sgl_kvevict.budget.layers import entropy_layer_budgets, score_entropy
-from sgl_kvevict.config import PolicyDefaults
 from sgl_kvevict.policies.adakv import AdaptiveHeads
-from sgl_kvevict.policies.base import register_policy
+from sgl_kvevict.policies.base import PolicyDefaults, register_policy
 from sgl_kvevict.policies.layout import SegmentLayout
 from sgl_kvevict.policies.scored import ScoredPolicy
 from sgl_kvevict.scoring import LavaScorer, Reduction, Scorer

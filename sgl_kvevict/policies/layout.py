@@ -8,13 +8,15 @@ the candidates for eviction are ``[start, window_start)``. ``WindowStats`` colum
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from sgl_kvevict.config import EvictionConfig
 from sgl_kvevict.plan import CompressionPlan, LayerPlan
 from sgl_kvevict.policies.base import SegmentSpec
+
+if TYPE_CHECKING:
+    from sgl_kvevict.config import EvictionConfig
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,7 @@ class SegmentLayout:
     compresses: bool
 
     @classmethod
-    def of(cls, spec: SegmentSpec, config: EvictionConfig) -> "SegmentLayout":
+    def of(cls, spec: SegmentSpec, config: "EvictionConfig") -> "SegmentLayout":
         window = min(config.window, spec.length)
         window_start = spec.end - window
         per_head = config.budget.per_head(spec.length) if config.budget is not None else None

@@ -6,8 +6,7 @@ from __future__ import annotations
 import torch
 
 from sgl_kvevict.budget.layers import pyramid_head_budgets
-from sgl_kvevict.config import PolicyDefaults
-from sgl_kvevict.policies.base import register_policy
+from sgl_kvevict.policies.base import PolicyDefaults, register_policy
 from sgl_kvevict.policies.layout import SegmentLayout
 from sgl_kvevict.policies.scored import ScoredPolicy
 

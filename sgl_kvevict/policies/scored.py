@@ -14,20 +14,24 @@ are computed once after the last layer (LAVa digest §2.5: one-shot equals the c
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from sgl_kvevict.budget.heads import kept_offsets, rank_candidates, uniform_head_counts
-from sgl_kvevict.config import EvictionConfig
 from sgl_kvevict.plan import CompressionPlan
 from sgl_kvevict.policies.base import Policy, SegmentCompressor, SegmentSpec
 from sgl_kvevict.policies.layout import SegmentLayout
 from sgl_kvevict.scoring import Scorer, StatsRequest, WindowStats, scorer_for
 
+if TYPE_CHECKING:
+    from sgl_kvevict.config import EvictionConfig
+
 
 class ScoredPolicy(Policy):
     """Scores candidates with ``self.scorer``, splits the budget over layers, then over KV heads."""
 
-    def __init__(self, config: EvictionConfig):
+    def __init__(self, config: "EvictionConfig"):
         super().__init__(config)
         self.scorer = self.build_scorer()
 

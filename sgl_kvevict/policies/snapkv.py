@@ -3,9 +3,9 @@ in every layer and head. GQA by the group mean (the Ada-KV code's GQA support)."
 
 from __future__ import annotations
 
-from sgl_kvevict.config import SCORES, PolicyDefaults
-from sgl_kvevict.policies.base import register_policy
+from sgl_kvevict.policies.base import PolicyDefaults, register_policy
 from sgl_kvevict.policies.scored import ScoredPolicy
+from sgl_kvevict.scoring import SCORES
 
 
 @register_policy("snapkv")

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from sgl_kvevict.config import PolicyDefaults
 from sgl_kvevict.plan import CompressionPlan
-from sgl_kvevict.policies.base import Policy, SegmentCompressor, SegmentSpec, register_policy
+from sgl_kvevict.policies.base import Policy, PolicyDefaults, SegmentCompressor, SegmentSpec, register_policy
 from sgl_kvevict.policies.layout import SegmentLayout
 from sgl_kvevict.scoring.window import StatsRequest, WindowStats
 

@@ -6,10 +6,15 @@ the scored tokens; the last token itself is kept). OBCache scores with window 1 
 
 from __future__ import annotations
 
-from sgl_kvevict.config import OBC_SCORES, SCORES, ConfigError, EvictionConfig, PolicyDefaults
-from sgl_kvevict.policies.base import register_policy
+from typing import TYPE_CHECKING
+
+from sgl_kvevict.policies.base import PolicyDefaults, register_policy
 from sgl_kvevict.policies.scored import ScoredPolicy
-from sgl_kvevict.scoring import LastQueryScorer, Scorer, scorer_for
+from sgl_kvevict.scoring import OBC_SCORES, SCORES, LastQueryScorer, Scorer, scorer_for
+from sgl_kvevict.settings import ConfigError
+
+if TYPE_CHECKING:
+    from sgl_kvevict.config import EvictionConfig
 
 
 @register_policy("tova")
@@ -17,7 +22,7 @@ class TOVAPolicy(ScoredPolicy):
     defaults = PolicyDefaults(window=1, pooling="none", gqa="mean", scores=SCORES)
 
     @classmethod
-    def validate_config(cls, config: EvictionConfig) -> None:
+    def validate_config(cls, config: "EvictionConfig") -> None:
         if config.score in OBC_SCORES and config.window != 1:
             raise ConfigError(
                 f"tova scores with the last query only, but {config.score} sums over the whole window: "

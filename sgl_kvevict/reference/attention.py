@@ -25,8 +25,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from sgl_kvevict.plan import CompressionPlan
 from sgl_kvevict.policies.base import Policy, SegmentCompressor, SegmentSpec
-from sgl_kvevict.reference.keep_mask import HeadwiseKeepMask, window_stats_over_kept
-from sgl_kvevict.scoring.window import StatsRequest
+from sgl_kvevict.reference.keep_mask import HeadwiseKeepMask
+from sgl_kvevict.scoring.window import StatsRequest, window_stats
 
 ATTENTION_IMPLEMENTATION = "sgl_kvevict_reference"
 FORWARD_KWARG = "sgl_kvevict_forward"
@@ -68,13 +68,13 @@ class SegmentScoring:
         """
         end = self.spec.end
         window_start = end - self.window - query_start
-        stats = window_stats_over_kept(
+        stats = window_stats(
             query[:, window_start : end - query_start],
             key[:, :end],
             value[:, :end],
-            kept,
             scaling,
             self.request,
+            kept=kept,
         )
         self.compressor.observe(layer, stats)
 

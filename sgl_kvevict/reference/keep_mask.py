@@ -13,9 +13,6 @@ import torch
 
 from sgl_kvevict.plan import CompressionPlan
 
-# Shared with the SGLang engine's scoring over reused compressed spans; re-exported for the reference.
-from sgl_kvevict.scoring.window import window_stats_over_kept  # noqa: F401
-
 
 class HeadwiseKeepMask:
     """Which (layer, KV head, position) entries of one sequence attention may still see.

@@ -6,15 +6,23 @@
 
 from __future__ import annotations
 
-from sgl_kvevict.config import OBC_SCORES, EvictionConfig
+from typing import TYPE_CHECKING
+
 from sgl_kvevict.scoring.attention import LastQueryScorer, WindowAttentionScorer
 from sgl_kvevict.scoring.base import QueryHeadScorer, Reduction, Scorer
 from sgl_kvevict.scoring.lava import LavaScorer
 from sgl_kvevict.scoring.obcache import OBCacheScorer
 from sgl_kvevict.scoring.window import StatsRequest, WindowStats, window_stats
 
+if TYPE_CHECKING:
+    from sgl_kvevict.config import EvictionConfig
 
-def scorer_for(config: EvictionConfig, attention: type[Scorer] = WindowAttentionScorer) -> Scorer:
+# The values of the config's ``score``: what ranks a policy's candidates.
+SCORES = ("attn", "obc-value", "obc-key", "obc-joint")
+OBC_SCORES = SCORES[1:]
+
+
+def scorer_for(config: "EvictionConfig", attention: type[Scorer] = WindowAttentionScorer) -> Scorer:
     """The OBCache scorer if ``config.score`` names one, else ``attention``."""
     reduction = Reduction.from_config(config)
     if config.score in OBC_SCORES:
@@ -23,6 +31,8 @@ def scorer_for(config: EvictionConfig, attention: type[Scorer] = WindowAttention
 
 
 __all__ = [
+    "OBC_SCORES",
+    "SCORES",
     "LastQueryScorer",
     "LavaScorer",
     "OBCacheScorer",

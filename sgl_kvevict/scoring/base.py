@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from sgl_kvevict.config import EvictionConfig
 from sgl_kvevict.scoring.reduce import pool_positions, reduce_gqa
 from sgl_kvevict.scoring.window import StatsRequest, WindowStats
+
+if TYPE_CHECKING:
+    from sgl_kvevict.config import EvictionConfig
 
 
 @dataclass(frozen=True)
@@ -25,7 +28,7 @@ class Reduction:
     kernel: int = 7
 
     @classmethod
-    def from_config(cls, config: EvictionConfig) -> "Reduction":
+    def from_config(cls, config: "EvictionConfig") -> "Reduction":
         return cls(gqa=config.gqa, pooling=config.pooling, kernel=config.pooling_kernel)
 
     def pool(self, scores: torch.Tensor) -> torch.Tensor:

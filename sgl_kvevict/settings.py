@@ -1,0 +1,167 @@
+"""Settings: how a configuration field declares its type, default and help text, in one place.
+
+A typed config dataclass (``EvictionConfig``) declares each field with ``setting(default, help)``;
+its annotation is the type. Everything else is derived from that one declaration: parsing a CLI
+string (``parse_text``), the launcher's ``--kv-evict-<field>`` flags with their ``--help``, and the
+README's table of flags. Adding a setting is therefore one field, nothing else.
+
+Also here: the error type of every user mistake in a configuration (``ConfigError``) and the budget
+types, which both the config and the policies use. This module imports nothing from the package,
+so every other module may import it.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Union
+
+
+class ConfigError(ValueError):
+    """One user mistake in a configuration, with a message that says how to fix it."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Budget
+# --------------------------------------------------------------------------------------------------
+
+
+class Budget(abc.ABC):
+    """Average kept entries per (layer, KV head) of a segment, observation window included."""
+
+    @abc.abstractmethod
+    def per_head(self, segment_length: int) -> int:
+        """Average entries each (layer, KV head) keeps of a segment of ``segment_length`` tokens."""
+
+    @staticmethod
+    def parse(value: Union["Budget", str, float]) -> "Budget":
+        """``"0.25"`` / ``0.25`` / ``"25%"`` -> ``RatioBudget``; ``"128t"`` -> ``TokenBudget``."""
+        if isinstance(value, Budget):
+            return value
+        if isinstance(value, float):
+            return RatioBudget(value)
+        if not isinstance(value, str):
+            raise ConfigError(
+                f"budget {value!r} must be a ratio such as 0.25 or a string such as '0.25', '25%' or '128t'"
+            )
+        text = value.strip().lower()
+        if text.endswith("t") and text[:-1].isdigit():
+            return TokenBudget(int(text[:-1]))
+        if text.endswith("%") and _is_number(text[:-1]):
+            return RatioBudget(float(text[:-1]) / 100)
+        if "." in text and _is_number(text):
+            return RatioBudget(float(text))
+        raise ConfigError(
+            f"budget {value!r} is neither a ratio in (0, 1) such as '0.25' or '25%' "
+            "nor a token count per (layer, KV head) such as '128t'"
+        )
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class RatioBudget(Budget):
+    """Keep ``fraction`` of the segment per (layer, KV head) on average (rounded to nearest)."""
+
+    fraction: float
+
+    def __post_init__(self):
+        if not 0.0 < self.fraction < 1.0:
+            raise ConfigError(
+                f"budget ratio {self.fraction} must be in (0, 1): it is the fraction of the segment kept "
+                "(1 or more keeps everything: use policy 'full')"
+            )
+
+    def per_head(self, segment_length: int) -> int:
+        return math.floor(self.fraction * segment_length + 0.5)
+
+    def __str__(self) -> str:
+        return f"{self.fraction:g}"
+
+
+@dataclass(frozen=True)
+class TokenBudget(Budget):
+    """Keep ``tokens`` entries per (layer, KV head) on average (the papers' "budget 128")."""
+
+    tokens: int
+
+    def __post_init__(self):
+        if self.tokens <= 0:
+            raise ConfigError(f"budget '{self.tokens}t' must keep at least one token per (layer, KV head)")
+
+    def per_head(self, segment_length: int) -> int:
+        return self.tokens
+
+    def __str__(self) -> str:
+        return f"{self.tokens}t"
+
+
+# --------------------------------------------------------------------------------------------------
+# Settings
+# --------------------------------------------------------------------------------------------------
+
+_HELP = "help"
+_PARSE = "parse"
+
+
+def setting(default: Any, help: str, parse: Optional[Callable[[str], Any]] = None) -> Any:
+    """A dataclass field with its ``--help`` text; ``parse`` turns a CLI string into the field's value
+    when the annotation alone cannot (the default parser follows the annotation: int, float, str,
+    ``tuple[int, ...]``)."""
+    metadata = {_HELP: help, _PARSE: parse}
+    if isinstance(default, (list, dict, set)):
+        raise TypeError("mutable defaults are not settings; use a tuple")
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def help_of(field: dataclasses.Field) -> str:
+    return field.metadata[_HELP]
+
+
+def settings_of(cls: type) -> list[dataclasses.Field]:
+    """The fields of ``cls`` declared with ``setting`` (every field of a settings dataclass must be)."""
+    fields = dataclasses.fields(cls)
+    missing = [f.name for f in fields if _HELP not in f.metadata]
+    if missing:
+        raise TypeError(f"{cls.__name__} fields without setting(): {', '.join(missing)}")
+    return list(fields)
+
+
+def parse_text(cls: type, field: dataclasses.Field, text: str) -> Any:
+    """One CLI string to the value of ``field`` of settings dataclass ``cls``."""
+    label = field.name.replace("_", " ")
+    custom = field.metadata.get(_PARSE)
+    if custom is not None:
+        return custom(text.strip())
+    kind = _plain_type(typing.get_type_hints(cls)[field.name])
+    if kind is str:
+        return text.strip()
+    if kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            raise ConfigError(f"{label} {text!r} must be {'an integer' if kind is int else 'a number'}") from None
+    if kind == tuple[int, ...]:
+        try:
+            return tuple(int(item) for item in text.replace(",", " ").split())
+        except ValueError:
+            raise ConfigError(f"{label} {text!r} must be comma-separated integers") from None
+    raise TypeError(f"setting {field.name} of type {kind} needs parse=")
+
+
+def _plain_type(annotation: Any) -> Any:
+    """``Optional[X]`` -> ``X``; anything else unchanged."""
+    if typing.get_origin(annotation) is Union:
+        arguments = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(arguments) == 1:
+            return arguments[0]
+    return annotation
