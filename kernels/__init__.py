@@ -6,6 +6,7 @@ kernels to run on CPU (see ``runtime``).
 
 from sgl_kvevict.kernels.compaction import ArenaCellMap
 from sgl_kvevict.kernels.dispatch import (
+    copy_kv_rows,
     gather_kv_to_arena,
     merge_attention_states,
     scatter_arena_to_kv,
@@ -15,6 +16,7 @@ from sgl_kvevict.kernels.dispatch import (
 
 __all__ = [
     "ArenaCellMap",
+    "copy_kv_rows",
     "gather_kv_to_arena",
     "merge_attention_states",
     "scatter_arena_to_kv",

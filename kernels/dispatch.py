@@ -48,6 +48,23 @@ def window_stats_paged(
     return impl(q_window, k_buffer, v_buffer, kv_indices, scaling, request)
 
 
+def copy_kv_rows(
+    src_k: torch.Tensor,
+    src_v: torch.Tensor,
+    dst_k: torch.Tensor,
+    dst_v: torch.Tensor,
+    src_rows: torch.Tensor,
+    dst_rows: torch.Tensor,
+) -> None:
+    """``dst_k[dst_rows] = src_k[src_rows]`` and the same for V, in one launch.
+
+    K ``[*, D]`` and V ``[*, D_v]`` row views (contiguous rows); rows int ``[n]`` on their device. Source
+    and destination may be the same tensors when no destination row is also a source row.
+    """
+    copy = _implementation(src_k.device, copy_kv_rows_triton, copy_kv_rows_torch)
+    copy(src_k, src_v, dst_k, dst_v, src_rows, dst_rows)
+
+
 def gather_kv_to_arena(
     k_buffer: torch.Tensor, v_buffer: torch.Tensor, arena_k: torch.Tensor, arena_v: torch.Tensor, cells: ArenaCellMap
 ) -> None:

@@ -12,7 +12,7 @@ from typing import Callable, Optional
 from sgl_kvevict.config import DEFAULT_BUDGET, EvictionConfig
 from sgl_kvevict.policies import PolicyDefaults, get_policy_class, registered_policies
 from sgl_kvevict.scope import DEFAULT_BLOCK_SIZE, SCOPE_NAMES, RequestScope, Scope
-from sgl_kvevict.serving import DEFAULT_ARENA_FRACTION, NO_EVICTION, ServingConfig
+from sgl_kvevict.serving import NO_EVICTION, ServingConfig
 from sgl_kvevict.settings import ConfigError, help_of, settings_of
 
 DEFAULT_PORT = 30000
@@ -25,7 +25,7 @@ CPU_MEM_FRACTION_STATIC = 0.5
 RADIX_CACHE_BACKEND = "sgl_kvevict"
 KV_EVICT_PREFIX = "--kv-evict-"
 # Our flags that are not EvictionConfig fields (those are the knobs, derived from the dataclass).
-ENGINE_FLAGS = ("--kv-evict-policy", "--kv-evict-arena-fraction", "--kv-evict-scope", "--kv-evict-block-size")
+ENGINE_FLAGS = ("--kv-evict-policy", "--kv-evict-scope", "--kv-evict-block-size")
 
 
 class FlagError(ValueError):
@@ -206,9 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
             "With a policy other than none, the launcher also adds --radix-cache-backend "
             f"{RADIX_CACHE_BACKEND} --page-size 1 --chunked-prefill-size -1 --disable-overlap-schedule "
             "--cuda-graph-backend-decode disabled --cuda-graph-backend-prefill disabled, since compression "
-            "does not work with paging, chunked prefill, overlap scheduling or CUDA graphs yet, and splits the "
-            "KV memory: --max-total-tokens (yours, or the CPU default; required on CUDA) becomes "
-            "(1 - arena fraction) of itself in dense slots and the rest goes to the compressed-KV arena. "
+            "does not work with paging, chunked prefill, overlap scheduling or CUDA graphs yet. Compressed KV lives "
+            "in SGLang's own KV pool (cells of borrowed token slots), so --max-total-tokens means the same memory "
+            "with or without a policy. "
             "Refused with a policy, each with its reason: "
             + ", ".join(refusal.condition() for refusal in COMPRESSION_REFUSALS)
             + "."
@@ -241,14 +241,6 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help="eviction policy applied after each prefill; 'none' serves stock SGLang "
         f"(default none; valid: {', '.join(serving_policies())})",
-    )
-    evict.add_argument(
-        "--kv-evict-arena-fraction",
-        type=float,
-        metavar="F",
-        help="share of the KV memory (--max-total-tokens) given to the head-granular arena that holds "
-        "compressed KV; the rest stays dense slots, so a compressed server uses the same memory as a "
-        f"vanilla one with the same --max-total-tokens (default {DEFAULT_ARENA_FRACTION})",
     )
     evict.add_argument(
         "--kv-evict-scope",
@@ -327,10 +319,9 @@ def serving_config(args: argparse.Namespace) -> ServingConfig:
             raise FlagError(f"{', '.join(given)}: only with a --kv-evict-policy, and it is none (stock SGLang)")
     if args.kv_evict_block_size is not None and args.kv_evict_scope != "block":
         raise FlagError(f"--kv-evict-block-size {args.kv_evict_block_size}: only with --kv-evict-scope block")
-    arena_fraction = DEFAULT_ARENA_FRACTION if args.kv_evict_arena_fraction is None else args.kv_evict_arena_fraction
     try:
         scope = Scope.parse(args.kv_evict_scope or RequestScope.name, args.kv_evict_block_size)
-        return ServingConfig(policy, options, arena_fraction, scope=scope)
+        return ServingConfig(policy, options, scope=scope)
     except ConfigError as error:
         raise FlagError(f"--kv-evict-*: {error}") from None
 
@@ -383,20 +374,6 @@ def flag_value(args: list[str], flag: str) -> Optional[str]:
     return value
 
 
-def without_flag(args: list[str], flag: str) -> list[str]:
-    """``args`` minus every occurrence of the value-taking ``flag`` and its value."""
-    kept: list[str] = []
-    skip_value = False
-    for arg in args:
-        if skip_value:
-            skip_value = False
-        elif arg == flag:
-            skip_value = True
-        elif not arg.startswith(flag + "="):
-            kept.append(arg)
-    return kept
-
-
 def defaults_not_given(sglang_args: list[str], defaults: list[tuple[str, list[str]]]) -> list[str]:
     return [item for flag, values in defaults if not has_flag(sglang_args, flag) for item in (flag, *values)]
 
@@ -427,32 +404,6 @@ def cpu_mode_args(sglang_args: list[str]) -> list[str]:
     return added
 
 
-def kv_pool_tokens(sglang_args: list[str], cpu_mode: bool) -> int:
-    """The KV memory, in tokens, that the dense pool and the arena share: the user's --max-total-tokens,
-    or the CPU default. On CUDA SGLang sizes the pool from free GPU memory after loading the model, too
-    late for the launcher to split it, so the first version asks for the number."""
-    given = flag_value(sglang_args, "--max-total-tokens")
-    if given is not None:
-        try:
-            tokens = int(given)
-        except ValueError:
-            raise FlagError(f"--max-total-tokens {given!r} must be an integer") from None
-        if tokens < 2:
-            raise FlagError(f"--max-total-tokens {tokens} leaves no room for both dense slots and the arena")
-        return tokens
-    if not cpu_mode:
-        raise FlagError(
-            "--max-total-tokens is required with a --kv-evict-policy on CUDA: the launcher splits that KV "
-            "memory between dense slots and the compressed-KV arena before SGLang sizes its pool"
-        )
-    if has_flag(sglang_args, "--mem-fraction-static"):
-        raise FlagError(
-            "--mem-fraction-static cannot size the KV memory with a --kv-evict-policy: give --max-total-tokens, "
-            "which the launcher splits between dense slots and the compressed-KV arena"
-        )
-    return CPU_DEFAULT_MAX_TOTAL_TOKENS
-
-
 def compression_attention_backend(cpu_mode: bool) -> str:
     """The only attention backend the engine wraps on this machine (torch_native on CPU, FlashInfer on CUDA)."""
     return "torch_native" if cpu_mode else "flashinfer"
@@ -468,18 +419,16 @@ def check_attention_backend(sglang_args: list[str], cpu_mode: bool) -> None:
         )
 
 
-def compression_args(sglang_args: list[str], dense_slots: int, cpu_mode: bool) -> list[str]:
-    """``sglang_args`` rewritten for a compressing server: our radix cache, the dense share of the KV
-    memory, and the settings compression needs for the flags the user left unset (conflicting values
-    were refused by ``check_compression_compatible`` and ``check_attention_backend``)."""
+def compression_args(sglang_args: list[str], cpu_mode: bool) -> list[str]:
+    """``sglang_args`` rewritten for a compressing server: our radix cache and the settings compression
+    needs for the flags the user left unset (conflicting values were refused by
+    ``check_compression_compatible`` and ``check_attention_backend``)."""
     backend = compression_attention_backend(cpu_mode)
-    args = without_flag(sglang_args, "--max-total-tokens")
     return [
-        *args,
-        "--max-total-tokens", str(dense_slots),
+        *sglang_args,
         "--radix-cache-backend", RADIX_CACHE_BACKEND,
         *defaults_not_given(
-            args,
+            sglang_args,
             [
                 ("--attention-backend", [backend]),
                 ("--page-size", ["1"]),

@@ -9,7 +9,6 @@ are in, and so that bad flags and a missing model are reported before any of SGL
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import shutil
 import signal
@@ -23,7 +22,6 @@ import urllib.error
 import urllib.request
 from typing import Iterator, Optional
 
-from sgl_kvevict.config import ConfigError
 from sgl_kvevict.engine.stats_channel import ADDRESS_ENV_VAR as STATS_ADDRESS_ENV_VAR
 from sgl_kvevict.models import ModelError, resolve_model
 from sgl_kvevict.serving import ENV_VAR as SERVING_ENV_VAR
@@ -34,7 +32,6 @@ from sgl_kvevict.server.flags import (
     compression_args,
     cpu_mode_args,
     has_flag,
-    kv_pool_tokens,
     parse_args,
 )
 
@@ -60,27 +57,10 @@ def check_port_free(host: str, port: int) -> None:
             raise StartupError(f"cannot listen on {host}:{port}: {error.strerror}") from None
 
 
-def with_kv_pool(config: LaunchConfig, cpu_mode: bool) -> LaunchConfig:
-    """With a policy set: refuse an attention backend the engine does not wrap, then the KV memory the
-    dense slots and the arena share, and its split."""
-    if not config.serving.enabled:
-        return config
-    check_attention_backend(config.sglang_args, cpu_mode)
-    try:
-        serving = dataclasses.replace(config.serving, kv_pool_tokens=kv_pool_tokens(config.sglang_args, cpu_mode))
-    except ConfigError as error:
-        raise FlagError(f"--kv-evict-arena-fraction: {error}") from None
-    log(
-        f"KV memory {serving.kv_pool_tokens} token slots: {serving.dense_slots} dense slots + "
-        f"{serving.arena_slot_equivalents} arena slot-equivalents (arena fraction {serving.arena_fraction:g})"
-    )
-    return dataclasses.replace(config, serving=serving)
-
-
 def sglang_command(config: LaunchConfig, model_dir: str, cpu_mode: bool) -> list[str]:
     args = list(config.sglang_args)
     if config.serving.enabled:
-        args = compression_args(args, config.serving.dense_slots, cpu_mode)
+        args = compression_args(args, cpu_mode)
     if cpu_mode:
         args += cpu_mode_args(args)
     if not has_flag(args, "--enable-cache-report"):
@@ -171,7 +151,8 @@ def run(config: LaunchConfig) -> int:
 
     check_port_free(config.host, config.port)
     cpu_mode = cpu_mode_needed()
-    config = with_kv_pool(config, cpu_mode)
+    if config.serving.enabled:
+        check_attention_backend(config.sglang_args, cpu_mode)
     model_dir = resolve_model(config.model, log=log)
     if cpu_mode:
         log("no CUDA device: CPU development mode (torch_native attention, sgl_kernel stand-in)")

@@ -18,7 +18,6 @@ from sgl_kvevict.settings import ConfigError
 
 ENV_VAR = "KVEVICT_SERVING"
 NO_EVICTION = "none"
-DEFAULT_ARENA_FRACTION = 0.5
 
 
 @dataclass(frozen=True)
@@ -26,11 +25,6 @@ class ServingConfig:
     """policy: a registered policy name or ``none`` (stock SGLang).
     eviction_options: the ``--kv-evict-<field>`` strings given besides the policy (``EvictionConfig``
         field names, dashes allowed).
-    arena_fraction: share of the KV memory given to the head-granular arena (the rest stays dense
-        slots), so compressed and vanilla servers compare at equal memory.
-    kv_pool_tokens: the KV memory in token slots (one slot = every layer's and KV head's K and V of
-        one token) that dense slots and arena share; set by the launcher when a policy is set, which
-        then gives SGLang ``--max-total-tokens dense_slots``.
     scope: which spans become compressed radix nodes (``sgl_kvevict.scope``). One scope per server:
         block scope does not also compress the tail after the last block in request scope. A block
         must hold more than the policy's window.
@@ -38,19 +32,9 @@ class ServingConfig:
 
     policy: str = NO_EVICTION
     eviction_options: Mapping[str, str] = field(default_factory=dict)
-    arena_fraction: float = DEFAULT_ARENA_FRACTION
-    kv_pool_tokens: Optional[int] = None
     scope: Scope = RequestScope()
 
     def __post_init__(self):
-        if not 0.0 < self.arena_fraction < 1.0:
-            raise ConfigError(f"arena fraction {self.arena_fraction!r} must be in (0, 1)")
-        if self.kv_pool_tokens is not None and not 0 < self.dense_slots < self.kv_pool_tokens:
-            raise ConfigError(
-                f"a KV pool of {self.kv_pool_tokens} tokens at arena fraction {self.arena_fraction} leaves "
-                f"{self.dense_slots} dense slots and {self.kv_pool_tokens - self.dense_slots} arena slots; "
-                "both need at least one"
-            )
         if self.policy == NO_EVICTION and self.eviction_options:
             raise ConfigError(
                 f"eviction options {', '.join(sorted(self.eviction_options))} need a policy; "
@@ -73,19 +57,6 @@ class ServingConfig:
             return None
         return EvictionConfig.from_strings({"policy": self.policy, **self.eviction_options})
 
-    @property
-    def dense_slots(self) -> int:
-        """SGLang's token pool: ``round((1 - arena_fraction) * kv_pool_tokens)``."""
-        if self.kv_pool_tokens is None:
-            raise ValueError("the KV pool size is set by the launcher only when a policy is set")
-        return round((1.0 - self.arena_fraction) * self.kv_pool_tokens)
-
-    @property
-    def arena_slot_equivalents(self) -> int:
-        """The arena's memory in token slots (``kv_pool_tokens - dense_slots``); it holds that many times
-        ``num_layers * num_kv_heads`` cells."""
-        return self.kv_pool_tokens - self.dense_slots
-
     def describe(self) -> str:
         """One-line summary for logs: the policy, its budget and window."""
         if not self.enabled:
@@ -97,8 +68,6 @@ class ServingConfig:
             {
                 "policy": self.policy,
                 "eviction_options": dict(self.eviction_options),
-                "arena_fraction": self.arena_fraction,
-                "kv_pool_tokens": self.kv_pool_tokens,
                 "scope": self.scope.name,
                 "block_size": getattr(self.scope, "block_size", None),
             }

@@ -13,7 +13,8 @@ import pytest
 from sgl_kvevict.config import EvictionConfig
 from sgl_kvevict.engine.stats_channel import ADDRESS_ENV_VAR as STATS_ADDRESS_ENV_VAR
 from sgl_kvevict.policies import registered_policies
-from sgl_kvevict.serving import DEFAULT_ARENA_FRACTION, ENV_VAR as SERVING_ENV_VAR, ServingConfig
+from sgl_kvevict.scope import BlockScope
+from sgl_kvevict.serving import ENV_VAR as SERVING_ENV_VAR, ServingConfig
 from sgl_kvevict.server.flags import (
     COMPRESSION_REFUSALS,
     CPU_DEFAULT_MAX_TOTAL_TOKENS,
@@ -23,11 +24,9 @@ from sgl_kvevict.server.flags import (
     flag_value,
     inspected_flags,
     knob_flag,
-    kv_pool_tokens,
     parse_args,
-    without_flag,
 )
-from sgl_kvevict.server.launcher import server_env, sglang_command, stats_socket_address, with_kv_pool
+from sgl_kvevict.server.launcher import server_env, sglang_command, stats_socket_address
 
 
 def parse(*args: str):
@@ -51,10 +50,10 @@ def test_unknown_flags_pass_through_to_sglang():
         (["--kv-evict-policy", "lava", "--kv-evict-budget", "2"], "budget '2' is neither a ratio"),
         (["--kv-evict-policy", "full", "--kv-evict-budget", "0.3"], "policy 'full' takes no budget"),
         (["--kv-evict-policy", "lava", "--kv-evict-score", "obc-key"], "does not apply to policy 'lava'"),
-        (["--kv-evict-policy", "h2o", "--kv-evict-arena-fraction", "1.5"], r"arena fraction 1.5 must be in \(0, 1\)"),
+        (["--kv-evict-policy", "h2o", "--kv-evict-arena-fraction", "0.5"], "--kv-evict-arena-fraction is not a flag"),
         (["--kv-evict-policy", "lava", "--kv-evict-bugdet", "0.3"], "--kv-evict-bugdet is not a flag of ours"),
         (["--kv-evict-budget", "0.3", "--kv-evict-window", "8"], "--kv-evict-budget, --kv-evict-window: only with"),
-        (["--kv-evict-arena-fraction", "0.3"], "--kv-evict-arena-fraction: only with a --kv-evict-policy"),
+        (["--kv-evict-scope", "block"], "--kv-evict-scope: only with a --kv-evict-policy"),
         (["--tp", "2"], "--tp abbreviates --tp-size; spell it in full"),
         (["--max-total=100"], "--max-total abbreviates --max-total-tokens"),
     ],
@@ -75,10 +74,9 @@ def test_every_eviction_config_field_has_a_flag_reaching_the_serving_config():
               "streaming_sinks": "2", "min_segment_length": "16"}  # fmt: skip
     assert set(values) == {f.name for f in knobs}, "a new EvictionConfig field needs a value in this test"
     args = [item for name, text in values.items() for item in (knob_flag(name), text)]
-    config = parse("--kv-evict-policy", "ada-snapkv", "--kv-evict-arena-fraction", "0.25", *args)
+    config = parse("--kv-evict-policy", "ada-snapkv", *args)
     assert config.sglang_args == []
     assert dict(config.serving.eviction_options) == values
-    assert config.serving.arena_fraction == 0.25
     eviction = config.serving.eviction
     assert (eviction.window, eviction.pooling_kernel, eviction.dbudget_frozen_layers) == (8, 5, (0, 3))
 
@@ -87,7 +85,7 @@ def test_every_library_policy_is_served_and_the_default_is_none():
     assert parse().serving.policy == "none" and not parse().serving.enabled
     for policy in registered_policies():
         serving = parse("--kv-evict-policy", policy).serving
-        assert serving.policy == policy and serving.arena_fraction == DEFAULT_ARENA_FRACTION
+        assert serving.policy == policy and serving.scope.name == "request"
 
 
 def argv_refused_by(refusal, spelling: str) -> list[str]:
@@ -156,7 +154,6 @@ def test_flag_value_reads_what_argparse_keeps():
     assert flag_value(args, "--page-size") == "8"
     assert flag_value(args, "--chunked-prefill-size") == "-1"
     assert flag_value(args, "--disable-radix-cache") is None
-    assert without_flag(args, "--page-size") == ["--chunked-prefill-size", "-1", "--disable-radix-cache", "--x"]
 
 
 def test_cpu_defaults_yield_to_user_flags():
@@ -167,33 +164,18 @@ def test_cpu_defaults_yield_to_user_flags():
     assert "--max-total-tokens" not in cpu_mode_args(["--mem-fraction-static", "0.2"])
 
 
-def test_kv_pool_is_the_users_max_total_tokens_or_the_cpu_default():
-    assert kv_pool_tokens(["--max-total-tokens", "1000"], cpu_mode=False) == 1000
-    assert kv_pool_tokens([], cpu_mode=True) == CPU_DEFAULT_MAX_TOTAL_TOKENS
-    with pytest.raises(FlagError, match="--max-total-tokens is required with a --kv-evict-policy on CUDA"):
-        kv_pool_tokens([], cpu_mode=False)
-    with pytest.raises(FlagError, match="--mem-fraction-static cannot size the KV memory"):
-        kv_pool_tokens(["--mem-fraction-static", "0.3"], cpu_mode=True)
-
-
-@pytest.mark.parametrize("fraction, total, dense, arena", [(0.5, 65536, 32768, 32768), (0.3, 1001, 701, 300)])
-def test_kv_memory_split(fraction, total, dense, arena):
-    serving = ServingConfig("lava", {}, fraction, kv_pool_tokens=total)
-    assert (serving.dense_slots, serving.arena_slot_equivalents) == (dense, arena)
+def test_the_serving_config_travels_to_sglang_processes_intact():
+    serving = parse("--kv-evict-policy", "lava", "--kv-evict-scope", "block", "--kv-evict-block-size", "256").serving
+    assert serving.scope == BlockScope(256)
     assert ServingConfig.from_env({SERVING_ENV_VAR: serving.to_env()}) == serving
 
 
-def test_a_pool_too_small_for_both_parts_is_refused():
-    config = parse("--kv-evict-policy", "lava", "--kv-evict-arena-fraction", "0.9", "--max-total-tokens", "3")
-    with pytest.raises(FlagError, match="leaves 0 dense slots"):
-        with_kv_pool(config, cpu_mode=True)
-
-
 def test_sglang_command_with_a_policy_on_cpu():
-    config = with_kv_pool(parse("--kv-evict-policy", "lava", "--max-total-tokens", "10000", "--page-size", "1"), True)
+    config = parse("--kv-evict-policy", "lava", "--max-total-tokens", "10000", "--page-size", "1")
     command = sglang_command(config, "/models/m", cpu_mode=True)
     args = command[command.index("--model-path"):]
-    assert flag_value(args, "--max-total-tokens") == "5000" and args.count("--max-total-tokens") == 1
+    # One KV pool: compressed cells borrow SGLang's own slots, so the user's size goes through unchanged.
+    assert flag_value(args, "--max-total-tokens") == "10000" and args.count("--max-total-tokens") == 1
     assert flag_value(args, "--radix-cache-backend") == "sgl_kvevict"
     assert flag_value(args, "--chunked-prefill-size") == "-1"
     for flag in ("--page-size", "--disable-overlap-schedule", "--cuda-graph-backend-decode", "--device"):
@@ -201,28 +183,28 @@ def test_sglang_command_with_a_policy_on_cpu():
 
 
 def test_sglang_command_on_cuda_disables_what_compression_cannot_use():
-    config = with_kv_pool(parse("--kv-evict-policy", "snapkv", "--max-total-tokens", "4000"), cpu_mode=False)
+    config = parse("--kv-evict-policy", "snapkv", "--max-total-tokens", "4000")
     args = sglang_command(config, "/models/m", cpu_mode=False)
     assert "--disable-overlap-schedule" in args and "--device" not in args
     for phase in ("decode", "prefill"):
         assert flag_value(args, f"--cuda-graph-backend-{phase}") == "disabled"
-    assert flag_value(args, "--max-total-tokens") == "2000"
+    assert flag_value(args, "--max-total-tokens") == "4000"
 
 
 def test_sglang_command_without_a_policy_is_stock_sglang():
-    args = sglang_command(with_kv_pool(parse("--max-total-tokens", "4000"), cpu_mode=False), "/m", cpu_mode=False)
+    args = sglang_command(parse("--max-total-tokens", "4000"), "/m", cpu_mode=False)
     assert "--radix-cache-backend" not in args and "--chunked-prefill-size" not in args
     assert flag_value(args, "--max-total-tokens") == "4000"
 
 
 def test_server_env_carries_the_serving_config_and_the_stats_address(monkeypatch):
     monkeypatch.setenv(STATS_ADDRESS_ENV_VAR, "ipc:///stale")
-    config = with_kv_pool(parse("--kv-evict-policy", "lava", "--kv-evict-budget", "0.1"), cpu_mode=True)
+    config = parse("--kv-evict-policy", "lava", "--kv-evict-budget", "0.1")
     with stats_socket_address(config.serving.enabled) as address:
         directory = address.removeprefix("ipc://").rsplit("/", 1)[0]
         env = server_env(config, cpu_mode=True, stats_address=address)
         assert env[STATS_ADDRESS_ENV_VAR] == address
-        assert ServingConfig.from_env(env) == config.serving and config.serving.kv_pool_tokens == 65536
+        assert ServingConfig.from_env(env) == config.serving
         assert os.path.isdir(directory)
     assert not os.path.exists(directory)
     stock = parse()

@@ -41,7 +41,7 @@ def test_unknown_policy_is_refused_with_the_valid_names(tiny_llama_dir):
         (["--kv-evict-policy", "lava", "--enable-hicache"], "HiCache copies tree values"),
         (["--kv-evict-policy", "lava", "--radix-cache-backend", "x"], "compression lives in the launcher's own"),
         (["--kv-evict-policy", "lava", "--cuda-graph-backend-decode", "full"], "replayed CUDA graphs"),
-        (["--kv-evict-policy", "lava", "--mem-fraction-static", "0.2"], "give --max-total-tokens"),
+        (["--kv-evict-policy", "lava", "--enable-mixed-chunk"], "batches mixing prefill and decode tokens"),
         (["--kv-evict-policy", "lava", "--kv-evict-budget", "1.5"], "budget ratio 1.5 must be in (0, 1)"),
         (["--kv-evict-window", "16"], "--kv-evict-window: only with a --kv-evict-policy"),
     ],

@@ -1,28 +1,26 @@
 """The attention backend: SGLang's ``TorchNativeAttnBackend`` plus scoring capture and segment attention.
 
 Registered in place of the stock ``torch_native`` factory (``plugin.py``), so the backend name and
-every stock gate keyed on it stay the same. Until the compressed radix cache installs its
-``EngineState`` (and for every request without compressed nodes on its path) it is the stock
+every stock gate keyed on it stay the same. Until the factory attaches an ``EngineState``
+(``attach_engine``), and for every request without compressed nodes on its path, it is the stock
 backend, call for call.
 
 * **Scoring capture** (extend): after a layer's attention, for each span compressed after this
-  forward (the request's own span, or each block ending in it), the span's last ``w`` post-RoPE
-  query rows and the keys and values up to its end (``ScoringJob.window_stats``: dense slots read
-  through ``req_to_token``, plus the cells of spans reused compressed) give the policy's
-  ``WindowStats``, passed to ``compressor.observe(layer, stats)``. The plans are built by the tree's
-  checkpoint after the forward.
+  forward (the request's own span, or each block ending in it), the span's last ``w`` post-RoPE query
+  rows and the keys and values up to its end (dense slots, plus the cells of spans reused compressed)
+  give the policy's ``WindowStats``, passed to ``compressor.observe(layer, stats)``. The plans are built
+  by the tree's checkpoint after the forward.
 * **Segment attention** (extend and decode): for a request whose path holds compressed nodes, the
-  output is the log-sum-exp merge of (a) attention over the arena cells of those nodes, one
-  pseudo-sequence per (request, KV head) with the GQA group as its query heads
-  (``kernels.segment_attention``), and (b) causal attention over the dense positions (everything
+  output is the log-sum-exp merge of (a) attention over the cells of those nodes, one pseudo-sequence
+  per (request, KV head) with the GQA group as its query heads (``kernels.segment_attention``, reading
+  the cells in place in SGLang's pool), and (b) causal attention over the dense positions (everything
   outside the compressed spans, new tokens included). RoPE is in the stored keys, so kept keys keep
-  their original positions and queries stay at logical positions. Other requests of the batch take
-  the stock per-request path.
+  their original positions and queries stay at logical positions.
 
-The dispatch (plain batch -> stock backend, compressed requests -> segment attention, scoring
-after the extend) lives in ``SegmentAttentionBackend`` and is shared with the CUDA backend
-(``flashinfer_backend.py``), as are ``observe_window`` and ``compressed_attention``. On CPU the
-kernels dispatch to their torch twins.
+The dispatch lives in ``SegmentAttentionBackend`` and is shared with the CUDA backend
+(``flashinfer_backend.py``), as are ``observe_window`` and ``compressed_attention``. Everything a layer
+runs indexes tensors ``ForwardPlan.build`` made once per forward (``engine.batch``). On CPU the kernels
+dispatch to their torch twins.
 """
 
 from __future__ import annotations
@@ -31,11 +29,12 @@ import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-from sgl_kvevict.engine.batch import ForwardPlan, RequestSlice, ScoringJob
-from sgl_kvevict.engine.state import current
-from sgl_kvevict.kernels import merge_attention_states, segment_attention
+from sgl_kvevict.engine.batch import DenseBatch, ForwardPlan, RequestSlice, ScoringJob
+from sgl_kvevict.engine.state import EngineState
+from sgl_kvevict.kernels import merge_attention_states, segment_attention, window_stats_paged
+from sgl_kvevict.scoring.window import window_stats
 
-_QUERY_CHUNK = 512  # bounds the [chunk, H_q, L] fp32 logits of the dense part
+_QUERY_CHUNK = 512  # bounds the [chunk, H_q, L] fp32 logits of an extend's dense part
 
 
 def dense_attention(
@@ -46,74 +45,88 @@ def dense_attention(
     key_positions: torch.Tensor,
     scaling: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention by logical position, with its log-sum-exp, in fp32.
+    """Causal attention by logical position, with its log-sum-exp, in fp32; batched over requests.
 
-    q ``[T, H_q, D]``; keys ``[L, H_kv, D]``, values ``[L, H_kv, D_v]``; query_positions ``[T]``,
-    key_positions ``[L]``: query ``t`` sees key ``p`` iff ``key_positions[p] <= query_positions[t]``.
-    Returns out ``[T, H_q, D_v]`` (q's dtype) and natural-log lse fp32 ``[T, H_q]`` (``-inf`` without keys).
+    q ``[B, T, H_q, D]``; keys ``[B, L, H_kv, D]``, values ``[B, L, H_kv, D_v]``; query_positions ``[B, T]``,
+    key_positions ``[B, L]``: query ``t`` of request ``b`` sees key ``p`` iff
+    ``key_positions[b, p] <= query_positions[b, t]``. Returns out ``[B, T, H_q, D_v]`` (q's dtype) and
+    natural-log lse fp32 ``[B, T, H_q]`` (``-inf`` without keys).
     """
-    num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads = keys.shape[1]
+    batch, num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = keys.shape[2]
     group = num_q_heads // num_kv_heads
     keys, values = keys.float(), values.float()
-    out = torch.empty(num_tokens, num_q_heads, values.shape[-1], dtype=q.dtype, device=q.device)
-    lse = torch.empty(num_tokens, num_q_heads, dtype=torch.float32, device=q.device)
+    out = q.new_empty(batch, num_tokens, num_q_heads, values.shape[-1])
+    lse = torch.empty(batch, num_tokens, num_q_heads, dtype=torch.float32, device=q.device)
     for start in range(0, num_tokens, _QUERY_CHUNK):
         end = min(start + _QUERY_CHUNK, num_tokens)
-        queries = q[start:end].float().view(end - start, num_kv_heads, group, head_dim)
-        logits = torch.einsum("tkgd,lkd->tkgl", queries, keys) * scaling
-        visible = key_positions[None, :] <= query_positions[start:end, None]  # [T, L]
-        logits = logits.masked_fill(~visible[:, None, None, :], float("-inf"))
-        chunk_lse = torch.logsumexp(logits, dim=-1)  # [T, H_kv, G]
+        queries = q[:, start:end].float().view(batch, end - start, num_kv_heads, group, head_dim)
+        logits = torch.einsum("btkgd,blkd->btkgl", queries, keys) * scaling
+        visible = key_positions[:, None, :] <= query_positions[:, start:end, None]  # [B, T, L]
+        logits = logits.masked_fill(~visible[:, :, None, None, :], float("-inf"))
+        chunk_lse = torch.logsumexp(logits, dim=-1)  # [B, T, H_kv, G]
         probs = torch.exp(logits - chunk_lse.masked_fill(chunk_lse == float("-inf"), 0.0)[..., None])
-        out[start:end] = torch.einsum("tkgl,lkd->tkgd", probs, values).reshape(end - start, num_q_heads, -1)
-        lse[start:end] = chunk_lse.reshape(end - start, num_q_heads)
+        chunk_out = torch.einsum("btkgl,blkd->btkgd", probs, values)
+        out[:, start:end] = chunk_out.reshape(batch, end - start, num_q_heads, -1)
+        lse[:, start:end] = chunk_lse.reshape(batch, end - start, num_q_heads)
     return out, lse
 
 
-def observe_window(job: ScoringJob, q: torch.Tensor, layer, plan: ForwardPlan, req_to_token, kv_pool) -> None:
+def observe_window(job: ScoringJob, q: torch.Tensor, layer, engine: EngineState, kv_pool) -> None:
     """Scoring capture of one request and layer: its window's ``WindowStats`` to its compressor.
 
-    q ``[N, H_q * D]`` (this forward's post-RoPE queries); req_to_token ``[rows, max_len]``; the KV of
-    the request (prefix and this extend) must already be in ``kv_pool``.
+    q ``[N, H_q * D]`` (this forward's post-RoPE queries); the KV of the request (prefix and this extend)
+    must already be in ``kv_pool``.
     """
     request = job.request
     queries = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
     q_window = queries[request.q_end - job.window : request.q_end].transpose(0, 1)  # [H_q, w, D]
-    arena = plan.engine.arena
-    stats = job.window_stats(
-        q_window, kv_pool.get_key_buffer(layer.layer_id), kv_pool.get_value_buffer(layer.layer_id),
-        req_to_token[request.row], arena.k[layer.layer_id], arena.v[layer.layer_id], layer.layer_id,
-        layer.scaling, plan.engine.stats_request,
-    )  # fmt: skip
+    k_buffer, v_buffer = kv_pool.get_key_buffer(layer.layer_id), kv_pool.get_value_buffer(layer.layer_id)
+    if request.view is None:
+        stats = window_stats_paged(q_window, k_buffer, v_buffer, job.dense_slots, layer.scaling, engine.stats_request)
+    else:
+        keys, values, kept = _position_indexed_cache(job, layer.layer_id, k_buffer, v_buffer, engine.arena.space)
+        stats = window_stats(q_window, keys, values, layer.scaling, engine.stats_request, kept=kept)
     job.compressor.observe(layer.layer_id, stats)
 
 
-def compressed_attention(
-    plan: ForwardPlan, queries: torch.Tensor, layer
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Attention of the compressed requests' queries over their arena cells (``kernels.segment_attention``).
-
-    queries ``[N, H_q, D]`` (every query of the forward). Returns ``rows`` int64 ``[N_c]`` (the compressed
-    requests' query rows, request-major), out ``[N_c, H_q, D_v]`` and natural-log lse fp32 ``[N_c, H_q]``
-    (``-inf`` and out 0 for a KV head without cells).
-    """
-    device = queries.device
-    rows = plan.compressed_query_rows(device)
-    kv_indptr, kv_indices = plan.compressed_cells(layer.layer_id, device)
-    arena = plan.engine.arena
-    out, lse = segment_attention(
-        queries[rows],
-        arena.k[layer.layer_id],
-        arena.v[layer.layer_id],
-        plan.compressed_qo_indptr(device),
-        kv_indptr,
-        kv_indices,
-        layer.tp_k_head_num,
-        layer.scaling,
-        max(r.num_queries for r in plan.compressed),
+def _position_indexed_cache(job: ScoringJob, layer: int, k_buffer, v_buffer, space):
+    """What each KV head of ``layer`` holds of positions ``[0, L)`` as the reference engine sees its dense
+    cache: keys and values ``[H_kv, L, D]`` with every dense position and each head's own cells, and the
+    kept mask ``[H_kv, L]``."""
+    view, length = job.request.view, job.request.seq_len
+    num_kv_heads = k_buffer.shape[1]
+    device = k_buffer.device
+    start, end = view.layer_offsets[layer], view.layer_offsets[layer + 1]
+    cells, positions = view.cells[start:end], view.positions[start:end]
+    heads = torch.repeat_interleave(
+        torch.arange(num_kv_heads, device=device), view.counts[layer].to(device), output_size=end - start
     )
-    return rows, out, lse
+    inside = positions < length  # cells of spans after the scored segment end are not its keys
+    cells, positions, heads = cells[inside], positions[inside], heads[inside]
+    keys = k_buffer.new_zeros(num_kv_heads, length, k_buffer.shape[2])
+    values = v_buffer.new_zeros(num_kv_heads, length, v_buffer.shape[2])
+    keys[:, job.dense_positions] = k_buffer[job.dense_slots].transpose(0, 1)
+    values[:, job.dense_positions] = v_buffer[job.dense_slots].transpose(0, 1)
+    keys[heads, positions] = space.k_rows[cells]
+    values[heads, positions] = space.v_rows[cells]
+    kept = torch.zeros(num_kv_heads, length, dtype=torch.bool, device=device)
+    kept[:, job.dense_positions] = True
+    kept[heads, positions] = True
+    return keys, values, kept
+
+
+def compressed_attention(plan: ForwardPlan, queries: torch.Tensor, layer) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of the compressed requests' queries over their cells (``kernels.segment_attention``).
+
+    queries ``[N, H_q, D]`` (every query of the forward). Returns out ``[N_c, H_q, D_v]`` and natural-log
+    lse fp32 ``[N_c, H_q]`` for ``plan.query_rows`` (``-inf`` and out 0 for a KV head without cells).
+    """
+    space, cells = plan.engine.arena.space, plan.cells
+    return segment_attention(
+        queries[plan.query_rows], space.k_rows, space.v_rows, plan.qo_indptr, cells.kv_indptr[layer.layer_id],
+        cells.kv_indices, layer.tp_k_head_num, layer.scaling, plan.max_queries,
+    )  # fmt: skip
 
 
 class SegmentAttentionBackend:
@@ -126,15 +139,21 @@ class SegmentAttentionBackend:
     ``req_to_token_pool`` and ``token_to_kv_pool``.
     """
 
+    engine: EngineState | None = None
     forward_plan: ForwardPlan | None = None
 
+    def attach_engine(self, engine: EngineState) -> None:
+        """Called by the factory once the tree exists; until then the backend is stock."""
+        self.engine = engine
+
     def init_forward_metadata(self, forward_batch):
-        engine = current()
-        self.forward_plan = None if engine is None else ForwardPlan.build(engine, forward_batch)
-        if self.forward_plan is None or not self.forward_plan.compressed:
+        engine = self.engine
+        plan = None if engine is None else ForwardPlan.build(engine, forward_batch, self.req_to_token_pool.req_to_token)
+        self.forward_plan = plan
+        if plan is None or not plan.compressed:
             super().init_forward_metadata(forward_batch)
         else:
-            self._init_segment_metadata(forward_batch, self.forward_plan)
+            self._init_segment_metadata(forward_batch, plan)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         plan = self.forward_plan
@@ -144,7 +163,7 @@ class SegmentAttentionBackend:
             out = self._forward_with_segments(q, k, v, layer, forward_batch, save_kv_cache, plan)
         if plan is not None:
             for job in plan.scoring:
-                observe_window(job, q, layer, plan, self.req_to_token_pool.req_to_token, self.token_to_kv_pool)
+                observe_window(job, q, layer, plan.engine, self.token_to_kv_pool)
         return out
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
@@ -176,30 +195,38 @@ class KVEvictTorchBackend(SegmentAttentionBackend, TorchNativeAttnBackend):
         out = q.new_empty(queries.shape[0], num_q_heads, v_head_dim)
         k_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
         v_cache = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
+        # Stock SDPA for the plain requests of a mixed batch (it loops over them, as the stock backend does).
         for request in plan.requests:
             if request.view is None:
                 self._stock_request(request, queries, out, k_cache, v_cache, layer, forward_batch)
-
-        rows, compressed_out, compressed_lse = compressed_attention(plan, queries, layer)
-        dense = [self._dense_part(request, queries, k_cache, v_cache, layer) for request in plan.compressed]
-        dense_out = torch.cat([part[0] for part in dense])
-        dense_lse = torch.cat([part[1] for part in dense])
+        compressed_out, compressed_lse = compressed_attention(plan, queries, layer)
+        dense_out, dense_lse = self._dense_part(plan, queries, k_cache, v_cache, layer)
         merged, _ = merge_attention_states(compressed_out, compressed_lse, dense_out, dense_lse)
-        out[rows] = merged
+        out[plan.query_rows] = merged
         return out.view(-1, num_q_heads * v_head_dim)
 
-    def _dense_part(self, request: RequestSlice, queries, k_cache, v_cache, layer):
-        device = queries.device
-        positions = request.dense_positions(device)
-        slots = self.req_to_token_pool.req_to_token[request.row, positions].long()
-        return dense_attention(
-            queries[request.q_start : request.q_end],
-            k_cache[slots],
-            v_cache[slots],
-            request.query_positions(device),
-            positions,
-            layer.scaling,
-        )
+    def _dense_part(self, plan: ForwardPlan, queries, k_cache, v_cache, layer):
+        """The compressed requests' attention over their dense positions: one padded batch in decode
+        (one query per request); in an extend, request by request (their keys are long, their queries many)."""
+        dense: DenseBatch = plan.dense
+        if plan.is_decode:
+            out, lse = dense_attention(
+                queries[plan.query_rows].unsqueeze(1), k_cache[dense.slots], v_cache[dense.slots],
+                dense.query_positions.unsqueeze(1), dense.positions, layer.scaling,
+            )  # fmt: skip
+            return out.squeeze(1), lse.squeeze(1)
+        parts, first_row = [], 0
+        for index, request in enumerate(plan.compressed):
+            slots, positions = dense.slots[index : index + 1], dense.positions[index : index + 1]
+            query_positions = dense.query_positions[first_row : first_row + request.num_queries]
+            parts.append(
+                dense_attention(
+                    queries[request.q_start : request.q_end].unsqueeze(0), k_cache[slots], v_cache[slots],
+                    query_positions.unsqueeze(0), positions, layer.scaling,
+                )  # fmt: skip
+            )
+            first_row += request.num_queries
+        return torch.cat([out[0] for out, _ in parts]), torch.cat([lse[0] for _, lse in parts])
 
     def _stock_request(self, request: RequestSlice, queries, out, k_cache, v_cache, layer, forward_batch):
         """The stock per-request SDPA of ``TorchNativeAttnBackend`` on this request's rows only."""

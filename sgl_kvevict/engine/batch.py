@@ -1,37 +1,37 @@
-"""ForwardPlan: what the attention backend needs to know about each request of one forward.
+"""ForwardPlan: what the attention backend needs to know about one forward, built once per forward.
 
-Built once per forward (``init_forward_metadata``), read by every layer:
+``ForwardPlan.build`` runs in ``init_forward_metadata``; every layer then only indexes tensors it built.
+Nothing a layer runs loops over layers or KV heads in Python or syncs with the host:
 
-* per request, its query rows, logical length and ``PathView`` (None for a plain request, which
-  goes through the stock attention path);
-* the compressed requests' arena cells per layer, flattened into the (request, KV head)
-  pseudo-sequences ``kernels.segment_attention`` takes;
-* the scoring jobs of the extend: one per span compressed after this forward (``Scope.compressible_spans``:
-  the request's own span in request scope, every block ending in this forward in block scope) of
-  each request whose prompt ends in it. Their compressors live on the request until the tree's
-  checkpoint.
+* per request, its query rows, logical length and ``PathView`` (None for a plain request, which goes
+  through the stock attention path);
+* ``CellBatch``: the compressed requests' cells of *all* layers as one device index, with
+  ``kv_indptr[layer]`` the (request, KV head) pseudo-sequences of one layer (offsets into the shared
+  index), cached across forwards while the batch and the arena's placements stay the same (decode);
+* ``DenseBatch``: the compressed requests' dense keys (every position outside their compressed spans,
+  new tokens included) as slot indices, rebuilt per forward from host-known lengths;
+* the scoring jobs of an extend: one per span compressed after this forward (``Scope.compressible_spans``)
+  of each request whose prompt ends in it (``EngineState.submit``).
 
 Scoring semantics (those of the reference engine, which the parity tests hold it to): a span's last
-``w`` queries attend over keys ``[0, span end)`` as this forward computed them. Spans compressed in
-an earlier forward (reused blocks, earlier chat turns) enter with their kept entries only, a softmax
-per KV head over its own cells plus the dense positions (``window_stats(kept=...)``); spans of this
-forward, earlier blocks included, are still dense when scored.
+``w`` queries attend over keys ``[0, span end)`` as this forward computed them. Spans compressed in an
+earlier forward (reused blocks, earlier chat turns) enter with their kept entries only, a softmax per
+KV head over its own cells plus the dense positions; spans of this forward, earlier blocks included,
+are still dense when scored.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from sgl_kvevict.engine.radix_cache import compressed_path
-from sgl_kvevict.engine.segments import PathView
+from sgl_kvevict.engine.segments import PathView, ranges_to_positions
 from sgl_kvevict.engine.state import EngineState, request_state
-from sgl_kvevict.kernels import window_stats_paged
 from sgl_kvevict.policies.base import SegmentCompressor
-from sgl_kvevict.scoring.window import StatsRequest, WindowStats, window_stats
 
 
 @dataclass(frozen=True)
@@ -50,14 +50,13 @@ class RequestSlice:
     def num_queries(self) -> int:
         return self.q_end - self.q_start
 
-    def query_positions(self, device: torch.device) -> torch.Tensor:
-        return torch.arange(self.seq_len - self.num_queries, self.seq_len, device=device)
+    @property
+    def first_query_position(self) -> int:
+        return self.seq_len - self.num_queries
 
-    def dense_positions(self, device: torch.device) -> torch.Tensor:
-        """int64: the positions of ``[0, seq_len)`` read from dense slots."""
-        if self.view is None:
-            return torch.arange(self.seq_len, device=device)
-        return self.view.dense_positions(self.seq_len, device)
+    def dense_ranges(self) -> list[tuple[int, int]]:
+        """The position ranges of ``[0, seq_len)`` read from dense slots (host ints)."""
+        return [(0, self.seq_len)] if self.view is None else self.view.dense_ranges(self.seq_len)
 
     def up_to(self, end: int) -> "RequestSlice":
         """This request as far as position ``end`` (inside this forward): its queries and context there."""
@@ -66,118 +65,169 @@ class RequestSlice:
 
 @dataclass(frozen=True)
 class ScoringJob:
-    """Score the segment of ``compressor`` with its last ``window`` queries, the last queries of
-    ``request`` (the request cut at the segment end, ``RequestSlice.up_to``)."""
+    """Score the segment of ``compressor`` with the last ``window`` queries of ``request`` (the request
+    cut at the segment end, ``RequestSlice.up_to``). Its keys: ``dense_slots`` at ``dense_positions``
+    (device, every position of ``[0, segment end)`` outside compressed spans) and, when the request
+    reuses compressed spans, their cells (``request.view``)."""
 
     request: RequestSlice
     compressor: SegmentCompressor
     window: int
-
-    def window_stats(
-        self, q_window: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, row: torch.Tensor,
-        arena_k: torch.Tensor, arena_v: torch.Tensor, layer: int, scaling: float, stats_request: StatsRequest,
-    ) -> WindowStats:  # fmt: skip
-        """The segment's ``WindowStats`` of ``layer`` over keys ``[0, segment end)`` (module docstring).
-
-        q_window ``[H_q, w, D]``; k_buffer ``[slots, H_kv, D]``, v_buffer ``[slots, H_kv, D_v]`` (this
-        layer's dense pool); row: the request's ``req_to_token`` row; arena_k ``[cells, D]``, arena_v
-        ``[cells, D_v]`` (this layer's arena).
-        """
-        request, length = self.request, self.request.seq_len
-        if request.view is None:
-            return window_stats_paged(q_window, k_buffer, v_buffer, row[:length], scaling, stats_request)
-        # Scatter every head's kept entries into a position-indexed [H_kv, L] cache, as the reference
-        # engine's keep mask sees its dense cache: dense positions for every head, cells per head.
-        dense, cell_heads, cell_positions = request.view.kept_keys(layer, length, row.device)
-        cells = request.view.cells[layer].to(arena_k.device)
-        slots = row[dense].long()
-        num_kv_heads = k_buffer.shape[1]
-        keys = k_buffer.new_zeros(num_kv_heads, length, k_buffer.shape[2])
-        values = v_buffer.new_zeros(num_kv_heads, length, v_buffer.shape[2])
-        keys[:, dense] = k_buffer[slots].transpose(0, 1)
-        values[:, dense] = v_buffer[slots].transpose(0, 1)
-        keys[cell_heads, cell_positions] = arena_k[cells]
-        values[cell_heads, cell_positions] = arena_v[cells]
-        kept = torch.zeros(num_kv_heads, length, dtype=torch.bool, device=keys.device)
-        kept[:, dense] = True
-        kept[cell_heads, cell_positions] = True
-        return window_stats(q_window, keys, values, scaling, stats_request, kept=kept)
+    dense_positions: torch.Tensor
+    dense_slots: torch.Tensor
 
 
-def path_view(engine: EngineState, req) -> Optional[PathView]:
-    """The request's ``PathView``, memoised per ``last_node`` (a locked path only changes by the split
-    of a compressed node, which keeps its cells and their order within each KV head)."""
-    state = request_state(req)
-    if state.view_node is not req.last_node:
-        segments = compressed_path(req.last_node)
-        shape = engine.shape
-        state.view = PathView.of(segments, shape.num_layers, shape.num_kv_heads) if segments else None
-        state.view_node = req.last_node
-    return state.view
+@dataclass(frozen=True)
+class CellBatch:
+    """The compressed requests' cells, every layer at once (device tensors).
+
+    kv_indices int64 ``[n]``: cell ids, layer-major, then request, then KV head; kv_indptr int64
+    ``[L, B_c * H_kv + 1]``: ``kv_indptr[l]`` are the pseudo-sequence offsets of layer ``l`` into
+    ``kv_indices`` (sequence ``r * H_kv + h``). max_cells: the longest sequence (host int).
+    """
+
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    max_cells: int
+
+    @classmethod
+    def of(cls, views: list[PathView], device: torch.device) -> "CellBatch":
+        counts = torch.stack([view.counts for view in views], dim=1)  # [L, B_c, H_kv]
+        num_layers = counts.shape[0]
+        flat_counts = counts.flatten()
+        ends = torch.cumsum(flat_counts, 0)
+        starts = ends - flat_counts
+        kv_indptr = torch.cat([starts.view(num_layers, -1), ends.view(num_layers, -1)[:, -1:]], dim=1)
+        # The (layer, request) blocks are contiguous in each view's cells: one gather builds the index.
+        view_bases = torch.cumsum(torch.tensor([0] + [len(view.cells) for view in views[:-1]]), 0)
+        layer_starts = torch.tensor([view.layer_offsets[:-1] for view in views]).t()  # [L, B_c]
+        block_sources = (layer_starts + view_bases).flatten()
+        block_counts = counts.sum(2).flatten()
+        block_targets = torch.cumsum(block_counts, 0) - block_counts
+        total = int(block_counts.sum())
+        gather = torch.repeat_interleave(block_sources - block_targets, block_counts, output_size=total)
+        gather += torch.arange(total)
+        cells = torch.cat([view.cells for view in views])
+        return cls(kv_indptr.to(device), cells[gather.to(device)], int(flat_counts.max()))
+
+
+@dataclass(frozen=True)
+class DenseBatch:
+    """The compressed requests' dense keys, padded to one batch (device tensors).
+
+    slots int64 ``[B_c, n]`` (slot 0 where padded), positions int64 ``[B_c, n]`` (past every query where
+    padded, so the causal mask hides them), and query_positions ``[N_c]``: the position of each
+    compressed query row (request-major, as ``ForwardPlan.query_rows``).
+    """
+
+    slots: torch.Tensor
+    positions: torch.Tensor
+    query_positions: torch.Tensor
+
+    @classmethod
+    def of(cls, requests: list[RequestSlice], req_to_token: torch.Tensor) -> "DenseBatch":
+        device = req_to_token.device
+        ranges = [request.dense_ranges() for request in requests]
+        widest = max(sum(end - start for start, end in request_ranges) for request_ranges in ranges)
+        padding = max(request.seq_len for request in requests)
+        positions = torch.full((len(requests), widest), padding, dtype=torch.int64, device=device)
+        slots = torch.zeros(len(requests), widest, dtype=torch.int64, device=device)
+        for index, (request, request_ranges) in enumerate(zip(requests, ranges)):
+            request_positions = ranges_to_positions(request_ranges, device)
+            positions[index, : len(request_positions)] = request_positions
+            slots[index, : len(request_positions)] = req_to_token[request.row, request_positions]
+        query_positions = torch.cat(
+            [torch.arange(r.first_query_position, r.seq_len, device=device) for r in requests]
+        )
+        return cls(slots, positions, query_positions)
 
 
 @dataclass
 class ForwardPlan:
     engine: EngineState
+    is_decode: bool
     requests: list[RequestSlice]
     scoring: list[ScoringJob]
-    compressed: list[RequestSlice] = field(init=False)
-    _layer_cells: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, init=False)
+    compressed: list[RequestSlice] = dataclasses.field(init=False)
+    query_rows: Optional[torch.Tensor] = None  # the compressed requests' query rows, request-major
+    qo_indptr: Optional[torch.Tensor] = None
+    cells: Optional[CellBatch] = None
+    dense: Optional[DenseBatch] = None
 
     def __post_init__(self):
         self.compressed = [request for request in self.requests if request.view is not None]
 
+    @property
+    def max_queries(self) -> int:
+        return max(request.num_queries for request in self.compressed)
+
     @classmethod
-    def build(cls, engine: EngineState, forward_batch) -> "ForwardPlan":
+    def build(cls, engine: EngineState, forward_batch, req_to_token: torch.Tensor) -> "ForwardPlan":
         mode = forward_batch.forward_mode
+        if not (mode.is_decode() or mode.is_extend()):
+            return cls(engine, False, [], [])
+        device = req_to_token.device
         seq_lens = forward_batch.seq_lens_cpu.tolist()
-        rows = forward_batch.req_pool_indices.tolist()
-        if mode.is_decode():
-            query_counts = [1] * len(seq_lens)
-        elif mode.is_extend():
-            query_counts = list(forward_batch.extend_seq_lens_cpu)
-        else:
-            return cls(engine, [], [])
+        query_counts = [1] * len(seq_lens) if mode.is_decode() else list(forward_batch.extend_seq_lens_cpu)
         requests, scoring, q_start = [], [], 0
-        for index, (rid, seq_len, row, count) in enumerate(zip(forward_batch.rids, seq_lens, rows, query_counts)):
+        for index, (rid, seq_len, count) in enumerate(zip(forward_batch.rids, seq_lens, query_counts)):
             req = engine.requests.get(rid)
-            view = path_view(engine, req) if req is not None else None
-            request = RequestSlice(index, q_start, q_start + count, seq_len, row, view)
-            requests.append(request)
+            if req is None:  # not matched by this tree (SGLang matches every request first): stock path
+                row = int(forward_batch.req_pool_indices[index])
+                requests.append(RequestSlice(index, q_start, q_start + count, seq_len, row, None))
+            else:
+                view = path_view(engine, req, device)
+                requests.append(RequestSlice(index, q_start, q_start + count, seq_len, req.kv.req_pool_idx, view))
+                if mode.is_extend() and seq_len == len(req.origin_input_ids):
+                    scoring += _scoring_jobs(engine, req, requests[-1], req_to_token)
             q_start += count
-            if mode.is_extend() and req is not None and seq_len == len(req.origin_input_ids):
-                scoring += cls._scoring_jobs(engine, req, request)
-        return cls(engine, requests, scoring)
+        plan = cls(engine, mode.is_decode(), requests, scoring)
+        if plan.compressed:
+            plan._describe_compressed(device, req_to_token)
+        return plan
 
-    @staticmethod
-    def _scoring_jobs(engine: EngineState, req, request: RequestSlice) -> list[ScoringJob]:
-        start = request.seq_len - request.num_queries
-        if start != req.kv.cache_protected_len:
-            return []  # the extend starts inside tree-owned tokens: nothing of it is the request's own
-        window = engine.eviction.window
-        return [
-            ScoringJob(request.up_to(compressor.spec.end), compressor, min(window, compressor.spec.length))
-            for compressor in engine.start_segments(req, start, request.seq_len)
-            if compressor.needs_stats
-        ]
+    def _describe_compressed(self, device: torch.device, req_to_token: torch.Tensor) -> None:
+        compressed = self.compressed
+        self.query_rows = torch.cat([torch.arange(r.q_start, r.q_end, device=device) for r in compressed])
+        counts = torch.tensor([0] + [r.num_queries for r in compressed])
+        self.qo_indptr = torch.cumsum(counts, 0).to(device)
+        self.cells = self.cell_batch([r.view for r in compressed], device)
+        self.dense = DenseBatch.of(compressed, req_to_token)
 
-    # ---- compressed requests ------------------------------------------------------------------
+    def cell_batch(self, views: list[PathView], device: torch.device) -> CellBatch:
+        """The ``CellBatch`` of ``views``, reused from the previous forward when the batch holds the same
+        views (a view is rebuilt whenever its path or the arena's placements change)."""
+        cached_views, cached = self.engine.cell_batch_cache
+        if cached is None or len(cached_views) != len(views) or any(a is not b for a, b in zip(cached_views, views)):
+            cached = CellBatch.of(views, device)
+            self.engine.cell_batch_cache = (tuple(views), cached)
+        return cached
 
-    def compressed_query_rows(self, device: torch.device) -> torch.Tensor:
-        """int64: the query rows of the compressed requests, request-major."""
-        return torch.cat([torch.arange(r.q_start, r.q_end, device=device) for r in self.compressed])
 
-    def compressed_qo_indptr(self, device: torch.device) -> torch.Tensor:
-        counts = torch.tensor([0] + [r.num_queries for r in self.compressed], device=device)
-        return torch.cumsum(counts, 0)
+def _scoring_jobs(engine: EngineState, req, request: RequestSlice, req_to_token: torch.Tensor) -> list[ScoringJob]:
+    """2. submit (``engine.state``): the request's prompt ends in this forward."""
+    start = request.first_query_position
+    if start != req.kv.cache_protected_len:
+        return []  # the extend starts inside tree-owned tokens: nothing of it is the request's own
+    window = engine.eviction.window
+    device = req_to_token.device
+    jobs = []
+    for compressor in engine.submit(req, start, request.seq_len):
+        if not compressor.needs_stats:
+            continue
+        scored = request.up_to(compressor.spec.end)
+        positions = ranges_to_positions(scored.dense_ranges(), device)
+        slots = req_to_token[request.row, positions].to(torch.int64)
+        jobs.append(ScoringJob(scored, compressor, min(window, compressor.spec.length), positions, slots))
+    return jobs
 
-    def compressed_cells(self, layer: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(kv_indptr [B_c * H_kv + 1], kv_indices [nnz])`` of ``layer``: sequence ``r * H_kv + h``
-        holds the cells of KV head ``h`` over every compressed span on request ``r``'s path."""
-        if layer not in self._layer_cells:
-            counts = torch.cat([r.view.head_counts[layer] for r in self.compressed])
-            indptr = torch.zeros(len(counts) + 1, dtype=torch.int64)
-            indptr[1:] = torch.cumsum(counts, 0)
-            cells = torch.cat([r.view.cells[layer] for r in self.compressed])
-            self._layer_cells[layer] = (indptr.to(device), cells.to(device))
-        return self._layer_cells[layer]
+
+def path_view(engine: EngineState, req, device: torch.device) -> Optional[PathView]:
+    """The request's ``PathView``, memoised per ``last_node`` and arena placement (a locked path only
+    changes by the split of a compressed node, which keeps every cell, or by cell moves)."""
+    state = request_state(req)
+    if state.view_node is not req.last_node or state.view_generation != engine.arena.generation:
+        segments = compressed_path(req.last_node)
+        state.view = PathView.of(segments, device) if segments else None
+        state.view_node, state.view_generation = req.last_node, engine.arena.generation
+    return state.view

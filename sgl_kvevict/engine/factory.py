@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import logging
 
+import torch
 from sglang.srt.mem_cache.registry import TreeCacheBuildContext
 from sglang.srt.runtime_context import get_schedule, get_spec
 
-from sgl_kvevict.engine.arena import Arena, arena_slot_equivalents
+from sgl_kvevict.engine.arena import Arena, SlotSource
 from sgl_kvevict.engine.attention import SegmentAttentionBackend
+from sgl_kvevict.engine.cells import CellSpace
 from sgl_kvevict.engine.metrics import export_metrics
 from sgl_kvevict.engine.radix_cache import CompressedRadixCache
 from sgl_kvevict.engine.plugin import RADIX_CACHE_BACKEND
-from sgl_kvevict.engine.state import EngineState, ModelShape, install
+from sgl_kvevict.engine.state import EngineState, ModelShape
 from sgl_kvevict.serving import ServingConfig
 
 logger = logging.getLogger(__name__)
@@ -64,25 +66,35 @@ def create_compressed_radix_cache(ctx: TreeCacheBuildContext) -> CompressedRadix
         num_q_heads=runner.model_config.get_num_attention_heads(ctx.tp_size),
         num_kv_heads=pool.head_num,
     )
-    arena = Arena(
-        num_layers=shape.num_layers,
-        cells_per_layer=arena_slot_equivalents(serving, allocator.size) * shape.num_kv_heads,
-        head_dim=pool.head_dim,
-        v_head_dim=pool.v_head_dim,
-        dtype=pool.k_buffer[0].dtype,
-        device=pool.device,
-    )
+    try:
+        space = CellSpace.of_buffers(pool.k_buffer, pool.v_buffer)
+    except ValueError as error:
+        raise UnsupportedSetup(f"KV eviction cannot store compressed KV in this KV pool: {error}") from None
+    arena = Arena(space, _slot_source(allocator, space))
     engine = EngineState(serving.eviction, shape, arena, allocator, serving.scope)
     cache = CompressedRadixCache(ctx.params, engine)
-    install(engine)
+    runner.attn_backend.attach_engine(engine)
     logger.info(
-        "sgl-kvevict: %s; arena %d cells per layer (%.0f%% of KV memory), %d dense slots",
-        serving.eviction.describe(), arena.cells_per_layer, 100 * serving.arena_fraction, allocator.size,
+        "sgl-kvevict: %s; %d KV slots shared by dense and compressed KV (%d cells per slot)",
+        serving.describe(), allocator.size, space.cells_per_slot,
     )  # fmt: skip
     _serve_stats(engine)
     if cache.metrics_collector is not None:  # SGLang's --enable-metrics: export ours with its cache labels
         export_metrics(engine.stats_snapshot, cache.metrics_collector.labels)
     return cache
+
+
+def _slot_source(allocator, space: CellSpace) -> SlotSource:
+    """The arena's access to SGLang's allocator: slots move between them as int64 tensors."""
+
+    def borrow(count: int):
+        slots = allocator.alloc(count)
+        return None if slots is None else slots.to("cpu", torch.int64)
+
+    def give_back(slots) -> None:
+        allocator.free(slots.to(allocator.device))
+
+    return SlotSource(borrow=borrow, give_back=give_back, copy_cells=space.copy)
 
 
 def _serve_stats(engine: EngineState) -> None:

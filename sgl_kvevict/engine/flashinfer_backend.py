@@ -53,6 +53,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from sgl_kvevict.engine.attention import SegmentAttentionBackend, compressed_attention
 from sgl_kvevict.engine.batch import ForwardPlan
+from sgl_kvevict.engine.segments import ranges_to_positions
 
 LOG2_E = math.log2(math.e)
 _CUDA_MAX_THREADS_PER_BLOCK = 1024
@@ -63,10 +64,11 @@ _UNQUANTISED_KV_DTYPES = (torch.float16, torch.bfloat16)
 class DenseLayout:
     """The FlashInfer paged batch (page size 1, one page per token) of every request's dense positions.
 
-    qo_indptr int32 ``[B + 1]`` and kv_indptr int32 ``[B + 1]`` on the host: ``plan`` schedules from
-    host copies, so device tensors would cost a synchronising D2H copy. kv_indices int32 ``[nnz]``
-    on the KV cache's device: the slot of each dense position, request-major, positions ascending.
-    kv_last_page_len int32 ``[B]`` (host): all ones, every page holds one token.
+    qo_indptr int32 ``[B + 1]`` and kv_indptr int32 ``[B + 1]`` on the host, built from host-known
+    lengths: ``plan`` schedules from host copies, so device tensors would cost a synchronising D2H copy.
+    kv_indices int32 ``[nnz]`` on the KV cache's device, gathered there from ``req_to_token``: the slot
+    of each dense position, request-major, positions ascending. kv_last_page_len int32 ``[B]`` (host):
+    all ones, every page holds one token.
     """
 
     qo_indptr: torch.Tensor
@@ -77,16 +79,19 @@ class DenseLayout:
     @classmethod
     def of(cls, plan: ForwardPlan, req_to_token: torch.Tensor) -> "DenseLayout":
         """``req_to_token`` ``[rows, max_len]`` int32 (device): the slots of every request's row."""
-        host = torch.device("cpu")
-        positions = [request.dense_positions(host) for request in plan.requests]
-        kv_counts = torch.tensor([len(p) for p in positions], dtype=torch.int32)
-        qo_counts = torch.tensor([request.num_queries for request in plan.requests], dtype=torch.int32)
+        device = req_to_token.device
+        ranges = [request.dense_ranges() for request in plan.requests]
+        kv_counts = [sum(end - start for start, end in request_ranges) for request_ranges in ranges]
+        qo_counts = [request.num_queries for request in plan.requests]
         # The new tokens are dense, so no request has an empty dense part (FlashInfer's kv_len = 0
         # behaviour is undocumented) and its queries are the last entries of its dense list.
-        assert bool((kv_counts >= qo_counts).all()) and bool((qo_counts > 0).all())
-        rows = torch.repeat_interleave(torch.tensor([request.row for request in plan.requests]), kv_counts.long())
-        device = req_to_token.device
-        kv_indices = req_to_token[rows.to(device), torch.cat(positions).to(device)].to(torch.int32)
+        assert all(kv >= qo > 0 for kv, qo in zip(kv_counts, qo_counts))
+        kv_indices = torch.cat(
+            [
+                req_to_token[request.row, ranges_to_positions(request_ranges, device)]
+                for request, request_ranges in zip(plan.requests, ranges)
+            ]
+        ).to(torch.int32)
         return cls(
             qo_indptr=_indptr(qo_counts),
             kv_indptr=_indptr(kv_counts),
@@ -95,9 +100,39 @@ class DenseLayout:
         )
 
 
-def _indptr(counts: torch.Tensor) -> torch.Tensor:
+@dataclass(frozen=True)
+class AttentionShape:
+    """What ``plan`` needs of the model, fixed for the server's life. scaling: the softmax scale of the
+    model's attention layers (the first one's when they differ: a layer with another re-plans)."""
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    scaling: float
+    q_dtype: torch.dtype
+    kv_dtype: torch.dtype
+
+    @classmethod
+    def of(cls, model_runner, kv_pool) -> "AttentionShape":
+        from sglang.srt.layers.radix_attention import RadixAttention
+
+        layers = [module for module in model_runner.model.modules() if isinstance(module, RadixAttention)]
+        first = layers[0]
+        return cls(
+            num_q_heads=first.tp_q_head_num,
+            num_kv_heads=first.tp_k_head_num,
+            head_dim=first.qk_head_dim,
+            v_head_dim=first.v_head_dim,
+            scaling=first.scaling,
+            q_dtype=model_runner.dtype,
+            kv_dtype=kv_pool.dtype,
+        )
+
+
+def _indptr(counts: list[int]) -> torch.Tensor:
     indptr = torch.zeros(len(counts) + 1, dtype=torch.int32)
-    indptr[1:] = torch.cumsum(counts, 0)
+    indptr[1:] = torch.cumsum(torch.tensor(counts, dtype=torch.int32), 0)
     return indptr
 
 
@@ -158,37 +193,38 @@ class KVEvictFlashInferBackend(SegmentAttentionBackend, FlashInferAttnBackend):
             )
         self._dense_layout: Optional[DenseLayout] = None
         self._dense_planned_scale: Optional[float] = None
+        self._shape = AttentionShape.of(model_runner, self.token_to_kv_pool)
 
     def _init_segment_metadata(self, forward_batch, plan: ForwardPlan) -> None:
+        """Plan the dense part once per forward, with the model's attention scale (every layer of the
+        supported models shares it; a layer with another scale re-plans, ``_dense_wrapper``)."""
         self._dense_layout = DenseLayout.of(plan, self.req_to_token_pool.req_to_token)
-        self._dense_planned_scale = None  # planned at the first layer, which knows the softmax scale
+        self._plan_dense(self._shape.scaling)
 
-    def _dense_wrapper(self, layer, q_dtype: torch.dtype, kv_dtype: torch.dtype):
-        """The stock paged prefill wrapper, planned over the dense layout for ``layer``'s scale.
+    def _plan_dense(self, scaling: float) -> None:
+        layout, shape = self._dense_layout, self._shape
+        self.prefill_wrappers_paged[0].plan(
+            layout.qo_indptr,
+            layout.kv_indptr,
+            layout.kv_indices,
+            layout.kv_last_page_len,
+            shape.num_q_heads,
+            shape.num_kv_heads,
+            shape.head_dim,
+            1,  # page size: one token per page, the token slot is the page id
+            head_dim_vo=shape.v_head_dim,
+            causal=True,
+            sm_scale=scaling,
+            q_data_type=shape.q_dtype,
+            kv_data_type=shape.kv_dtype,
+        )
+        self._dense_planned_scale = scaling
 
-        FlashInfer takes ``sm_scale`` and ``causal`` at ``plan`` time; one plan serves every layer of
-        the forward unless a layer's scale differs (then it is re-planned).
-        """
-        wrapper = self.prefill_wrappers_paged[0]
+    def _dense_wrapper(self, layer):
+        """The stock paged prefill wrapper, planned over the dense layout for ``layer``'s scale."""
         if self._dense_planned_scale != layer.scaling:
-            layout = self._dense_layout
-            wrapper.plan(
-                layout.qo_indptr,
-                layout.kv_indptr,
-                layout.kv_indices,
-                layout.kv_last_page_len,
-                layer.tp_q_head_num,
-                layer.tp_k_head_num,
-                layer.qk_head_dim,
-                1,  # page size: one token per page, the token slot is the page id
-                head_dim_vo=layer.v_head_dim,
-                causal=True,
-                sm_scale=layer.scaling,
-                q_data_type=q_dtype,
-                kv_data_type=kv_dtype,
-            )
-            self._dense_planned_scale = layer.scaling
-        return wrapper
+            self._plan_dense(layer.scaling)
+        return self.prefill_wrappers_paged[0]
 
     def _forward_with_segments(self, q, k, v, layer, forward_batch, save_kv_cache, plan: ForwardPlan):
         if layer.logit_cap:
@@ -198,11 +234,12 @@ class KVEvictFlashInferBackend(SegmentAttentionBackend, FlashInferAttnBackend):
         num_q_heads, v_head_dim = layer.tp_q_head_num, layer.v_head_dim
         queries = q.reshape(-1, num_q_heads, layer.qk_head_dim)
         k_cache, v_cache = self.token_to_kv_pool.get_kv_buffer(layer.layer_id)  # [slots, H_kv, D] each
-        wrapper = self._dense_wrapper(layer, queries.dtype, k_cache.dtype)
+        wrapper = self._dense_wrapper(layer)
         # NHD paged cache with page size 1: [pages, page_size = 1, H_kv, D]
         out, lse_base2 = wrapper.run(queries, (k_cache.unsqueeze(1), v_cache.unsqueeze(1)), return_lse=True)
 
-        rows, compressed_out, compressed_lse = compressed_attention(plan, queries, layer)
+        compressed_out, compressed_lse = compressed_attention(plan, queries, layer)
+        rows = plan.query_rows
         merged, _ = merge_states_base2(out[rows], lse_base2[rows], compressed_out, compressed_lse * LOG2_E)
         out[rows] = merged
         return out.view(-1, num_q_heads * v_head_dim)

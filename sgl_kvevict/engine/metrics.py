@@ -29,19 +29,21 @@ PREFIX = "kvevict_"
 GAUGES = {
     "compressed_nodes": "Compressed radix-tree nodes currently cached.",
     "compressed_tokens": "Logical prompt tokens covered by the cached compressed nodes.",
-    "kept_cells": "Arena cells held by cached compressed nodes (one cell: one KV head of one layer of one token).",
-    "arena_cells_total": "Arena capacity in cells.",
-    "arena_cells_used": "Arena cells allocated now.",
-    "dense_slots_total": "SGLang's dense token-slot pool size (the KV memory minus the arena).",
-    "dense_slots_free": "Dense token slots free now.",
+    "kept_cells": "Cells held by cached compressed nodes (one cell: one KV head's K and V of one layer and token).",
+    "kv_slots_total": "SGLang's KV pool in token slots, shared by dense and compressed KV.",
+    "kv_slots_free": "KV token slots free in SGLang's allocator now.",
+    "arena_slots_borrowed": "KV token slots the compressed-KV arena holds now.",
+    "arena_cells_used": "Cells of the borrowed slots in use.",
+    "arena_cells_free": "Cells of the borrowed slots free (reclaimable by moving cells).",
 }
 # Running totals since the server started (prometheus_client appends _total to the names).
 COUNTERS = {
     "requests_compressed": "Requests whose prompt was compressed into a compressed node.",
-    "reuse_hits": "Prefix matches that reused at least one compressed node.",
+    "reuse_hits": "Prefix matches that reused at least one compressed node made by another request.",
     "reused_tokens": "Logical prompt tokens served from compressed nodes instead of being prefilled again.",
-    "requests_left_dense": "Requests left uncompressed because the arena was full.",
-    "compressed_nodes_evicted": "Compressed nodes evicted under memory pressure (LRU; /flush_cache not counted).",
+    "compressed_nodes_evicted": "Compressed nodes evicted under memory pressure (/flush_cache not counted).",
+    "dense_nodes_evicted": "Dense radix nodes evicted under memory pressure (/flush_cache not counted).",
+    "arena_cells_moved": "Cells moved to give whole slots back to SGLang's allocator.",
 }
 DEFAULT_INTERVAL_SECONDS = 1.0
 

@@ -5,6 +5,7 @@ entry point is how ours get there (sglang-0.5.23-hooks.md §5.4). With a policy 
 ``KVEVICT_SERVING``) it registers:
 
 * the ``sgl_kvevict`` radix-cache backend (the launcher passes ``--radix-cache-backend sgl_kvevict``);
+* a KV pool whose layers are views of one allocation (``engine.pool``), so compressed cells live in it;
 * our attention backends *in place of* the stock ``torch_native`` (CPU) and ``flashinfer`` (CUDA)
   factories, so the backend names and every SGLang gate keyed on them stay the stock ones. The
   stock backends must never serve a compressed request: they would read its placeholder slots. The
@@ -26,6 +27,9 @@ def register() -> None:
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
     from sglang.srt.mem_cache.registry import register_radix_cache_backend, registered_radix_cache_backends
 
+    from sgl_kvevict.engine.pool import install_contiguous_kv_buffers
+
+    install_contiguous_kv_buffers()
     if RADIX_CACHE_BACKEND not in registered_radix_cache_backends():
         register_radix_cache_backend(RADIX_CACHE_BACKEND, _create_radix_cache)
     ATTENTION_BACKENDS["torch_native"] = _create_torch_backend

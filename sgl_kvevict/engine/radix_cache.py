@@ -1,88 +1,61 @@
-"""CompressedRadixCache: SGLang's pure-Python ``RadixCache`` with compressed nodes.
+"""CompressedRadixCache: SGLang's pure-Python ``RadixCache`` with compressed nodes in one KV pool.
 
-Request scope (DESIGN.md §4). After a request's prefill, the tree's ``checkpoint`` compresses the
-request's own prompt span ``[cache_protected_len, prompt_end - window)`` with the plan its
-compressor built from the forward's ``observe`` calls: kept entries are copied into arena cells, the
-span's dense slots go back to SGLang's allocator, and the span becomes a *compressed node* below the
-request's matched node. The last ``window`` prompt tokens (and later the output) are inserted as an
-ordinary dense node by the stock insert path. The request's ``req_to_token`` row then holds dummy
-slot 0 over the compressed span; attention reads those positions from the cells instead.
-
-Shared prefixes in request scope. A request's span starts where its match ended, so the first
-conversation's node also covers whatever later conversations share with it (a chat template's
-system prompt), and they diverge inside it. At such a request's checkpoint the tree *splits* that
-node at the divergence (``CompressedSegment.split``: its cells partitioned by position, nothing
-copied) into a head and a tail, hangs the request's own node for ``[divergence, span end)`` below
-the head (its plan restricted to those positions, ``skip_plan_prefix``), frees the request's dense
-copy of the head's positions and re-points its row. Positions before the divergence are therefore
-reused from the first compressor's selection, chosen with that conversation's observation window;
-the request's own selection of them is dropped. A later request sharing the same prefix finds the
-head whole and hangs its node there too, so every conversation is compressed, however many share
-the prefix. Block scope never splits (blocks are aligned at position 0, so they are shared whole).
-
-Block scope (shared prefixes). The spans are the blocks ``[k * B, (k + 1) * B)`` of the request's
-own prompt tokens that end before its last token (``BlockScope.compressible_spans``), each scored by
-its own last ``window`` tokens and kept whole as one compressed node, window included. The
-checkpoint compresses them in order, each below the one before; a span that cannot be compressed
-(the policy kept it whole, the arena is full, another request holds it) is inserted densely first,
-so the next block still hangs at its logical start. Matching is unchanged: any request with the same
-first ``k`` blocks matches those ``k`` nodes whole and prefills from there. The prompt's tail after
-its last block, the question and the output are dense, exactly as a request-scope window is.
-
-Concurrent requests needing the same new block (same batch, or admitted before the first one's
-checkpoint) each score it; the first checkpoint compresses it and the later ones find it in the
-tree *before taking any cell*: their plan is dropped (``block_races_lost``), their dense copy of the
-block is freed by the insert that adopts the first one's node, and their later blocks hang below it.
-A block is therefore stored once; waiting for the first request instead would need the scheduler
-to hold requests back, which the tree cannot do, and costs more latency than one extra ``[w, B]``
-scoring per layer.
+After a request's prefill, the tree's ``checkpoint`` turns each span the request's forward scored
+(``Scope.compressible_spans``) into a *compressed node*: the plan's kept entries are copied into arena
+cells (``engine.arena``: cells of slots borrowed from SGLang's own pool, so dense and compressed KV
+share one memory), the span's dense slots go back to SGLang, and the node hangs below the request's
+path. In request scope the span's last ``window`` tokens (and later the output) stay an ordinary dense
+node inserted by the stock path; a block keeps its window. The request's ``req_to_token`` row then
+holds dummy slot 0 over the compressed span; attention reads those positions from the cells.
 
 A compressed node keeps SGLang's logical bookkeeping intact: its key is the span's tokens and its
 ``value`` is dummy slot 0 at every position (``len(value) == len(key)``, so prefix lengths, row
 re-pointing and ``prefix_device_indices`` work unchanged). Its data is the ``CompressedSegment`` in
 ``node.kvevict_segment``.
 
+**Shared prefixes** (``engine.tree_decisions``). A request's span starts where its match ended, so the
+first conversation's node also covers what later conversations share with it (a system prompt) and
+they diverge inside it. At such a request's checkpoint the node is *split* at the divergence (its
+cells partitioned by position, nothing copied) into a head and a tail; the request's own node, its
+plan restricted to ``[divergence, end)``, hangs below the head, and its dense copy of the head's
+positions is freed. Positions before the divergence are therefore reused from the first compressor's
+selection (chosen with that conversation's observation window); a later request sharing only the
+head finds it whole and hangs its own node there too. The same rule holds for blocks.
+
+**Memory** (one pool). A compression never needs free memory: its cells come from holes in borrowed
+slots, then from the span's own dense slots (adopted before they are freed), then from SGLang's
+allocator. ``evict`` (SGLang asks for ``n`` free slots) first gives back slots the arena can empty by
+moving cells, then evicts leaves in one order for both kinds (``engine.eviction``: GreedyDual-Size-
+Frequency) until enough slots can be given back. SGLang's ledger stays exact: ``evictable_size`` and
+``protected_size`` count dense slots of the tree plus the arena's borrowed slots (the ones its locked
+cells need at the least are protected), so ``available + evictable + protected + uncached == total``,
+SGLang's strict idle check, holds at every step.
+
 Invariants and the methods that keep them:
 
-* **Slot 0 is never freed.** Stock code frees tree values only in ``evict`` (overridden: a
-  compressed leaf frees its cells, not its value) and frees a request's row only from
-  ``cache_protected_len`` on (``_insert_cache`` duplicates, ``free_kv_row``); compressed spans always
-  lie below ``cache_protected_len`` because only the tree's own checkpoint creates them and it moves
-  ``cache_protected_len`` past them in the same step.
-* **Dense accounting is exact.** ``evictable_size_``/``protected_size_`` count dense slots only
-  (SGLang's admission budget and its strict idle check add them to the allocator's free slots): a
-  compressed node is never added to them, and ``inc_lock_ref``/``dec_lock_ref``/``_delete_leaf``,
-  which move ``len(node.key)`` for every node, are compensated for compressed nodes. Cells have
-  their own ledger (``Arena``).
-* **Compressed content is matched atomically.** A node's content was selected with the
-  observation window that followed it, so a request diverging inside one must not reuse part of it:
-  a match passes through compressed nodes only whole, and ends only at the end of a dense node (or
-  inside one) or of a compressed node whose ``kvevict_match_end`` is True (``match_may_end``). Every
-  node has it True except the head of a split, so a request diverging inside the tail, or between
-  the head and its children, matches only up to the head's start, exactly as before the split: the
-  original node is still all-or-nothing. An insert stops at the same point (the rest of the
-  inserting request's tokens stay request-owned and are freed with its row). The stock match and
-  insert never split a compressed node (``_split_node`` asserts it); only ``_compress`` does, through
-  ``_split_compressed_node``, after locking the node so that the cell allocation cannot evict it.
-  A head keeps the stock split's bookkeeping (lock count copied), so the lock compensation below
-  holds for head and tail as it did for the whole node; a head with children is no leaf, and once
-  its children are evicted it is an ordinary compressed leaf whose eviction frees its cells.
-* **Arena pressure** evicts LRU leaves (dense leaves included: a compressed node is usually the
-  parent of its dense window node) until the new segment's cells fit; if the tree cannot free enough
-  (locked), the request stays dense and ``requests_left_dense`` counts it.
+* **Slot 0 is never freed.** Stock code frees tree values only in ``evict`` (overridden: a compressed
+  leaf frees its cells, not its value) and frees a request's row only from ``cache_protected_len`` on;
+  compressed spans always lie below ``cache_protected_len`` because only ``_compress`` creates them and
+  it moves ``cache_protected_len`` past them in the same step.
+* **Compressed content is matched atomically.** A node's content was selected with the observation
+  window that followed it, so a request diverging inside one must not reuse part of it: a match passes
+  through compressed nodes only whole and ends only at the end of a dense node (or inside one) or of a
+  compressed node whose ``kvevict_match_end`` is True. Every node has it True except the head of a
+  split, so the original node stays all-or-nothing. The stock match and insert never split a
+  compressed node (``_split_node`` asserts it); only ``_compress`` does, after locking it.
+* **Locks.** A locked compressed node's cells cannot be evicted (they may be moved); ``inc_lock_ref``
+  and ``dec_lock_ref`` count them for the arena and keep compressed nodes out of the dense counters.
 
-Chunked prefill: middle chunks are checkpointed densely by the stock path, so only the span of the
-last chunk (the one holding the window) is compressed. Serve with chunked prefill off, or chunks
-larger than the prompts, to compress whole prompts.
+Chunked prefill: middle chunks are checkpointed densely by the stock path, so only the span of the last
+chunk is compressed; the launcher turns chunking off.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import heapq
-import logging
 import time
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import (
@@ -96,22 +69,28 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
-from sgl_kvevict.engine.segments import CompressedSegment, skip_plan_prefix, truncate_plan
+from sgl_kvevict.engine.segments import CompressedSegment, restrict_plan
 from sgl_kvevict.engine.state import EngineState, request_state
-from sgl_kvevict.kernels import ArenaCellMap, gather_kv_to_arena
+from sgl_kvevict.engine.tree_decisions import Outcome, Walk, atomic_prefix_length, decide_compression
 from sgl_kvevict.policies.base import SegmentCompressor
-
-logger = logging.getLogger(__name__)
 
 SEGMENT_ATTR = "kvevict_segment"
 # Distinct requests a compressed node served: its creator, then each request whose path took it.
 SERVED_ATTR = "kvevict_requests_served"
 # False on the head of a split compressed node: a match may pass through it but not end at it.
 MATCH_END_ATTR = "kvevict_match_end"
+# Eviction order state of every node (``engine.eviction``): reuses, priority, creation rank.
+REUSES_ATTR = "kvevict_reuses"
+PRIORITY_ATTR = "kvevict_priority"
+RANK_ATTR = "kvevict_rank"
 
 
 def compressed_segment(node: TreeNode) -> Optional[CompressedSegment]:
     return getattr(node, SEGMENT_ATTR, None)
+
+
+def is_compressed(node: TreeNode) -> bool:
+    return compressed_segment(node) is not None
 
 
 def match_may_end(node: TreeNode) -> bool:
@@ -123,7 +102,7 @@ def compressed_nodes(node: TreeNode) -> list[TreeNode]:
     """The compressed nodes from the root down to ``node``, root first."""
     nodes = []
     while node.parent is not None:  # the root has no parent
-        if compressed_segment(node) is not None:
+        if is_compressed(node):
             nodes.append(node)
         node = node.parent
     return nodes[::-1]
@@ -132,21 +111,6 @@ def compressed_nodes(node: TreeNode) -> list[TreeNode]:
 def compressed_path(node: TreeNode) -> list[CompressedSegment]:
     """The compressed segments from the root down to ``node``, root first."""
     return [compressed_segment(path_node) for path_node in compressed_nodes(node)]
-
-
-@dataclasses.dataclass(frozen=True)
-class Walk:
-    """A read-only match of a key against the tree (``CompressedRadixCache._walk``).
-
-    passed: the nodes the key covers whole, in path order; covered: the key's length up to the end
-    of the last of them; partial: the node the key diverges or ends inside, or None;
-    partial_matched: the key's tokens that match inside ``partial``.
-    """
-
-    passed: list[TreeNode]
-    covered: int
-    partial: Optional[TreeNode] = None
-    partial_matched: int = 0
 
 
 class CompressedRadixCache(RadixCache):
@@ -160,6 +124,7 @@ class CompressedRadixCache(RadixCache):
     def reset(self):
         super().reset()
         self.engine.arena.reset()
+        self.engine.order.reset()
         self.engine.stats.tree_cleared()
 
     def _walk(self, key: RadixKey, node: Optional[TreeNode] = None, offset: int = 0) -> Walk:
@@ -174,24 +139,10 @@ class CompressedRadixCache(RadixCache):
                 break
             matched = child.key.match(rest, page_size=self.page_size)
             if matched < len(child.key):
-                return Walk(passed, offset, child, matched)
+                return Walk(tuple(passed), offset, child, matched)
             passed.append(child)
             node, offset = child, offset + matched
-        return Walk(passed, offset)
-
-    def _atomic_prefix_length(self, key: RadixKey) -> int:
-        """Length of the longest prefix of ``key`` that matching or inserting may take: it ends at
-        the end of a node a match may end at, or inside a dense node (the stock split), or covers the
-        whole key when the key leaves the tree at such a point (the rest is new)."""
-        walk = self._walk(key)
-        limit = offset = 0
-        for node in walk.passed:
-            offset += len(node.key)
-            if match_may_end(node):
-                limit = offset
-        if limit == walk.covered and (walk.partial is None or compressed_segment(walk.partial) is None):
-            return len(key)
-        return limit
+        return Walk(tuple(passed), offset)
 
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         if params.req is not None:
@@ -199,27 +150,36 @@ class CompressedRadixCache(RadixCache):
         return super().match_prefix(params)
 
     def _match_prefix_helper(self, node: TreeNode, key: RadixKey):
-        limit = self._atomic_prefix_length(key)
+        limit = atomic_prefix_length(self._walk(key), len(key), is_compressed, match_may_end)
         if limit == 0:
             node.last_access_time = time.monotonic()
             return [], node
         return super()._match_prefix_helper(node, key[:limit])
 
     def _insert_helper(self, node: TreeNode, key: RadixKey, value, priority: int = 0, inserted_len: int = 0):
-        limit = self._atomic_prefix_length(key)
-        return super()._insert_helper(node, key[:limit], value[:limit], priority, inserted_len)
+        limit = atomic_prefix_length(self._walk(key), len(key), is_compressed, match_may_end)
+        prefix_len, last = super()._insert_helper(node, key[:limit], value[:limit], priority, inserted_len)
+        if not hasattr(last, RANK_ATTR) and last is not self.root_node:
+            self._created(last)  # a node the stock insert just made
+        return prefix_len, last
 
     def _split_node(self, key: RadixKey, child: TreeNode, split_len: int):
-        assert compressed_segment(child) is None, "matching and inserting never split a compressed node"
-        return super()._split_node(key, child, split_len)
+        assert not is_compressed(child), "matching and inserting never split a compressed node"
+        head = super()._split_node(key, child, split_len)
+        self._inherit_order(head, child)
+        return head
 
     def _split_compressed_node(self, node: TreeNode, split_len: int) -> TreeNode:
-        """Split compressed ``node`` after its first ``split_len`` tokens as the stock split does
-        (lock count, priority and hit count copied to the head); returns the head, which a match
-        may pass through but not end at. Request scope only (module doc)."""
+        """Split compressed ``node`` after its first ``split_len`` tokens as the stock split does (lock
+        count, priority and hit count copied to the head); returns the head, which a match may pass
+        through but not end at. The cells are partitioned by position, none is copied."""
         segment = compressed_segment(node)
-        head_segment, tail_segment = segment.split(segment.start + split_len)
+        before, after = segment.split_masks(segment.start + split_len)
+        head_segment = self._adopt_cells(segment, before, segment.start, segment.start + split_len)
+        tail_segment = self._adopt_cells(segment, after, segment.start + split_len, segment.end)
+        self.engine.arena.forget(segment)
         head = super()._split_node(node.key, node, split_len)
+        self._inherit_order(head, node)
         setattr(head, SEGMENT_ATTR, head_segment)
         setattr(head, MATCH_END_ATTR, False)
         setattr(head, SERVED_ATTR, getattr(node, SERVED_ATTR))
@@ -227,103 +187,145 @@ class CompressedRadixCache(RadixCache):
         self.engine.stats.node_split(getattr(node, SERVED_ATTR))
         return head
 
-    # ---- dense-slot accounting: compressed nodes hold none -----------------------------------------
+    def _adopt_cells(self, segment: CompressedSegment, mask: torch.Tensor, start: int, end: int) -> CompressedSegment:
+        part = segment.part(mask, start, end)
+        part.owner_id = self.engine.arena.register(part)
+        self.engine.arena.transfer(segment, mask.nonzero().squeeze(1), part, torch.arange(part.num_cells))
+        return part
 
-    def _compressed_len_on_path(self, node: TreeNode, lock_ref: int) -> int:
-        """Logical tokens of the compressed nodes on ``node``'s path whose lock count is ``lock_ref``."""
-        total = 0
+    # ---- accounting: dense slots in the tree, plus the arena's borrowed slots --------------------
+
+    def evictable_size(self):
+        arena = self.engine.arena
+        return self.evictable_size_ + arena.slots_borrowed - arena.slots_protected
+
+    def protected_size(self):
+        return self.protected_size_ + self.engine.arena.slots_protected
+
+    def _compressed_on_path(self, node: TreeNode, lock_ref: int) -> list[CompressedSegment]:
+        """Segments of the compressed nodes on ``node``'s path whose lock count is ``lock_ref``."""
+        segments = []
         while node is not self.root_node:
-            if node.lock_ref == lock_ref and compressed_segment(node) is not None:
-                total += len(node.key)
+            if node.lock_ref == lock_ref and is_compressed(node):
+                segments.append(compressed_segment(node))
             node = node.parent
-        return total
+        return segments
 
     def inc_lock_ref(self, node: TreeNode) -> IncLockRefResult:
-        moved = 0 if self.disable else self._compressed_len_on_path(node, lock_ref=0)
+        newly_locked = [] if self.disable else self._compressed_on_path(node, lock_ref=0)
         result = super().inc_lock_ref(node)
-        self.evictable_size_ += moved
-        self.protected_size_ -= moved
-        return dataclasses.replace(result, delta=result.delta + moved)
+        # The stock method moved these nodes' tokens to protected_size_; they hold no dense slot.
+        tokens = sum(segment.length for segment in newly_locked)
+        self.evictable_size_ += tokens
+        self.protected_size_ -= tokens
+        self.engine.arena.lock(sum(segment.num_cells for segment in newly_locked))
+        return dataclasses.replace(result, delta=result.delta + tokens)
 
     def dec_lock_ref(self, node: TreeNode, params=None) -> DecLockRefResult:
-        moved = 0 if self.disable else self._compressed_len_on_path(node, lock_ref=1)
+        unlocked = [] if self.disable else self._compressed_on_path(node, lock_ref=1)
         result = super().dec_lock_ref(node, params)
-        self.evictable_size_ -= moved
-        self.protected_size_ += moved
-        return dataclasses.replace(result, delta=result.delta - moved)
+        tokens = sum(segment.length for segment in unlocked)
+        self.evictable_size_ -= tokens
+        self.protected_size_ += tokens
+        self.engine.arena.unlock(sum(segment.num_cells for segment in unlocked))
+        return dataclasses.replace(result, delta=result.delta - tokens)
 
     def _delete_leaf(self, node: TreeNode):
-        if compressed_segment(node) is not None:
+        if is_compressed(node):
             self.evictable_size_ += len(node.key)  # the stock method subtracts it; it was never added
         super()._delete_leaf(node)
 
-    # ---- eviction ------------------------------------------------------------------------------
+    # ---- eviction: one order for dense and compressed leaves ------------------------------------
+
+    def _node_slots(self, node: TreeNode) -> float:
+        """The memory evicting ``node`` frees, in token slots."""
+        segment = compressed_segment(node)
+        if segment is None:
+            return len(node.value)
+        return segment.num_cells / self.engine.arena.cells_per_slot
+
+    def _created(self, node: TreeNode) -> None:
+        """A new node enters cold: no reuse yet (``engine.eviction``)."""
+        setattr(node, REUSES_ATTR, 0)
+        setattr(node, RANK_ATTR, self.engine.order.creation_rank())
+        self._refresh_priority(node)
+
+    def _reused(self, node: TreeNode) -> None:
+        setattr(node, REUSES_ATTR, getattr(node, REUSES_ATTR, 0) + 1)
+        self._refresh_priority(node)
+
+    def _refresh_priority(self, node: TreeNode) -> None:
+        order = self.engine.order
+        setattr(node, PRIORITY_ATTR, order.priority(getattr(node, REUSES_ATTR), len(node.key), self._node_slots(node)))
+
+    def _eviction_key(self, node: TreeNode) -> tuple:
+        return getattr(node, PRIORITY_ATTR, 0.0), getattr(node, RANK_ATTR, 0), node.id
+
+    def _inherit_order(self, head: TreeNode, node: TreeNode) -> None:
+        for name in (REUSES_ATTR, PRIORITY_ATTR, RANK_ATTR):
+            if hasattr(node, name):
+                setattr(head, name, getattr(node, name))
 
     def evict(self, params: EvictParams) -> EvictResult:
+        """Free ``params.num_tokens`` slots into SGLang's allocator: moves first (nothing is lost), then
+        leaves in priority order until the arena can give back what is still missing."""
         if self.disable:
             return EvictResult()
         start_time = time.perf_counter()
-        dense_freed = self._evict_leaves(lambda freed: freed >= params.num_tokens)
-        self.update_eviction_metrics(dense_freed, start_time)
-        return EvictResult(num_tokens_evicted=dense_freed)
-
-    def _evict_leaves(self, done: Callable[[int], bool]) -> int:
-        """Evict unlocked leaves in eviction-policy order until ``done(dense slots freed)``."""
-        heap = [(self.eviction_strategy.get_priority(node), node) for node in self.evictable_leaves]
+        arena, wanted = self.engine.arena, params.num_tokens
+        freed = arena.release_slots(wanted)
+        heap = [(self._eviction_key(leaf), leaf) for leaf in self.evictable_leaves]
         heapq.heapify(heap)
-        dense_freed = 0
-        while heap and not done(dense_freed):
-            _, leaf = heapq.heappop(heap)
-            dense_freed += self._evict_leaf(leaf)
+        while heap and freed + arena.slots_reclaimable_by_moves < wanted:
+            key, leaf = heapq.heappop(heap)
+            freed += self._evict_leaf(leaf)
+            self.engine.order.evicted(key[0])
             parent = leaf.parent
-            if len(parent.children) == 0 and parent.lock_ref == 0:
-                heapq.heappush(heap, (self.eviction_strategy.get_priority(parent), parent))
-        return dense_freed
+            if len(parent.children) == 0 and parent.lock_ref == 0 and parent is not self.root_node:
+                heapq.heappush(heap, (self._eviction_key(parent), parent))
+        if freed < wanted:
+            freed += arena.release_slots(wanted - freed)
+        self.update_eviction_metrics(freed, start_time)
+        return EvictResult(num_tokens_evicted=freed)
 
     def _evict_leaf(self, leaf: TreeNode) -> int:
-        """Free the leaf's storage and delete it; returns the dense slots freed."""
+        """Free the leaf's storage and delete it; returns the slots given back to SGLang."""
         segment = compressed_segment(leaf)
         if segment is not None:
-            self.engine.arena.free(segment.cells)
-            self.engine.stats.node_removed(segment)
-            dense_freed = 0
+            freed = self.engine.arena.free(segment, segment.cells)
+            self.engine.arena.forget(segment)
+            self.engine.stats.compressed_node_evicted(segment)
         else:
             self.token_to_kv_pool_allocator.free_segment(leaf.value, start_pos=0)
-            dense_freed = len(leaf.value)
+            freed = len(leaf.value)
+            self.engine.stats.dense_node_evicted(freed)
         self._delete_leaf(leaf)
         self.kv_events.record_remove(leaf)
-        return dense_freed
-
-    def _alloc_cells(self, counts: list[int]) -> Optional[list[torch.Tensor]]:
-        arena = self.engine.arena
-        if not arena.can_alloc(counts):
-            self._evict_leaves(lambda _: arena.can_alloc(counts))
-        return arena.alloc(counts)
+        return freed
 
     # ---- checkpoint: compress, then insert what is left densely ---------------------------------
 
     def checkpoint(self, req, *, up_to: int):
-        """``RadixCache.checkpoint`` generalised to a tree that may cover less than the key.
+        """``RadixCache.checkpoint`` with the request's pending compressions applied first.
 
         The stock method asserts that the tree now holds the whole key; here an insert stops at a
-        compressed node the key diverges inside, so the request adopts the tree's path up to where
-        it stops and keeps the rest of its row as its own (freed with the row, as any uncached tail).
+        compressed node the key diverges inside, so the request adopts the tree's path up to where it
+        stops and keeps the rest of its row as its own (freed with the row, as any uncached tail).
         """
         if self.disable:
             return
         state = request_state(req)
-        first_checkpoint = not state.prefill_counted
+        first_checkpoint = not state.reuse_counted
         if first_checkpoint:
-            state.prefill_counted = True
-            reused = compressed_nodes(req.last_node)
-            self._count_reuse(reused)
-        compressors, state.compressors = state.compressors, []
-        created = [node for compressor in compressors if (node := self._compress(req, compressor)) is not None]
+            state.reuse_counted = True
+            self._count_use(req.last_node)
+        created = [node for compressor in self.engine.take_pending(req) if (node := self._compress(req, compressor))]
         if created:
             self.engine.stats.count("requests_compressed")
+        reused = compressed_nodes(req.last_node)
         self._insert_dense(req, up_to, split_prompt=True)
         if first_checkpoint:  # nodes adopted from a concurrent request that compressed them first
-            known = {id(node) for node in reused + created}
+            known = {id(node) for node in reused}
             for node in compressed_nodes(req.last_node):
                 if id(node) not in known:
                     self._count_served(node)
@@ -333,16 +335,20 @@ class CompressedRadixCache(RadixCache):
         radix_key, _, _ = self._insert_cache(req, req.full_untruncated_fill_ids[:end], split_prompt=split_prompt)
         self._adopt_path(req, self.match_prefix(MatchPrefixParams(key=radix_key)).last_device_node)
 
-    def _count_reuse(self, reused: list[TreeNode]) -> None:
-        """The request's prefix match reused the compressed nodes ``reused`` (made by other requests)."""
-        if not reused:
-            return
-        stats = self.engine.stats
-        stats.count("reuse_hits")
-        stats.count("reused_tokens", sum(len(node.key) for node in reused))
-        stats.count("shared_block_hits", len(reused))
-        for node in reused:
-            self._count_served(node)
+    def _count_use(self, matched: TreeNode) -> None:
+        """A request's match ended at ``matched``: every node on the path served it once more."""
+        reused = compressed_nodes(matched)
+        if reused:
+            stats = self.engine.stats
+            stats.count("reuse_hits")
+            stats.count("reused_tokens", sum(len(node.key) for node in reused))
+            stats.count("shared_node_hits", len(reused))
+            for node in reused:
+                self._count_served(node)
+        node = matched
+        while node is not self.root_node:
+            self._reused(node)
+            node = node.parent
 
     def _count_served(self, node: TreeNode) -> None:
         served = getattr(node, SERVED_ATTR)
@@ -361,8 +367,8 @@ class CompressedRadixCache(RadixCache):
         req.last_node = node
 
     def _compress(self, req, compressor: SegmentCompressor) -> Optional[TreeNode]:
-        """Turn the request's scored span into a compressed node below its path and adopt it; None
-        when the span stays dense (see the module doc)."""
+        """Turn the request's scored span into a compressed node below its path and adopt it; None when
+        the span stays dense (``engine.tree_decisions``)."""
         spec = compressor.spec
         if spec.start > req.kv.cache_protected_len:
             self._insert_dense(req, spec.start)  # an earlier block of this request stayed dense
@@ -371,53 +377,53 @@ class CompressedRadixCache(RadixCache):
             return None  # the row changed since the forward scored it (e.g. retraction), or the insert stopped short
         plan = compressor.plan()
         self.engine.dump_plan(req.rid, plan)
-        # Request scope keeps the window dense (the next turn continues from it); a block keeps it inside.
-        window = self.engine.eviction.window
-        compressed_end = spec.end - min(window, spec.length) if self.engine.scope.window_stays_dense else spec.end
-        kept = truncate_plan(plan, compressed_end)
-        span_entries = kept.segment_length * kept.num_layers * kept.layers[0].num_kv_heads
-        if kept.total_kept() == span_entries:
+        window_kept_dense = min(self.engine.eviction.window, spec.length) if self.engine.scope.window_stays_dense else 0
+        end = spec.end - window_kept_dense
+        kept = restrict_plan(plan, start, end)
+        if kept.total_kept() == kept.segment_length * kept.num_layers * kept.layers[0].num_kv_heads:
             return None  # nothing evicted: the policy kept the span whole
-        key = RadixKey(req.full_untruncated_fill_ids[:compressed_end], req.extra_key, cache_salt=req.cache_salt)
+        key = RadixKey(req.full_untruncated_fill_ids[:end], req.extra_key, cache_salt=req.cache_salt)
         walk = self._walk(key, req.last_node, start)
-        parent, own_start = (walk.passed[-1] if walk.passed else req.last_node), walk.covered
-        split = None  # the compressed node the request diverges inside, split to attach its own node
-        if walk.partial is not None and compressed_segment(walk.partial) is not None and self.engine.scope.window_stays_dense:
-            split, own_start = walk.partial, walk.covered + walk.partial_matched
-        # Past its own path the request may only cover split heads, which nothing may match to the
-        # end: its own node hangs below them (or below the head of `split`).
-        if any(match_may_end(node) for node in walk.passed) or (walk.partial is not None and split is None):
-            # Another request put (part of) this span in the tree meanwhile: reuse theirs.
-            if walk.covered == compressed_end and compressed_segment(walk.passed[-1]) is not None:
-                self.engine.stats.count("block_races_lost")  # the very same span, compressed first by another request
+        decision = decide_compression(walk, req.last_node, end, is_compressed, match_may_end)
+        if decision.outcome is Outcome.LOST_RACE:
+            self.engine.stats.count("compression_races_lost")
+        if decision.outcome is not Outcome.COMPRESS:
             return None
-        if own_start == compressed_end:
-            return None  # split heads hold the whole span: nothing of it is the request's own
-        own = skip_plan_prefix(kept, own_start)
-        # The allocation below may evict: lock the nodes the request's own node will hang on.
-        anchor = self.lock(split if split is not None else parent)
+        # Hanging the node may split a compressed node: lock what it hangs on while cells are taken.
+        anchor = self.lock(decision.split_node or decision.parent)
         try:
-            cells = self._alloc_cells([len(layer.kept_positions) for layer in own.layers])
-            if cells is None:
-                self.engine.stats.count("requests_left_dense")
-                return None
-            row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
-            arena = self.engine.arena
-            for layer, (layer_plan, layer_cells) in enumerate(zip(own.layers, cells)):
-                cell_map = ArenaCellMap.from_layer_plan(layer_plan, row, layer_cells)
-                k_buffer, v_buffer = self.kv_pool.get_kv_buffer(layer)
-                gather_kv_to_arena(k_buffer, v_buffer, arena.k[layer], arena.v[layer], cell_map)
-            if split is not None:
-                parent = self._split_compressed_node(split, own_start - walk.covered)
-            segment = CompressedSegment.of(own, cells)
-            node = self._attach_compressed_node(parent, key[own_start:], segment, req.priority or 0)
-            # [start, own_start) is read from the split heads' cells from now on.
-            self.token_to_kv_pool_allocator.free(row[start:compressed_end].to(torch.int64))
-            self.engine.stats.node_added(segment)
+            segment = self._store(req, restrict_plan(kept, decision.own_start, end), start, end)
+            parent = decision.parent
+            if decision.split_node is not None:
+                parent = self._split_compressed_node(decision.split_node, decision.split_offset)
+            node = self._attach_compressed_node(parent, key[decision.own_start :], segment, req.priority or 0)
             self._adopt_path(req, node)
             return node
         finally:
             self.unlock(anchor)
+
+    def _store(self, req, own_plan, start: int, end: int) -> CompressedSegment:
+        """Copy the plan's entries from the request's dense slots into arena cells and free the span's
+        dense slots ``[start, end)``; the slots the arena needs are adopted from the span itself, so a
+        compression never waits for memory."""
+        row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+        span_slots = row[start:end].to(torch.int64)
+        arena, space = self.engine.arena, self.engine.arena.space
+        segment = CompressedSegment.of_plan(own_plan)
+        segment.owner_id = arena.register(segment)
+        sources = space.entry_rows(segment.layer_ids(), row[segment.positions.to(row.device)].cpu(), segment.head_ids())
+        adopted = arena.alloc(segment, segment.num_cells, adoptable=span_slots.cpu())
+        assert adopted is not None, "the span's own slots always hold its kept entries"
+        # A source in an adopted slot may be overwritten by another entry's copy: read those first.
+        at_risk = torch.isin(space.slot_of(sources), adopted)
+        saved_k, saved_v = space.k_rows[sources[at_risk].to(space.device)], space.v_rows[sources[at_risk].to(space.device)]
+        space.copy(sources[~at_risk], segment.cells[~at_risk])
+        targets = segment.cells[at_risk].to(space.device)
+        space.k_rows[targets], space.v_rows[targets] = saved_k, saved_v
+        freed = span_slots[~torch.isin(span_slots, adopted.to(span_slots.device))]
+        self.token_to_kv_pool_allocator.free(freed)
+        self.engine.stats.node_added(segment)
+        return segment
 
     def _attach_compressed_node(
         self, parent: TreeNode, key: RadixKey, segment: CompressedSegment, priority: int
@@ -433,5 +439,6 @@ class CompressedRadixCache(RadixCache):
         # Not added to evictable_size_: it holds no dense slot.
         self._update_leaf_status(parent)
         self._update_leaf_status(node)
+        self._created(node)
         self.kv_events.record_store(node)
         return node

@@ -1,12 +1,14 @@
 """Compressed spans of the radix tree and what a request sees of them.
 
-* ``CompressedSegment``: the content of one compressed radix node, i.e. the kept entries of a
-  logical span ``[start, start + length)`` as arena cells, per layer CSR over KV heads; split at a
-  position when a request diverges inside its node (request scope, shared prefixes).
-* ``PathView``: everything compressed on a request's tree path (root to ``req.last_node``): the
-  logical spans (whose ``req_to_token`` entries are dummy slot 0) and, per layer and KV head, the
-  cells of all those spans. Attention treats the cells as one pseudo-sequence per (request, KV head)
-  and every position outside the spans as dense.
+* ``CompressedSegment``: the content of one compressed radix node: the kept entries of a logical span
+  ``[start, start + length)``, each a (layer, KV head, position) stored in one arena cell. Entries are
+  one flat list, layer-major, then KV head, then position (the order of the plan's CSR), so a layer's
+  entries are one slice and a (layer, head)'s one sub-slice. The arena owns the cells and may move
+  them (``relocate``); the segment keeps a device copy of its cell ids for the kernels.
+* ``PathView``: everything compressed on a request's tree path (root to ``req.last_node``): the logical
+  spans (whose ``req_to_token`` entries are dummy slot 0) and, per layer and KV head, the cells of all
+  of them in path order, on the device. Attention treats them as one pseudo-sequence per (request, KV
+  head); every position outside the spans is dense.
 
 Pure torch: nothing here imports SGLang.
 """
@@ -14,25 +16,17 @@ Pure torch: nothing here imports SGLang.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from sgl_kvevict.plan import CompressionPlan, LayerPlan
 
-
-def truncate_plan(plan: CompressionPlan, end: int) -> CompressionPlan:
-    """The plan restricted to positions ``[plan.segment_start, end)`` (drops the dense window)."""
-    return _restrict_plan(plan, plan.segment_start, end)
+UNASSIGNED = -1
 
 
-def skip_plan_prefix(plan: CompressionPlan, start: int) -> CompressionPlan:
-    """The plan restricted to positions ``[start, plan.segment_end)`` (drops the positions a shared
-    compressed node already holds)."""
-    return _restrict_plan(plan, start, plan.segment_end)
-
-
-def _restrict_plan(plan: CompressionPlan, start: int, end: int) -> CompressionPlan:
+def restrict_plan(plan: CompressionPlan, start: int, end: int) -> CompressionPlan:
+    """The plan's entries at positions ``[start, end)``, as the plan of that span."""
     layers = []
     for layer in plan.layers:
         inside = (layer.kept_positions >= start) & (layer.kept_positions < end)
@@ -48,56 +42,70 @@ def _head_indptr(heads: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return indptr
 
 
-@dataclass(frozen=True)
 class CompressedSegment:
-    """Kept entries of the span ``[start, start + length)`` of one radix node.
+    """Kept entries of the span ``[start, start + length)`` of one compressed radix node.
 
-    cells: per layer, int64 ``[kept_l]`` arena cell ids in the plan's CSR order (head-major,
-        positions ascending); head_indptr: per layer, int64 ``[H_kv + 1]`` (cpu); positions: per
-        layer, int64 ``[kept_l]`` the logical position of each cell (cpu).
+    counts: int64 ``[L, H_kv]`` entries per (layer, KV head) (host).
+    positions: int64 ``[n]`` logical position of each entry (host), entry order as in the module doc.
+    cells: int64 ``[n]`` the arena cell of each entry (host; the arena writes it through ``relocate``).
+    owner_id: the arena's id of this segment.
     """
 
-    start: int
-    length: int
-    cells: tuple[torch.Tensor, ...]
-    head_indptr: tuple[torch.Tensor, ...]
-    positions: tuple[torch.Tensor, ...]
+    def __init__(self, start: int, length: int, counts: torch.Tensor, positions: torch.Tensor):
+        self.start = start
+        self.length = length
+        self.counts = counts
+        self.positions = positions
+        self.cells = torch.full_like(positions, UNASSIGNED)
+        self.owner_id = -1
+        self._device_cells: Optional[torch.Tensor] = None
 
     @classmethod
-    def of(cls, plan: CompressionPlan, cells: Sequence[torch.Tensor]) -> "CompressedSegment":
-        """``plan`` (already truncated to the compressed span) stored in ``cells[layer]``."""
-        return cls(
-            plan.segment_start,
-            plan.segment_length,
-            tuple(cells),
-            tuple(layer.head_indptr for layer in plan.layers),
-            tuple(layer.kept_positions for layer in plan.layers),
-        )
+    def of_plan(cls, plan: CompressionPlan) -> "CompressedSegment":
+        """The entries of ``plan`` (already restricted to the node's span), cells not yet assigned."""
+        counts = torch.stack([layer.counts() for layer in plan.layers])
+        positions = torch.cat([layer.kept_positions for layer in plan.layers])
+        return cls(plan.segment_start, plan.segment_length, counts, positions)
 
     @property
     def num_cells(self) -> int:
-        return sum(len(cells) for cells in self.cells)
+        return len(self.positions)
 
-    def head_ids(self, layer: int) -> torch.Tensor:
-        """int64 ``[kept_l]``: the KV head of every cell of ``layer``."""
-        indptr = self.head_indptr[layer]
-        return torch.repeat_interleave(torch.arange(len(indptr) - 1), indptr[1:] - indptr[:-1])
+    @property
+    def end(self) -> int:
+        return self.start + self.length
 
-    def split(self, at: int) -> tuple["CompressedSegment", "CompressedSegment"]:
-        """The segments of ``[start, at)`` and ``[at, start + length)``: each layer's cells are
-        partitioned by position (no K/V is copied), each part keeping the head-major CSR order."""
-        assert self.start < at < self.start + self.length, (self.start, self.length, at)
-        return self._restricted(self.start, at), self._restricted(at, self.start + self.length)
+    def layer_ids(self) -> torch.Tensor:
+        """int64 ``[n]``: each entry's layer."""
+        return torch.repeat_interleave(torch.arange(self.counts.shape[0]), self.counts.sum(1))
 
-    def _restricted(self, start: int, end: int) -> "CompressedSegment":
-        num_kv_heads = len(self.head_indptr[0]) - 1
-        cells, head_indptr, positions = [], [], []
-        for layer, layer_positions in enumerate(self.positions):
-            inside = (layer_positions >= start) & (layer_positions < end)
-            cells.append(self.cells[layer][inside.to(self.cells[layer].device)])
-            head_indptr.append(_head_indptr(self.head_ids(layer)[inside], num_kv_heads))
-            positions.append(layer_positions[inside])
-        return CompressedSegment(start, end - start, tuple(cells), tuple(head_indptr), tuple(positions))
+    def head_ids(self) -> torch.Tensor:
+        """int64 ``[n]``: each entry's KV head."""
+        num_kv_heads = self.counts.shape[1]
+        return torch.repeat_interleave(torch.arange(num_kv_heads).repeat(self.counts.shape[0]), self.counts.flatten())
+
+    def relocate(self, indices: torch.Tensor, cells: torch.Tensor) -> None:
+        """Entries ``indices`` now live in ``cells`` (called by the arena)."""
+        self.cells[indices] = cells
+        self._device_cells = None
+
+    def device_cells(self, device: torch.device) -> torch.Tensor:
+        """The cell ids on ``device``, copied once per placement (moves invalidate the copy)."""
+        if self._device_cells is None or self._device_cells.device != device:
+            self._device_cells = self.cells.to(device)
+        return self._device_cells
+
+    def split_masks(self, at: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """bool ``[n]`` of the entries before ``at`` and from ``at`` on (``start < at < end``)."""
+        assert self.start < at < self.end, (self.start, self.length, at)
+        before = self.positions < at
+        return before, ~before
+
+    def part(self, mask: torch.Tensor, start: int, end: int) -> "CompressedSegment":
+        """The entries ``mask`` as the segment of ``[start, end)`` (cells assigned by the arena)."""
+        groups = self.layer_ids()[mask] * self.counts.shape[1] + self.head_ids()[mask]
+        counts = torch.bincount(groups, minlength=self.counts.numel()).view_as(self.counts)
+        return CompressedSegment(start, end - start, counts, self.positions[mask])
 
 
 @dataclass(frozen=True)
@@ -105,48 +113,69 @@ class PathView:
     """The compressed part of one request's context.
 
     spans: the ``(start, end)`` logical ranges of the compressed nodes on the path, ascending.
-    head_counts: per layer, int64 ``[H_kv]`` cells per KV head over all spans (cpu).
-    cells: per layer, int64 ``[sum(head_counts)]`` cell ids, head-major (all spans of head 0, ...).
-    positions: per layer, int64 ``[sum(head_counts)]`` the logical position of each cell (cpu).
+    counts: int64 ``[L, H_kv]`` cells per (layer, KV head) over all spans (host).
+    layer_offsets: ``L + 1`` host ints: layer ``l``'s cells are ``cells[layer_offsets[l]:layer_offsets[l + 1]]``.
+    cells, positions: int64 ``[n]`` on the KV device: cell ids and their logical positions, layer-major,
+        then KV head, then path order (so positions ascend within a (layer, head)).
     """
 
     spans: tuple[tuple[int, int], ...]
-    head_counts: tuple[torch.Tensor, ...]
-    cells: tuple[torch.Tensor, ...]
-    positions: tuple[torch.Tensor, ...]
+    counts: torch.Tensor
+    layer_offsets: tuple[int, ...]
+    cells: torch.Tensor
+    positions: torch.Tensor
 
     @classmethod
-    def of(cls, segments: Sequence[CompressedSegment], num_layers: int, num_kv_heads: int) -> "PathView":
+    def of(cls, segments: Sequence[CompressedSegment], device: torch.device) -> "PathView":
         """Segments in path order (root first)."""
-        head_counts, cells, positions = [], [], []
-        for layer in range(num_layers):
-            layer_cells = torch.cat([segment.cells[layer] for segment in segments])
-            heads = torch.cat([segment.head_ids(layer) for segment in segments])
-            order = torch.sort(heads, stable=True).indices  # head-major, path order within a head
-            cells.append(layer_cells[order.to(layer_cells.device)])
-            positions.append(torch.cat([segment.positions[layer] for segment in segments])[order])
-            head_counts.append(torch.bincount(heads, minlength=num_kv_heads))
-        spans = tuple((segment.start, segment.start + segment.length) for segment in segments)
-        return cls(spans, tuple(head_counts), tuple(cells), tuple(positions))
+        per_segment = torch.stack([segment.counts.flatten() for segment in segments])  # [k, L * H]
+        order = _interleave_index(per_segment)
+        cells = torch.cat([segment.device_cells(device) for segment in segments])[order.to(device)]
+        positions = torch.cat([segment.positions for segment in segments])[order].to(device)
+        counts = per_segment.sum(0).view_as(segments[0].counts)
+        layer_offsets = (0, *torch.cumsum(counts.sum(1), 0).tolist())
+        spans = tuple((segment.start, segment.end) for segment in segments)
+        return cls(spans, counts, layer_offsets, cells, positions)
 
     @property
     def compressed_tokens(self) -> int:
         return sum(end - start for start, end in self.spans)
 
-    def dense_positions(self, length: int, device: torch.device) -> torch.Tensor:
-        """int64 ``[n]``: the positions of ``[0, length)`` outside every compressed span, ascending."""
-        dense = torch.ones(length, dtype=torch.bool, device=device)
+    def dense_ranges(self, length: int) -> list[tuple[int, int]]:
+        """The ranges of ``[0, length)`` outside every compressed span, ascending (host ints)."""
+        ranges, cursor = [], 0
         for start, end in self.spans:
-            dense[start:end] = False
-        return dense.nonzero().squeeze(1)
+            if start >= length:
+                break
+            if start > cursor:
+                ranges.append((cursor, start))
+            cursor = max(cursor, end)
+        if cursor < length:
+            ranges.append((cursor, length))
+        return ranges
 
-    def kept_keys(
-        self, layer: int, length: int, device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """What KV head ``h`` of ``layer`` holds of positions ``[0, length)`` (every span lies inside).
+    def layer_head_indptr(self, layer: int) -> torch.Tensor:
+        """int64 ``[H_kv + 1]`` (host): offsets of each KV head's cells inside layer ``layer``'s slice."""
+        indptr = torch.zeros(self.counts.shape[1] + 1, dtype=torch.int64)
+        indptr[1:] = torch.cumsum(self.counts[layer], 0)
+        return indptr
 
-        Returns dense_positions int64 ``[n]`` (read from dense slots for every head), and per cell its
-        KV head and position, int64 ``[sum(head_counts[layer])]`` each (in ``cells[layer]`` order).
-        """
-        heads = torch.repeat_interleave(torch.arange(len(self.head_counts[layer])), self.head_counts[layer])
-        return self.dense_positions(length, device), heads.to(device), self.positions[layer].to(device)
+
+def _interleave_index(per_segment: torch.Tensor) -> torch.Tensor:
+    """int64 ``[n]``: the order that turns the concatenated entries of ``k`` segments (each grouped by
+    ``g`` = layer * H + head, with ``per_segment[i, g]`` entries in group ``g``) into group-major,
+    segment-minor order. One gather, no sort."""
+    num_segments, num_groups = per_segment.shape
+    source_starts = (torch.cumsum(per_segment.flatten(), 0) - per_segment.flatten()).view(num_segments, num_groups)
+    block_counts = per_segment.t().flatten()  # (group, segment) order
+    block_sources = source_starts.t().flatten()
+    block_targets = torch.cumsum(block_counts, 0) - block_counts
+    total = int(block_counts.sum())
+    return torch.repeat_interleave(block_sources - block_targets, block_counts, output_size=total) + torch.arange(total)
+
+
+def ranges_to_positions(ranges: Sequence[tuple[int, int]], device: torch.device) -> torch.Tensor:
+    """int64: the positions of ``ranges`` concatenated, built on ``device`` from host ints."""
+    if not ranges:
+        return torch.empty(0, dtype=torch.int64, device=device)
+    return torch.cat([torch.arange(start, end, device=device) for start, end in ranges])

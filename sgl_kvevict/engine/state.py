@@ -1,14 +1,25 @@
-"""Per-process engine state shared by the compressed radix cache and the attention backend.
+"""Per-process engine state shared by the compressed radix cache and the attention backend, and the
+request lifecycle between them.
 
-SGLang builds the attention backend before the tree, in the same (scheduler) process and thread;
-neither can reach the other through SGLang's objects. The tree's factory builds an ``EngineState``
-and installs it here; the backend reads it at each forward (``current()``), so a server whose tree
-is not ours runs the backend exactly as stock.
+The factory builds one ``EngineState`` in the scheduler process and hands it to both the tree and the
+attention backend (``attach_engine``); a backend without one runs exactly as stock.
+
+Request lifecycle (one prefill of a request whose prompt ends in this forward):
+
+1. **match** — ``CompressedRadixCache.match_prefix`` sees the ``Req`` (SGLang passes it) and indexes it
+   by rid (``EngineState.track``): the backend only sees rids. The index is weak, so it never keeps a
+   finished request alive.
+2. **submit** — ``ForwardPlan.build`` (the backend's ``init_forward_metadata``) calls
+   ``EngineState.submit``: one compressor per span the scope compresses (``Scope.compressible_spans``),
+   parked on the request as its ``PendingCompression``; the scoring jobs of the forward feed them
+   per layer (``compressor.observe``).
+3. **take** — the tree's ``checkpoint`` after the forward takes the pending compressors
+   (``EngineState.take_pending``); a later checkpoint of the same request finds none.
+4. **checkpoint** — the tree turns each plan into a compressed node (or leaves the span dense) and
+   inserts the rest densely.
 
 Per-request state lives on the ``Req`` object (``RequestState`` as attribute ``kvevict``), never on
-``req.kv`` (``slots=True``). The backend only sees request ids, so requests are also indexed by
-``rid`` in a weak dictionary filled when the tree matches them (every request is matched before its
-first forward); it never keeps a finished request alive.
+``req.kv`` (``slots=True``).
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ import torch
 
 from sgl_kvevict.config import EvictionConfig, build_policy
 from sgl_kvevict.engine.arena import Arena
+from sgl_kvevict.engine.eviction import EvictionOrder
 from sgl_kvevict.engine.segments import CompressedSegment, PathView
 from sgl_kvevict.plan import CompressionPlan
 from sgl_kvevict.policies.base import SegmentCompressor, SegmentSpec
@@ -36,15 +48,16 @@ PLAN_DUMP_ENV = "KVEVICT_PLAN_DUMP_DIR"
 
 @dataclass
 class RequestState:
-    """compressors: the policy's compressors of the spans scored in the last forward (position
-    order), until the tree's checkpoint turns them into plans. view_node/view: the request's
-    ``PathView`` and the ``last_node`` it was built for (``engine.batch.path_view``).
-    prefill_counted: the reuse of this request's matched prefix was counted."""
+    """pending: the compressors of the spans scored in the last forward (position order), until the
+    tree's checkpoint takes them. view, view_node, view_generation: the request's ``PathView`` and the
+    ``last_node`` and arena generation it was built for (``engine.batch.path_view``). reuse_counted:
+    the use of the matched prefix was counted."""
 
-    compressors: list[SegmentCompressor] = field(default_factory=list)
-    view_node: Any = None
+    pending: list[SegmentCompressor] = field(default_factory=list)
     view: Optional[PathView] = None
-    prefill_counted: bool = False
+    view_node: Any = None
+    view_generation: int = -1
+    reuse_counted: bool = False
 
 
 def request_state(req) -> RequestState:
@@ -62,7 +75,7 @@ class ModelShape:
 
 
 def served_bucket(requests: int) -> str:
-    """Histogram bucket of a block that served ``requests`` distinct requests: 1, 2, 3-4, 5-8, ..."""
+    """Histogram bucket of a node that served ``requests`` distinct requests: 1, 2, 3-4, 5-8, ..."""
     if requests <= 2:
         return str(requests)
     upper = 1 << (requests - 1).bit_length()
@@ -73,15 +86,15 @@ def served_bucket(requests: int) -> str:
 class EngineStats:
     """Counters kept incrementally by the scheduler thread; ``snapshot`` may run on any thread.
 
-    Sharing of compressed nodes (blocks, in block scope): ``shared_block_hits`` counts (request,
-    node) pairs where a request's prefix match reused a node another request compressed;
-    ``blocks_compressed`` counts nodes ever created (a block compressed twice would show as more
-    nodes than distinct blocks; in request scope a split adds its head); ``block_races_lost`` counts spans a request scored but found already
-    compressed by a concurrent request at its checkpoint (its plan is dropped before any cell is
-    taken). ``served_histogram`` maps "distinct requests a node served" (its creator, every request
-    that reused it, every race loser that adopted it, every request that hung its own node below a
-    split head) to the number of nodes, over every node created
-    since the server started (evicted and flushed ones keep their final count).
+    Levels: ``compressed_nodes``, ``compressed_tokens`` (logical tokens they cover), ``kept_cells``.
+    Running totals: ``requests_compressed``; ``reuse_hits`` (requests whose match reused compressed
+    nodes made by other requests) and ``reused_tokens``; ``shared_node_hits`` ((request, node) pairs of
+    such reuse); ``compressed_nodes_created`` (a split's head counts as a new node);
+    ``compression_races_lost`` (spans a request scored but found compressed by a concurrent request
+    at its checkpoint: its plan is dropped before any cell is taken); evictions by kind
+    (``dense_nodes_evicted``, ``dense_slots_evicted``, ``compressed_nodes_evicted``,
+    ``compressed_cells_evicted``; ``/flush_cache`` not counted). ``served_histogram`` maps "distinct
+    requests a node served" to the number of nodes, over every node created since start.
     """
 
     compressed_nodes: int = 0
@@ -90,11 +103,13 @@ class EngineStats:
     requests_compressed: int = 0
     reuse_hits: int = 0
     reused_tokens: int = 0
-    requests_left_dense: int = 0
+    shared_node_hits: int = 0
+    compressed_nodes_created: int = 0
+    compression_races_lost: int = 0
+    dense_nodes_evicted: int = 0
+    dense_slots_evicted: int = 0
     compressed_nodes_evicted: int = 0
-    shared_block_hits: int = 0
-    blocks_compressed: int = 0
-    block_races_lost: int = 0
+    compressed_cells_evicted: int = 0
     served_histogram: Counter = field(default_factory=Counter, repr=False)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -104,7 +119,7 @@ class EngineStats:
             self.compressed_nodes += 1
             self.compressed_tokens += segment.length
             self.kept_cells += segment.num_cells
-            self.blocks_compressed += 1
+            self.compressed_nodes_created += 1
             self.served_histogram[1] += 1
 
     def node_split(self, served: int) -> None:
@@ -112,7 +127,7 @@ class EngineStats:
         the same history; cells and tokens are only partitioned."""
         with self.lock:
             self.compressed_nodes += 1
-            self.blocks_compressed += 1
+            self.compressed_nodes_created += 1
             self.served_histogram[served] += 1
 
     def node_served(self, served_before: int) -> None:
@@ -121,12 +136,18 @@ class EngineStats:
             self.served_histogram[served_before] -= 1
             self.served_histogram[served_before + 1] += 1
 
-    def node_removed(self, segment: CompressedSegment) -> None:
+    def compressed_node_evicted(self, segment: CompressedSegment) -> None:
         with self.lock:
             self.compressed_nodes -= 1
             self.compressed_tokens -= segment.length
             self.kept_cells -= segment.num_cells
             self.compressed_nodes_evicted += 1
+            self.compressed_cells_evicted += segment.num_cells
+
+    def dense_node_evicted(self, slots: int) -> None:
+        with self.lock:
+            self.dense_nodes_evicted += 1
+            self.dense_slots_evicted += slots
 
     def tree_cleared(self) -> None:
         with self.lock:
@@ -137,8 +158,8 @@ class EngineStats:
             setattr(self, name, getattr(self, name) + amount)
 
     def snapshot(self) -> dict:
-        """The counters, plus ``requests_served_per_block`` (power-of-two buckets of
-        ``served_histogram``) with its max and mean."""
+        """The counters, plus ``requests_served_per_node`` (power-of-two buckets of ``served_histogram``)
+        with its max and mean."""
         with self.lock:
             counters = {name: getattr(self, name) for name in self.__dataclass_fields__ if name not in _NOT_COUNTERS}
             histogram = {served: nodes for served, nodes in self.served_histogram.items() if nodes}
@@ -148,9 +169,9 @@ class EngineStats:
         nodes = sum(histogram.values())
         return {
             **counters,
-            "requests_served_per_block": buckets,
-            "requests_served_per_block_max": max(histogram, default=0),
-            "requests_served_per_block_mean": sum(s * n for s, n in histogram.items()) / nodes if nodes else 0.0,
+            "requests_served_per_node": buckets,
+            "requests_served_per_node_max": max(histogram, default=0),
+            "requests_served_per_node_mean": sum(s * n for s, n in histogram.items()) / nodes if nodes else 0.0,
         }
 
 
@@ -158,39 +179,47 @@ _NOT_COUNTERS = ("served_histogram", "lock")
 
 
 class EngineState:
-    """The policy, the arena, the request index and the stats of one scheduler process."""
+    """The policy, the arena, the eviction order, the request index and the stats of one scheduler."""
 
-    def __init__(
-        self, eviction: EvictionConfig, shape: ModelShape, arena: Arena, allocator, scope: Scope
-    ):
+    def __init__(self, eviction: EvictionConfig, shape: ModelShape, arena: Arena, allocator, scope: Scope):
         self.eviction = eviction
         self.scope = scope
         self.policy = build_policy(eviction)
         self.stats_request = self.policy.stats_request()
         self.shape = shape
         self.arena = arena
+        self.order = EvictionOrder()
         self.stats = EngineStats()
-        self._dense_allocator = allocator
-        self.dense_slots_total = allocator.size
+        self._allocator = allocator
+        self.kv_slots_total = allocator.size
         self.requests: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()
+        # The last forward's CellBatch and the views it was built from (engine.batch.ForwardPlan).
+        self.cell_batch_cache: tuple[tuple, Any] = ((), None)
         dump_dir = os.environ.get(PLAN_DUMP_ENV)
         self.plan_dump_dir = Path(dump_dir) if dump_dir else None
 
-    # ---- requests ------------------------------------------------------------------------------
+    # ---- the request lifecycle (module docstring) ----------------------------------------------
 
     def track(self, req) -> None:
+        """1. match: index the request by rid for the backend."""
         self.requests[req.rid] = req
 
-    def start_segments(self, req, start: int, end: int) -> list[SegmentCompressor]:
-        """Compressors for the spans the request compresses when its own prompt tokens ``[start, end)``
-        are prefilled (``Scope.compressible_spans``), kept on the request for the tree's checkpoint."""
+    def submit(self, req, start: int, end: int) -> list[SegmentCompressor]:
+        """2. submit: compressors for the spans compressed when the request's own prompt tokens
+        ``[start, end)`` are prefilled, pending on the request until its checkpoint."""
         shape = self.shape
         compressors = [
             self.policy.start(SegmentSpec(a, b, shape.num_layers, shape.num_kv_heads, shape.num_q_heads))
             for a, b in self.scope.compressible_spans(start, end, self.eviction.window)
         ]
-        request_state(req).compressors = compressors
+        request_state(req).pending = compressors
         return compressors
+
+    def take_pending(self, req) -> list[SegmentCompressor]:
+        """3. take: the compressors the last forward fed, once."""
+        state = request_state(req)
+        pending, state.pending = state.pending, []
+        return pending
 
     # ---- reporting -----------------------------------------------------------------------------
 
@@ -206,29 +235,22 @@ class EngineState:
         torch.save(payload, self.plan_dump_dir / f"{name}.pt")
 
     def stats_snapshot(self) -> dict:
-        """Thread-safe: counters are copied under their lock; the two pool reads are single loads."""
-        budget = self.eviction.budget
+        """Thread-safe: counters are copied under their lock; the pool and arena reads are single loads."""
+        budget, arena = self.eviction.budget, self.arena
         return {
             "policy": self.eviction.policy,
             "budget": None if budget is None else str(budget),
+            "score": self.eviction.score,
             "window": self.eviction.window,
             "scope": self.scope.name,
             "block_size": getattr(self.scope, "block_size", None),
             **self.stats.snapshot(),
-            "arena_cells_total": self.arena.cells_total,
-            "arena_cells_used": self.arena.cells_used,
-            "dense_slots_total": self.dense_slots_total,
-            "dense_slots_free": int(self._dense_allocator.available_size()),
+            "kv_slots_total": self.kv_slots_total,
+            "kv_slots_free": int(self._allocator.available_size()),
+            "arena_cells_per_slot": arena.cells_per_slot,
+            "arena_slots_borrowed": arena.slots_borrowed,
+            "arena_cells_used": arena.cells_used,
+            "arena_cells_free": arena.cells_free,
+            "arena_cells_moved": arena.cells_moved,
+            "arena_slots_returned_by_moves": arena.slots_given_back_by_moves,
         }
-
-
-_current: Optional[EngineState] = None
-
-
-def install(state: EngineState) -> None:
-    global _current
-    _current = state
-
-
-def current() -> Optional[EngineState]:
-    return _current

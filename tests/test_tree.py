@@ -1,0 +1,269 @@
+"""The compressed radix cache in-process (``tree_harness``): matching, splitting, atomic nodes, races,
+eviction in both directions, moves, locks and SGLang's memory ledger after every step. Seconds, no server."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+from sgl_kvevict.engine.radix_cache import compressed_segment, match_may_end
+from sgl_kvevict.scope import BlockScope
+from tree_harness import WINDOW, KeepEvery, TreeHarness, tokens
+
+
+def turn(harness: TreeHarness, prompt: list[int], output: list[int]) -> tuple[list[int], int]:
+    """One chat turn: prefill ``prompt``, decode ``output``, finish; returns (the conversation so far,
+    the prompt tokens its match reused)."""
+    req = harness.prefill(prompt)
+    reused = harness.last_match
+    harness.assert_ledger()
+    harness.decode(req, output)
+    harness.finish(req)
+    harness.assert_ledger()
+    harness.assert_cells_hold_their_entries()
+    return prompt + output, reused
+
+
+@pytest.fixture
+def harness():
+    return TreeHarness()
+
+
+def test_the_next_turn_reuses_the_compressed_prompt_and_a_divergent_prompt_does_not(harness):
+    first = harness.prefill(tokens(1, 100, first=1))
+    harness.assert_ledger()
+    (node,) = harness.compressed_nodes()
+    assert (compressed_segment(node).start, compressed_segment(node).length) == (0, 100 - WINDOW)
+    assert harness.arena.cells_used == compressed_segment(node).num_cells
+    harness.decode(first, [7, 8, 9])
+    harness.finish(first)
+    harness.assert_ledger()
+
+    conversation = list(first.origin_input_ids) + [7, 8, 9]
+    second = harness.prefill(conversation + tokens(2, 20))
+    assert harness.last_match == len(conversation)  # the compressed node, the window and the answer
+    harness.finish(second)
+    divergent = harness.prefill(conversation[:50] + tokens(3, 60))
+    assert harness.last_match == 0  # diverging inside a compressed node reuses none of it
+    harness.finish(divergent)
+    harness.assert_ledger()
+    harness.assert_cells_hold_their_entries()
+    stats = harness.engine.stats_snapshot()
+    assert stats["reuse_hits"] == 1 and stats["reused_tokens"] == 100 - WINDOW
+
+
+def test_conversations_sharing_a_prefix_split_the_node_and_each_hangs_its_own(harness):
+    system = tokens(5, 40, first=5)
+    first = harness.prefill(system + tokens(6, 80))
+    harness.finish(first)
+    second = harness.prefill(system + tokens(7, 70))
+    assert harness.last_match == 0  # its match may not end inside the first node
+    harness.finish(second)
+    heads = [node for node in harness.compressed_nodes() if not match_may_end(node)]
+    assert len(heads) == 1 and len(heads[0].key) == 40 and len(heads[0].children) == 2
+    third = harness.prefill(system + tokens(8, 90))
+    assert harness.last_match == 0  # sharing only the head: nothing to end a match at
+    harness.finish(third)
+    assert len(heads[0].children) == 3 and len(harness.compressed_nodes()) == 4
+    for conversation in (first, second, third):  # every conversation's next turn reuses all of it
+        prompt = list(conversation.origin_input_ids)
+        follow_up = harness.prefill(prompt + tokens(9, 10))
+        assert harness.last_match == len(prompt)
+        harness.finish(follow_up)
+    harness.assert_ledger()
+    harness.assert_cells_hold_their_entries()
+
+
+def test_requests_racing_for_the_same_span_store_it_once():
+    harness = TreeHarness()
+    prompt = tokens(11, 90, first=11)
+    racers = [harness.prefill(prompt, checkpoint=False) for _ in range(2)]  # both scored it
+    for racer in racers:
+        harness.checkpoint(racer)
+        harness.assert_ledger()
+    assert len(harness.compressed_nodes()) == 1
+    assert harness.engine.stats.compression_races_lost == 1
+    for racer in racers:
+        harness.finish(racer)
+    harness.assert_ledger()
+    harness.flush()
+    assert harness.allocator.available_size() == harness.allocator.size
+    harness.assert_ledger()
+
+
+def test_block_scope_compresses_every_document_after_a_shared_system_prompt():
+    harness = TreeHarness(pool_slots=1200, scope=BlockScope(32))
+    system = tokens(20, 20, first=20)
+    documents = [system + tokens(21 + i, 120) for i in range(3)]
+    for document in documents:
+        req = harness.prefill(document)
+        harness.finish(req)
+        harness.assert_ledger()
+    # Block 0 of every document diverges inside the first document's block 0 at the system prompt's
+    # end: the first block was split there, and every document hangs its own part below the head.
+    heads = [node for node in harness.compressed_nodes() if not match_may_end(node)]
+    assert len(heads) == 1 and len(heads[0].key) == 20 and len(heads[0].children) == 3
+    assert harness.engine.stats.compressed_nodes_created == 3 * 4 + 1  # 4 blocks each (139 tokens), one head
+    for document in documents:  # each later question reuses every block of its own document
+        req = harness.prefill(document + tokens(30, 8))
+        assert harness.last_match >= 4 * 32
+        harness.finish(req)
+    harness.assert_cells_hold_their_entries()
+    harness.assert_ledger()
+
+
+def test_block_scope_a_document_that_extends_another_reuses_its_blocks():
+    harness = TreeHarness(pool_slots=1200, scope=BlockScope(32))
+    short = tokens(40, 70, first=40)
+    harness.finish(harness.prefill(short))
+    longer = harness.prefill(short + tokens(41, 60))
+    assert harness.last_match == 70  # the shorter document's two blocks and its dense tail
+    harness.finish(longer)
+    # A block starting before the request's own tokens holds tokens the tree already has: [64, 96) stays
+    # dense (the tail, then the longer one's own tokens); the next full block is compressed.
+    blocks = sorted((compressed_segment(n).start, compressed_segment(n).end) for n in harness.compressed_nodes())
+    assert blocks == [(0, 32), (32, 64), (96, 128)]
+    harness.assert_ledger()
+    harness.assert_cells_hold_their_entries()
+
+
+def test_a_conversation_branching_at_a_later_turn_keeps_its_shared_history():
+    harness = TreeHarness(pool_slots=1200, scope=BlockScope(32))
+    history = tokens(50, 100, first=50)
+    harness.finish(harness.prefill(history))
+    branches = [history + tokens(51 + i, 70) for i in range(2)]
+    for branch in branches:
+        req = harness.prefill(branch)
+        assert harness.last_match >= 96  # the shared history's blocks
+        harness.finish(req)
+    for branch in branches:
+        req = harness.prefill(branch + tokens(60, 5))
+        assert harness.last_match >= 160
+        harness.finish(req)
+    harness.assert_ledger()
+    harness.assert_cells_hold_their_entries()
+
+
+def test_a_compression_needs_no_free_memory():
+    harness = TreeHarness(pool_slots=110)
+    req = harness.prefill(tokens(70, 108, first=70), checkpoint=False)  # the pool is now full
+    assert harness.allocator.available_size() == 2
+    harness.checkpoint(req)  # its cells come from the span's own slots
+    harness.assert_ledger()
+    assert len(harness.compressed_nodes()) == 1 and harness.allocator.available_size() > 60
+    harness.finish(req)
+    harness.assert_cells_hold_their_entries()
+    harness.assert_ledger()
+
+
+def test_a_prefill_that_needs_room_evicts_compressed_and_dense_nodes():
+    harness = TreeHarness(pool_slots=300)
+    for seed in range(6):
+        harness.finish(harness.prefill(tokens(80 + seed, 100, first=80 + seed)))
+        harness.assert_ledger()
+    before = harness.engine.stats_snapshot()
+    big = harness.prefill(tokens(90, 260, first=90))  # needs nearly the whole pool dense
+    harness.assert_ledger()
+    after = harness.engine.stats_snapshot()
+    assert after["compressed_nodes_evicted"] > before["compressed_nodes_evicted"]
+    assert after["dense_nodes_evicted"] > before["dense_nodes_evicted"]
+    harness.finish(big)
+    harness.assert_ledger()
+    harness.assert_cells_hold_their_entries()
+
+
+def test_locked_compressed_nodes_are_protected_and_never_evicted():
+    harness = TreeHarness(pool_slots=300)
+    running = harness.prefill(tokens(100, 100, first=100))  # not finished: it locks its nodes
+    (node,) = harness.compressed_nodes()
+    cells = compressed_segment(node).num_cells
+    assert harness.arena.cells_locked == cells
+    assert harness.tree.protected_size() >= -(-cells // harness.arena.cells_per_slot)
+    harness.tree.evict(EvictParams(num_tokens=10_000))
+    assert harness.compressed_nodes() == [node]
+    harness.assert_ledger()
+    harness.finish(running)
+    assert harness.arena.cells_locked == 0
+    harness.tree.evict(EvictParams(num_tokens=10_000))
+    assert harness.compressed_nodes() == [] and harness.arena.slots_borrowed == 0
+    assert harness.allocator.available_size() == harness.allocator.size
+    harness.assert_ledger()
+
+
+def test_eviction_moves_cells_to_give_slots_back_before_evicting_anything():
+    harness = TreeHarness(pool_slots=400, rule=KeepEvery(3))
+    # Uneven cell counts, so conversations share borrowed slots (holes are filled first).
+    requests = [harness.prefill(tokens(110 + i, 61 + i, first=110 + i)) for i in range(6)]
+    for req in requests:
+        harness.finish(req)
+    nodes = harness.compressed_nodes()
+    for node in nodes[::2]:  # evicting every other conversation leaves holes in shared slots
+        harness.tree._evict_leaf(next(iter(node.children.values())))  # its dense tail first
+        harness.tree._evict_leaf(node)
+    harness.assert_ledger()
+    reclaimable = harness.arena.slots_reclaimable_by_moves
+    assert reclaimable >= 1
+    survivors = harness.compressed_nodes()
+    evicted_before = harness.engine.stats.compressed_nodes_evicted
+    harness.tree.evict(EvictParams(num_tokens=reclaimable))
+    assert harness.engine.stats.compressed_nodes_evicted == evicted_before  # moves were enough
+    assert harness.arena.slots_reclaimable_by_moves == 0 and harness.compressed_nodes() == survivors
+    harness.assert_cells_hold_their_entries()  # every cell followed its move
+    harness.assert_ledger()
+
+
+def run_cycling_conversations(harness: TreeHarness, users: int, turns: int) -> float:
+    """Users taking turns one after the other over their own documents; the fraction of prompt tokens
+    of later turns that the prefix cache served."""
+    conversations = [tokens(200 + user, 100, first=200 + user) for user in range(users)]
+    served = prompted = 0
+    for round_index, user in itertools.product(range(turns), range(users)):
+        prompt = conversations[user] + ([] if round_index == 0 else tokens(300 + round_index, 8))
+        conversations[user], reused = turn(harness, prompt, tokens(400 + round_index, 4))
+        if round_index:
+            served, prompted = served + reused, prompted + len(prompt)
+    return served / prompted
+
+
+class LeastRecentlyUsed:
+    """SGLang's default order, for comparison: the priority is the time of the last use."""
+
+    def __init__(self):
+        self.counter = itertools.count()
+
+    def priority(self, reuses, cost_tokens, size_slots) -> float:
+        return float(next(self.counter))
+
+    def creation_rank(self) -> int:
+        return 0
+
+    def evicted(self, priority) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+
+def test_conversations_cycling_through_a_slightly_too_small_pool_keep_a_stable_subset():
+    """Five users taking turns where four conversations fit: LRU evicts exactly the next one needed and
+    every turn misses; the GDSF order keeps most histories and their turns hit."""
+    pool = 3 * 32 + 100 + 20  # three conversations' compressed histories (~32 slots each) and one prefill
+    ours = run_cycling_conversations(TreeHarness(pool_slots=pool), users=5, turns=6)
+    lru_harness = TreeHarness(pool_slots=pool)
+    lru_harness.engine.order = LeastRecentlyUsed()
+    lru = run_cycling_conversations(lru_harness, users=5, turns=6)
+    assert lru < 0.05, lru
+    assert ours > 0.35, ours
+
+
+def test_flush_returns_the_pool_to_its_initial_state(harness):
+    for seed in range(4):
+        harness.finish(harness.prefill(tokens(500 + seed, 90, first=500 + seed)))
+    assert harness.arena.slots_borrowed > 0
+    harness.flush()
+    assert harness.arena.slots_borrowed == harness.arena.cells_used == 0
+    assert harness.compressed_nodes() == []
+    assert harness.allocator.available_size() == harness.allocator.size
+    harness.assert_ledger()

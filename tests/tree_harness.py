@@ -1,0 +1,277 @@
+"""An in-process compressed radix cache on real SGLang CPU pools, driven the way the scheduler drives it.
+
+``TreeHarness`` builds SGLang's own ``ReqToTokenPool``, ``MHATokenToKVPool`` (made contiguous by the
+engine's patch, as in the server) and ``TokenToKVPoolAllocator`` on the CPU, our ``CompressedRadixCache``
+over them, and real ``Req`` objects. ``prefill`` does what the scheduler and the model do for one
+request (match, lock, allocate and evict, write the row, fill the new slots' K/V, the engine's submit,
+the tree's checkpoint), with a deterministic stand-in policy so that the tests control what is kept;
+``finish`` releases the request as ``release_kv_cache`` does. Every K/V value encodes (layer, position,
+KV head, conversation), so a test can check any cell's content after compression, splits and moves.
+
+No server, no model: each test takes seconds (SGLang's own radix-cache unit tests work the same way,
+``sglang/test/kits/unified_radix_cache``).
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from sglang.srt.managers.schedule_batch import Req
+from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from sglang.srt.mem_cache.radix_cache import RadixKey
+from sglang.srt.sampling.sampling_params import SamplingParams
+
+from sgl_kvevict.config import EvictionConfig
+from sgl_kvevict.engine.arena import Arena
+from sgl_kvevict.engine.cells import CellSpace
+from sgl_kvevict.engine.factory import _slot_source
+from sgl_kvevict.engine.pool import install_contiguous_kv_buffers
+from sgl_kvevict.engine.radix_cache import CompressedRadixCache, compressed_segment
+from sgl_kvevict.engine.state import EngineState, ModelShape
+from sgl_kvevict.plan import CompressionPlan, LayerPlan
+from sgl_kvevict.policies.base import Policy, SegmentCompressor, SegmentSpec
+from sgl_kvevict.scope import RequestScope, Scope
+from sgl_kvevict.scoring.window import StatsRequest, WindowStats
+
+WINDOW = 4
+
+
+def kv_value(layer: int, position: int, head: int, token: int) -> float:
+    """The value every dimension of an entry's K holds (V holds its negative): the entry's identity, as
+    a model's K/V depend on the token at the position (here on nothing else, so shared prefixes match)."""
+    return float(((token * 1024 + position) * 16 + layer) * 8 + head)
+
+
+@dataclass
+class KeepEvery:
+    """A stand-in policy's rule: keep position ``p`` of (layer, head) when ``(p + layer + head) % every == 0``,
+    plus the window (the last ``WINDOW`` positions) and nothing else."""
+
+    every: int = 4
+
+    def plan(self, spec: SegmentSpec) -> CompressionPlan:
+        window_start = spec.end - min(WINDOW, spec.length)
+        layers = []
+        for layer in range(spec.num_layers):
+            heads = []
+            for head in range(spec.num_kv_heads):
+                positions = [p for p in range(spec.start, window_start) if (p + layer + head) % self.every == 0]
+                heads.append(torch.tensor(positions + list(range(window_start, spec.end)), dtype=torch.int64))
+            layers.append(LayerPlan.from_heads(heads))
+        return CompressionPlan(spec.start, spec.end, tuple(layers))
+
+
+class _RuleCompressor(SegmentCompressor):
+    needs_stats = False
+
+    def __init__(self, spec: SegmentSpec, rule: KeepEvery):
+        super().__init__(spec)
+        self.rule = rule
+
+    def observe(self, layer: int, stats: WindowStats) -> None:
+        pass
+
+    def plan(self) -> CompressionPlan:
+        return self.rule.plan(self.spec)
+
+
+class RulePolicy(Policy):
+    """The stand-in policy: plans from ``KeepEvery`` without statistics."""
+
+    def __init__(self, config, rule: KeepEvery):
+        super().__init__(config)
+        self.rule = rule
+
+    def stats_request(self) -> StatsRequest:
+        return StatsRequest()
+
+    def start(self, spec: SegmentSpec) -> SegmentCompressor:
+        return _RuleCompressor(spec, self.rule)
+
+
+class TreeHarness:
+    def __init__(
+        self,
+        pool_slots: int = 400,
+        num_layers: int = 2,
+        num_kv_heads: int = 2,
+        head_dim: int = 4,
+        scope: Scope = RequestScope(),
+        rule: KeepEvery = KeepEvery(),
+        max_requests: int = 16,
+        max_context: int = 1024,
+    ):
+        install_contiguous_kv_buffers()
+        self.shape = ModelShape(num_layers, 2 * num_kv_heads, num_kv_heads)
+        self.pool = MHATokenToKVPool(
+            size=pool_slots, page_size=1, dtype=torch.float32, head_num=num_kv_heads, head_dim=head_dim,
+            layer_num=num_layers, device="cpu", enable_memory_saver=False,
+        )  # fmt: skip
+        self.allocator = TokenToKVPoolAllocator(pool_slots, torch.float32, "cpu", kvcache=self.pool, need_sort=False)
+        self.req_to_token_pool = ReqToTokenPool(
+            size=max_requests, max_context_len=max_context, device="cpu", enable_memory_saver=False
+        )
+        self.space = CellSpace.of_buffers(self.pool.k_buffer, self.pool.v_buffer)
+        self.arena = Arena(self.space, _slot_source(self.allocator, self.space))
+        config = EvictionConfig(policy="snapkv", window=WINDOW)
+        self.engine = EngineState(config, self.shape, self.arena, self.allocator, scope)
+        self.engine.policy = RulePolicy(config, rule)
+        params = CacheInitParams(
+            disable=False, req_to_token_pool=self.req_to_token_pool, token_to_kv_pool_allocator=self.allocator, page_size=1
+        )
+        self.tree = CompressedRadixCache(params, self.engine)
+        self.running: list[Req] = []
+        self.last_match = 0  # the prefix length of the last match (SGLang's cached tokens)
+        self._next_rid = 0
+
+    # ---- the scheduler's part --------------------------------------------------------------------
+
+    def request(self, tokens: list[int]) -> Req:
+        req = Req(
+            rid=f"r{self._next_rid}", origin_input_text="", origin_input_ids=array("q", tokens),
+            sampling_params=SamplingParams(temperature=0, max_new_tokens=8),
+        )  # fmt: skip
+        self._next_rid += 1
+        req.output_ids = array("q")
+        req.full_untruncated_fill_ids = array("q", tokens)
+        req.extra_key = None
+        req.cache_salt = None
+        return req
+
+    def match(self, req: Req) -> int:
+        """Match and lock the request's prefix (``init_next_round_input`` + admission); returns its length."""
+        key = RadixKey(array("q", req.origin_input_ids))
+        result = self.tree.match_prefix(MatchPrefixParams(key=key, req=req))
+        req.last_node = result.last_device_node
+        req.lock = self.tree.lock(req.last_node)
+        req.kv.cache_protected_len = result.device_prefix_len
+        self.last_match = result.device_prefix_len
+        return result.device_prefix_len
+
+    def prefill(self, tokens: list[int], checkpoint: bool = True) -> Req:
+        """One request's prefill forward and, with ``checkpoint``, the tree's checkpoint after it."""
+        req = self.request(tokens)
+        self.req_to_token_pool.alloc([req])
+        prefix = self.match(req)
+        row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+        row[:prefix] = self.tree.path_device_indices(req.last_node)[:prefix].to(row.dtype)
+        self._extend(req, prefix, len(tokens))
+        self.engine.submit(req, prefix, len(tokens))
+        self.running.append(req)
+        if checkpoint:
+            self.checkpoint(req)
+        return req
+
+    def checkpoint(self, req: Req) -> None:
+        self.tree.checkpoint(req, up_to=req.kv.kv_committed_len)
+
+    def decode(self, req: Req, tokens: list[int]) -> None:
+        """``len(tokens)`` decode steps: each output token gets a slot (its K/V written)."""
+        start = req.kv.kv_committed_len
+        req.output_ids.extend(tokens)
+        req.full_untruncated_fill_ids.extend(tokens)
+        self._extend(req, start, start + len(tokens))
+
+    def finish(self, req: Req) -> None:
+        """``release_kv_cache(checkpoint=True)``: the tree keeps what it can, the rest of the row is freed."""
+        committed = req.kv.kv_committed_len
+        self.tree.checkpoint(req, up_to=committed)
+        self.tree.free_kv_row(req.kv, [(req.kv.cache_protected_len, committed)])
+        self.tree.unlock(req.lock)
+        req.lock = None
+        self.req_to_token_pool.free(req)
+        self.running.remove(req)
+
+    def _extend(self, req: Req, start: int, end: int) -> None:
+        slots = self.alloc(end - start)
+        row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+        row[start:end] = slots.to(row.dtype)
+        fill_ids = req.full_untruncated_fill_ids
+        for position, slot in zip(range(start, end), slots.tolist()):
+            for layer in range(self.shape.num_layers):
+                for head in range(self.shape.num_kv_heads):
+                    value = kv_value(layer, position, head, fill_ids[position])
+                    self.pool.k_buffer[layer][slot, head] = value
+                    self.pool.v_buffer[layer][slot, head] = -value
+        req.kv.kv_committed_len = req.kv.kv_allocated_len = end
+
+    def alloc(self, count: int) -> torch.Tensor:
+        """``alloc_token_slots``: evict from the tree when the allocator is short, then allocate."""
+        shortfall = count - self.allocator.available_size()
+        if shortfall > 0:
+            self.tree.evict(EvictParams(num_tokens=shortfall))
+        slots = self.allocator.alloc(count)
+        if slots is None:
+            raise MemoryError(f"{count} slots asked for, {self.allocator.available_size()} free after eviction")
+        return slots
+
+    # ---- checks ------------------------------------------------------------------------------------
+
+    def uncached(self) -> int:
+        """Slots the running requests own outside the tree (SGLang's ``uncached``)."""
+        return sum(req.kv.kv_allocated_len - req.kv.cache_protected_len for req in self.running)
+
+    def assert_ledger(self) -> None:
+        """SGLang's strict idle check's equation, at any time: available + evictable + protected +
+        uncached == total; and the arena's own ledger."""
+        total = (
+            self.allocator.available_size() + self.tree.evictable_size() + self.tree.protected_size() + self.uncached()
+        )
+        assert total == self.allocator.size, (
+            f"available {self.allocator.available_size()} + evictable {self.tree.evictable_size()} + protected "
+            f"{self.tree.protected_size()} + uncached {self.uncached()} != {self.allocator.size}"
+        )
+        self.arena.check_consistent()
+
+    def assert_cells_hold_their_entries(self) -> None:
+        """Every compressed node's cells hold exactly the K/V of the entries its segment lists."""
+        for node in self.compressed_nodes():
+            segment = compressed_segment(node)
+            node_tokens = node.key.token_ids
+            expected = torch.tensor(
+                [
+                    kv_value(layer, position, head, node_tokens[position - segment.start])
+                    for layer, position, head in zip(
+                        segment.layer_ids().tolist(), segment.positions.tolist(), segment.head_ids().tolist()
+                    )
+                ]
+            )
+            torch.testing.assert_close(self.space.k_rows[segment.cells][:, 0], expected, rtol=0, atol=0)
+            torch.testing.assert_close(self.space.v_rows[segment.cells][:, 0], -expected, rtol=0, atol=0)
+
+    def compressed_nodes(self) -> list:
+        nodes, stack = [], [self.tree.root_node]
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            if compressed_segment(node) is not None:
+                nodes.append(node)
+        return nodes
+
+    def flush(self) -> None:
+        """``flush_cache``: the tree resets, then SGLang clears the allocator and the row pool."""
+        assert not self.running, "flush with running requests"
+        self.tree.reset()
+        self.req_to_token_pool.clear()
+        self.allocator.clear()
+
+
+def tokens(seed: int, length: int, first: Optional[int] = None) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(10, 500, (length,), generator=generator).tolist()
+    if first is not None:
+        ids[0] = first
+    return ids
+
+
+def prompt_with(prefix: list[int], seed: int, length: int) -> list[int]:
+    return prefix + tokens(seed, length - len(prefix))
+
+
+Callback = Callable[[TreeHarness], None]
