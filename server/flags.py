@@ -1,6 +1,8 @@
-"""Command-line flags of ``python -m sgl_kvevict.server``: ours are parsed and validated here, before
-any model loads; every other flag goes to SGLang unchanged, except the SGLang features compression
-cannot work with yet, which are refused with the reason when a policy is set."""
+"""Command-line flags of ``python -m sgl_kvevict.server``: our own, parsed and validated here before
+any model loads. Every other flag goes to SGLang unchanged (``sglang_args``), except those
+``refusals`` turns down; ``--help`` and the README's flag table are derived from the same parser,
+the settings' metadata and ``sgl_kvevict.limits``.
+"""
 
 from __future__ import annotations
 
@@ -10,36 +12,48 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from sgl_kvevict.config import DEFAULT_BUDGET, EvictionConfig
+from sgl_kvevict.limits import LIMITS, SGLANG_VERSION
 from sgl_kvevict.policies import PolicyDefaults, get_policy_class, registered_policies
 from sgl_kvevict.scope import DEFAULT_BLOCK_SIZE, SCOPE_NAMES, RequestScope, Scope
+from sgl_kvevict.server.refusals import (
+    KV_EVICT_PREFIX,
+    FlagError,
+    check_compression_compatible,
+    check_flag_spellings,
+    check_reserved_flags,
+)
+from sgl_kvevict.server.sglang_args import (
+    COMPRESSION_DEFAULTS,
+    CPU_DEFAULT_MAX_TOTAL_TOKENS,
+    CPU_MEM_FRACTION_STATIC,
+    CPU_MODE_DEFAULTS,
+    RADIX_CACHE_BACKEND,
+    render_defaults,
+)
 from sgl_kvevict.serving import NO_EVICTION, ServingConfig
 from sgl_kvevict.settings import ConfigError, help_of, settings_of
 
 DEFAULT_PORT = 30000
 DEFAULT_HOST = "127.0.0.1"
-# KV pool on CPU when the user sizes nothing: SGLang would otherwise take ~70% of free RAM (15 GB
-# for SmolLM2 here, 45 s just to zero it). 65,536 tokens of SmolLM2 in bf16 are 1.5 GB.
-CPU_DEFAULT_MAX_TOTAL_TOKENS = 65536
-CPU_MEM_FRACTION_STATIC = 0.5
-# The radix-cache backend the engine registers; with a policy set the launcher selects it.
-RADIX_CACHE_BACKEND = "sgl_kvevict"
-KV_EVICT_PREFIX = "--kv-evict-"
 # Our flags that are not EvictionConfig fields (those are the knobs, derived from the dataclass).
 ENGINE_FLAGS = ("--kv-evict-policy", "--kv-evict-scope", "--kv-evict-block-size")
 
 
-class FlagError(ValueError):
-    """A bad command line; the message is one line naming the flag and what is wrong."""
-
-
 @dataclass(frozen=True)
 class LaunchConfig:
+    """workers: SGLang servers to start; more than one puts SGLang's cache-aware router on ``port``
+    and the workers on free loopback ports (``sgl_kvevict.server.scale_out``). stats_port: where
+    that launcher serves the workers' aggregated ``/kvevict/stats`` (None with one worker, which
+    serves its own)."""
+
     model: str
     host: str
     port: int
     serving: ServingConfig
     startup_timeout: float
     sglang_args: list[str] = field(default_factory=list)
+    workers: int = 1
+    stats_port: Optional[int] = None
 
 
 def serving_policies() -> list[str]:
@@ -86,103 +100,31 @@ def knob_default(knob: dataclasses.Field) -> str:
 
 
 # --------------------------------------------------------------------------------------------------
-# SGLang flags that compression cannot work with yet
-# --------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Refusal:
-    """An SGLang flag (every spelling of it) refused when a policy is set: whenever it is given, or
-    when its value is above ``limit``, or when its value is not ``allowed``."""
-
-    spellings: tuple[str, ...]
-    reason: str
-    limit: Optional[int] = None
-    allowed: Optional[str] = None
-
-    def refuses(self, value: Optional[str]) -> bool:
-        if self.limit is not None:
-            try:
-                return int(value) > self.limit
-            except (TypeError, ValueError):
-                return False  # not a number: SGLang's own parser reports it
-        if self.allowed is not None:
-            return value != self.allowed
-        return True
-
-    def condition(self) -> str:
-        """What is refused, for --help: ``--page-size > 1``."""
-        if self.limit is not None:
-            return f"{self.spellings[0]} > {self.limit}"
-        if self.allowed is not None:
-            return f"{self.spellings[0]} other than {self.allowed}"
-        return self.spellings[0]
-
-
-# Each first-version limit of DESIGN.md §4 and the hazards of sglang-0.5.23-hooks.md §9, as the
-# SGLang 0.5.23 flags that would break it (spellings from sglang/srt/arg_groups/fields/*.py).
-# Overlap scheduling has no enabling flag in 0.5.23 (it is on unless --disable-overlap-schedule),
-# so the launcher adds --disable-overlap-schedule instead of refusing anything.
-CUDA_GRAPH_REASON = (
-    "replayed CUDA graphs skip the segment attention's per-batch metadata; with a policy the launcher disables them"
-)
-DP_ATTENTION_REASON = "DP attention splits a batch's attention across ranks; the segment attention runs on one rank"
-COMPRESSION_REFUSALS = (
-    Refusal(("--page-size",), limit=1,
-            reason="compressed spans are token-granular: pages of more than one slot are not supported yet"),
-    Refusal(("--chunked-prefill-size",), limit=0,
-            reason="a chunk boundary can split a prompt, and its first chunks would enter the radix tree dense "
-            "before the prompt's end is scored; with a policy the launcher disables chunking (-1)"),
-    Refusal(("--cuda-graph-backend-decode",), allowed="disabled", reason=CUDA_GRAPH_REASON),
-    Refusal(("--cuda-graph-backend-prefill",), allowed="disabled", reason=CUDA_GRAPH_REASON),
-    Refusal(("--cuda-graph-config",),
-            reason="its JSON overrides the launcher's CUDA-graph disabling, which compression needs"),
-    Refusal(("--enable-hierarchical-cache", "--enable-hicache"),
-            reason="HiCache copies tree values slot by slot and compressed nodes hold placeholder slots"),
-    Refusal(("--tp-size", "--tensor-parallel-size"), limit=1,
-            reason="every TP rank would have to take identical compression and arena decisions; TP 1 only for now"),
-    Refusal(("--pp-size", "--pipeline-parallel-size"), limit=1,
-            reason="each pipeline stage sees only its own layers and layer budgets need all of them"),
-    Refusal(("--dp-size", "--data-parallel-size"), limit=1,
-            reason="each data-parallel scheduler would hold its own tree and arena; one scheduler only for now"),
-    Refusal(("--attn-dp-size", "--attention-data-parallel-size"), limit=1, reason=DP_ATTENTION_REASON),
-    Refusal(("--enable-dp-attention",), reason=DP_ATTENTION_REASON),
-    Refusal(("--radix-cache-backend",),
-            reason=f"compression lives in the launcher's own radix cache ({RADIX_CACHE_BACKEND}), which it selects"),
-    Refusal(("--disable-radix-cache",),
-            reason="compressed prompts are kept and reused as radix-tree nodes"),
-    Refusal(("--enable-session-radix-cache",),
-            reason="session caching needs SGLang's unified radix cache, which the compressed tree replaces"),
-    Refusal(("--speculative-algorithm",),
-            reason="draft and verify passes use attention paths that do not read compressed cells"),
-    Refusal(("--enable-mixed-chunk",),
-            reason="batches mixing prefill and decode tokens are not handled by scoring capture yet"),
-    Refusal(("--disaggregation-mode",), allowed="null",
-            reason="PD disaggregation transfers KV by slot rows and compressed spans hold placeholder slots"),
-    Refusal(("--tokenizer-worker-num",), limit=1,
-            reason="/kvevict/stats is served by the single HTTP process's app"),
-    Refusal(("--config",),
-            reason="a config file could set the flags above past these checks; give SGLang flags on the command "
-            "line"),
-)  # fmt: skip
-
-# SGLang flags the launcher owns whatever the policy; passing them through would contradict our own.
-RESERVED_SGLANG_FLAGS = ("--model-path", "--host", "--port")
-# SGLang flags the launcher reads or sets (besides the refused ones).
-READ_SGLANG_FLAGS = ("--max-total-tokens", "--mem-fraction-static", "--disable-overlap-schedule", "--device")
-
-
-def inspected_flags() -> list[str]:
-    return [
-        *RESERVED_SGLANG_FLAGS,
-        *READ_SGLANG_FLAGS,
-        *(spelling for refusal in COMPRESSION_REFUSALS for spelling in refusal.spellings),
-    ]
-
-
-# --------------------------------------------------------------------------------------------------
 # Parser
 # --------------------------------------------------------------------------------------------------
+
+
+def refused_flags_text() -> str:
+    """Every flag refused with a policy, grouped by limit: ``--page-size > 1 (page size)``."""
+    return "; ".join(
+        f"{', '.join(flag.condition() for flag in limit.flags)} ({limit.name})" for limit in LIMITS if limit.flags
+    )
+
+
+def launcher_notes() -> list[str]:
+    """What the launcher adds and refuses, for --help's epilog and the README's flag table."""
+    return [
+        f"CPU development mode (no CUDA device): the launcher adds {render_defaults(CPU_MODE_DEFAULTS)} "
+        f"--max-total-tokens {CPU_DEFAULT_MAX_TOTAL_TOKENS} --mem-fraction-static {CPU_MEM_FRACTION_STATIC}, "
+        "each only when you did not pass that flag yourself, and runs SGLang with OMP_NUM_THREADS=1 unless set.",
+        "--enable-cache-report is always added, so responses report cached prompt tokens.",
+        f"With a policy other than none the launcher adds --radix-cache-backend {RADIX_CACHE_BACKEND}, the "
+        "attention backend the engine wraps (torch_native on CPU, flashinfer on CUDA) and "
+        f"{render_defaults(COMPRESSION_DEFAULTS)}, each unless given. Compressed KV lives in SGLang's own KV "
+        "pool, so --max-total-tokens means the same memory with or without a policy.",
+        f"Refused with a policy (sgl_kvevict/limits.py gives each reason): {refused_flags_text()}.",
+        f"sgl-kvevict runs on sglang=={SGLANG_VERSION} only.",
+    ]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -195,24 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
             "Every flag not listed here is passed to SGLang unchanged (see `python -m sglang.launch_server "
             "--help`)."
         ),
-        epilog=(
-            "CPU development mode: on a machine without CUDA the launcher adds --device cpu "
-            "--attention-backend torch_native --cuda-graph-backend-decode disabled "
-            "--cuda-graph-backend-prefill disabled --disable-overlap-schedule --page-size 1 --dtype bfloat16 "
-            f"--max-total-tokens {CPU_DEFAULT_MAX_TOTAL_TOKENS} --mem-fraction-static {CPU_MEM_FRACTION_STATIC} "
-            "--skip-server-warmup, each only when you did "
-            "not pass that flag yourself, and runs the server with OMP_NUM_THREADS=1 unless set. "
-            "--enable-cache-report is always added so responses report cached prompt tokens. "
-            "With a policy other than none, the launcher also adds --radix-cache-backend "
-            f"{RADIX_CACHE_BACKEND} --page-size 1 --chunked-prefill-size -1 --disable-overlap-schedule "
-            "--cuda-graph-backend-decode disabled --cuda-graph-backend-prefill disabled, since compression "
-            "does not work with paging, chunked prefill, overlap scheduling or CUDA graphs yet. Compressed KV lives "
-            "in SGLang's own KV pool (cells of borrowed token slots), so --max-total-tokens means the same memory "
-            "with or without a policy. "
-            "Refused with a policy, each with its reason: "
-            + ", ".join(refusal.condition() for refusal in COMPRESSION_REFUSALS)
-            + "."
-        ),
+        epilog=" ".join(launcher_notes()),
     )
     parser.add_argument(
         "--model",
@@ -228,6 +153,28 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=900.0,
         help="seconds to wait for the server to become healthy before giving up (default 900)",
+    )
+    scale_out = parser.add_argument_group(
+        "Scale-out",
+        "Several workers behind SGLang's cache-aware router (sglang-router), which sends each request to "
+        "the worker whose radix tree most likely holds its prefix: a compressed prefix lives on one worker.",
+    )
+    scale_out.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="SGLang workers to start, each with every other flag given here and its own KV pool of "
+        "--max-total-tokens (the memory is per worker), on a free loopback port; with more than one the "
+        "router listens on --host/--port (default 1: no router)",
+    )
+    scale_out.add_argument(
+        "--stats-port",
+        type=int,
+        metavar="PORT",
+        help="with --workers above 1: port on --host where the launcher serves GET /kvevict/stats for all "
+        "workers (each worker's own payload and their sum); the router does not forward that route "
+        "(default --port + 1)",
     )
     evict = parser.add_argument_group(
         "KV-cache eviction",
@@ -277,15 +224,16 @@ def build_parser() -> argparse.ArgumentParser:
 # --------------------------------------------------------------------------------------------------
 
 
+def our_flags() -> list[str]:
+    return [*ENGINE_FLAGS, *(knob_flag(knob.name) for knob in knob_fields())]
+
+
 def parse_args(argv: list[str]) -> LaunchConfig:
     """Parse and validate; raises ``FlagError`` (argparse itself exits on --help / syntax errors)."""
     args, sglang_args = build_parser().parse_known_args(argv)
-    check_flag_spellings(sglang_args)
-    for flag in RESERVED_SGLANG_FLAGS:
-        if has_flag(sglang_args, flag):
-            raise FlagError(f"{flag} is set by the launcher; use --model/--host/--port instead")
-    if not 0 < args.port < 65536:
-        raise FlagError(f"--port {args.port} is outside 1..65535")
+    check_flag_spellings(sglang_args, our_flags())
+    check_reserved_flags(sglang_args)
+    check_port("--port", args.port)
     if args.startup_timeout <= 0:
         raise FlagError(f"--startup-timeout {args.startup_timeout} must be positive")
     serving = serving_config(args)
@@ -298,7 +246,28 @@ def parse_args(argv: list[str]) -> LaunchConfig:
         serving=serving,
         startup_timeout=args.startup_timeout,
         sglang_args=sglang_args,
+        workers=args.workers,
+        stats_port=scale_out_stats_port(args),
     )
+
+
+def check_port(flag: str, port: int) -> None:
+    if not 0 < port < 65536:
+        raise FlagError(f"{flag} {port} is outside 1..65535")
+
+
+def scale_out_stats_port(args: argparse.Namespace) -> Optional[int]:
+    if args.workers < 1:
+        raise FlagError(f"--workers {args.workers}: at least one worker is needed")
+    if args.workers == 1:
+        if args.stats_port is not None:
+            raise FlagError(f"--stats-port {args.stats_port}: only with --workers above 1 (a lone server serves its own)")
+        return None
+    port = args.port + 1 if args.stats_port is None else args.stats_port
+    check_port("--stats-port", port)
+    if port == args.port:
+        raise FlagError(f"--stats-port {port} is the router's --port")
+    return port
 
 
 def serving_config(args: argparse.Namespace) -> ServingConfig:
@@ -324,118 +293,3 @@ def serving_config(args: argparse.Namespace) -> ServingConfig:
         return ServingConfig(policy, options, scope=scope)
     except ConfigError as error:
         raise FlagError(f"--kv-evict-*: {error}") from None
-
-
-def check_flag_spellings(sglang_args: list[str]) -> None:
-    """Refuse what the launcher could not see through: an unknown --kv-evict-* flag (a typo would
-    otherwise reach SGLang and fail only after it imports), and abbreviations of the SGLang flags the
-    launcher inspects (SGLang's parser expands ``--tp 2`` to ``--tp-size 2`` behind our back)."""
-    inspected = inspected_flags()
-    for token in sglang_args:
-        name = token.split("=", 1)[0]
-        if name.startswith(KV_EVICT_PREFIX):
-            knobs = [knob_flag(knob.name) for knob in knob_fields()]
-            ours = ", ".join([*ENGINE_FLAGS, *knobs])
-            raise FlagError(f"{name} is not a flag of ours; valid: {ours}")
-        if name.startswith("--") and name not in inspected:
-            expansions = [flag for flag in inspected if flag.startswith(name)]
-            if expansions:
-                raise FlagError(f"{name} abbreviates {expansions[0]}; spell it in full so the launcher can check it")
-
-
-def check_compression_compatible(sglang_args: list[str]) -> None:
-    for refusal in COMPRESSION_REFUSALS:
-        for spelling in filter(lambda flag: has_flag(sglang_args, flag), refusal.spellings):
-            value = flag_value(sglang_args, spelling)
-            if refusal.refuses(value):
-                shown = spelling if value is None else f"{spelling} {value}"
-                raise FlagError(f"{shown} cannot be used with a --kv-evict-policy: {refusal.reason}")
-
-
-# --------------------------------------------------------------------------------------------------
-# SGLang argument helpers and the arguments the launcher adds
-# --------------------------------------------------------------------------------------------------
-
-
-def has_flag(args: list[str], flag: str) -> bool:
-    return any(a == flag or a.startswith(flag + "=") for a in args)
-
-
-def flag_value(args: list[str], flag: str) -> Optional[str]:
-    """The value of the last occurrence of ``flag`` (what argparse keeps); None for a switch or absent."""
-    value = None
-    for index, arg in enumerate(args):
-        if arg.startswith(flag + "="):
-            value = arg.split("=", 1)[1]
-        elif arg == flag:
-            following = args[index + 1] if index + 1 < len(args) else None
-            # A negative number is a value (--chunked-prefill-size -1), another flag is not.
-            value = None if following is None or following.startswith("--") else following
-    return value
-
-
-def defaults_not_given(sglang_args: list[str], defaults: list[tuple[str, list[str]]]) -> list[str]:
-    return [item for flag, values in defaults if not has_flag(sglang_args, flag) for item in (flag, *values)]
-
-
-def cpu_mode_args(sglang_args: list[str]) -> list[str]:
-    """The CPU development-mode defaults for flags the user did not set."""
-    added = defaults_not_given(
-        sglang_args,
-        [
-            ("--device", ["cpu"]),
-            ("--attention-backend", ["torch_native"]),
-            ("--cuda-graph-backend-decode", ["disabled"]),
-            ("--cuda-graph-backend-prefill", ["disabled"]),
-            ("--disable-overlap-schedule", []),
-            ("--page-size", ["1"]),
-            # fp16 prefill is ~3x slower than bf16 on these CPUs (cpu-environment.md).
-            ("--dtype", ["bfloat16"]),
-            ("--skip-server-warmup", []),
-        ],
-    )
-    if not has_flag(sglang_args, "--max-total-tokens") and not has_flag(sglang_args, "--mem-fraction-static"):
-        added += ["--max-total-tokens", str(CPU_DEFAULT_MAX_TOTAL_TOKENS)]
-    if not has_flag(sglang_args, "--mem-fraction-static"):
-        # SGLang derives this fraction by reserving GPU activation memory for max_prefill_tokens; with
-        # chunked prefill off (as compression needs) that reserve exceeds this machine's RAM and the
-        # fraction comes out negative. On CPU --max-total-tokens sizes the pool; this only caps it.
-        added += ["--mem-fraction-static", str(CPU_MEM_FRACTION_STATIC)]
-    return added
-
-
-def compression_attention_backend(cpu_mode: bool) -> str:
-    """The only attention backend the engine wraps on this machine (torch_native on CPU, FlashInfer on CUDA)."""
-    return "torch_native" if cpu_mode else "flashinfer"
-
-
-def check_attention_backend(sglang_args: list[str], cpu_mode: bool) -> None:
-    backend = compression_attention_backend(cpu_mode)
-    given = flag_value(sglang_args, "--attention-backend")
-    if given is not None and given != backend:
-        raise FlagError(
-            f"--attention-backend {given} cannot serve compressed KV: with a --kv-evict-policy the engine wraps "
-            f"{backend} on this machine (omit the flag)"
-        )
-
-
-def compression_args(sglang_args: list[str], cpu_mode: bool) -> list[str]:
-    """``sglang_args`` rewritten for a compressing server: our radix cache and the settings compression
-    needs for the flags the user left unset (conflicting values were refused by
-    ``check_compression_compatible`` and ``check_attention_backend``)."""
-    backend = compression_attention_backend(cpu_mode)
-    return [
-        *sglang_args,
-        "--radix-cache-backend", RADIX_CACHE_BACKEND,
-        *defaults_not_given(
-            sglang_args,
-            [
-                ("--attention-backend", [backend]),
-                ("--page-size", ["1"]),
-                ("--chunked-prefill-size", ["-1"]),
-                ("--disable-overlap-schedule", []),
-                ("--cuda-graph-backend-decode", ["disabled"]),
-                ("--cuda-graph-backend-prefill", ["disabled"]),
-            ],
-        ),
-    ]  # fmt: skip

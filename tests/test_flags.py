@@ -15,18 +15,11 @@ from sgl_kvevict.engine.stats_channel import ADDRESS_ENV_VAR as STATS_ADDRESS_EN
 from sgl_kvevict.policies import registered_policies
 from sgl_kvevict.scope import BlockScope
 from sgl_kvevict.serving import ENV_VAR as SERVING_ENV_VAR, ServingConfig
-from sgl_kvevict.server.flags import (
-    COMPRESSION_REFUSALS,
-    CPU_DEFAULT_MAX_TOTAL_TOKENS,
-    FlagError,
-    build_parser,
-    cpu_mode_args,
-    flag_value,
-    inspected_flags,
-    knob_flag,
-    parse_args,
-)
-from sgl_kvevict.server.launcher import server_env, sglang_command, stats_socket_address
+from sgl_kvevict.limits import limit_flags
+from sgl_kvevict.server.flags import build_parser, knob_flag, parse_args
+from sgl_kvevict.server.refusals import FlagError, inspected_flags
+from sgl_kvevict.server.sglang_args import CPU_DEFAULT_MAX_TOTAL_TOKENS, cpu_mode_args, flag_value
+from sgl_kvevict.server.worker import server_env, sglang_command, stats_socket_address
 
 
 def parse(*args: str):
@@ -88,24 +81,24 @@ def test_every_library_policy_is_served_and_the_default_is_none():
         assert serving.policy == policy and serving.scope.name == "request"
 
 
-def argv_refused_by(refusal, spelling: str) -> list[str]:
-    if refusal.limit is not None:
-        return [spelling, str(refusal.limit + 1)]
-    if refusal.allowed is not None:
+def argv_refused_by(flag, spelling: str) -> list[str]:
+    if flag.above is not None:
+        return [spelling, str(flag.above + 1)]
+    if flag.allowed is not None:
         return [f"{spelling}=something-else"]
     return [spelling]
 
 
 @pytest.mark.parametrize(
-    "refusal, spelling",
-    [(refusal, spelling) for refusal in COMPRESSION_REFUSALS for spelling in refusal.spellings],
+    "limit, flag, spelling",
+    [(limit, flag, spelling) for limit, flag in limit_flags() for spelling in flag.spellings],
     ids=lambda value: value if isinstance(value, str) else "",
 )
-def test_each_incompatible_sglang_flag_is_refused_with_a_policy_and_passed_without(refusal, spelling):
-    argv = argv_refused_by(refusal, spelling)
+def test_each_incompatible_sglang_flag_is_refused_with_a_policy_and_passed_without(limit, flag, spelling):
+    argv = argv_refused_by(flag, spelling)
     with pytest.raises(FlagError) as error:
         parse("--kv-evict-policy", "lava", *argv)
-    assert str(error.value).startswith(spelling) and refusal.reason in str(error.value)
+    assert str(error.value).startswith(spelling) and limit.reason in str(error.value)
     assert parse(*argv).sglang_args == argv
 
 
@@ -230,5 +223,44 @@ def test_help_documents_every_flag_of_ours_with_its_defaults():
     # Per-policy paper defaults, read from the policy classes.
     assert "32 for ada-pyramidkv" in text and "1 for dbudget, tova" in text
     assert "max for lava" in text and "none (policy decides) for dbudget, full" in text
-    for refusal in COMPRESSION_REFUSALS:
-        assert refusal.condition() in text
+    for _, flag in limit_flags():
+        assert flag.condition() in text
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--workers", "0"], "--workers 0: at least one worker is needed"),
+        (["--workers", "-2"], "--workers -2: at least one worker is needed"),
+        (["--stats-port", "31000"], "--stats-port 31000: only with --workers above 1"),
+        (["--workers", "2", "--port", "31000", "--stats-port", "31000"], "--stats-port 31000 is the router's --port"),
+        (["--workers", "2", "--port", "65535"], "--stats-port 65536 is outside 1..65535"),
+    ],
+)
+def test_bad_scale_out_flags_have_one_clear_message(argv, message):
+    with pytest.raises(FlagError, match=message):
+        parse(*argv)
+
+
+def test_scale_out_defaults_put_the_aggregate_stats_beside_the_router():
+    config = parse("--workers", "3", "--port", "31000", "--kv-evict-policy", "lava")
+    assert (config.workers, config.stats_port) == (3, 31001)
+    assert parse().stats_port is None and parse().workers == 1
+
+
+def test_each_worker_gets_the_same_flags_its_served_name_and_on_cuda_its_own_gpu():
+    from sgl_kvevict.server.scale_out import router_command, worker_config
+
+    config = parse("--workers", "2", "--kv-evict-policy", "lava", "--max-total-tokens", "5000", "--base-gpu-id=2")
+    cpu_worker = worker_config(config, 1, cpu_mode=True)
+    assert flag_value(cpu_worker.sglang_args, "--served-model-name") == "m"
+    assert flag_value(cpu_worker.sglang_args, "--max-total-tokens") == "5000"
+    gpu_workers = [worker_config(config, index, cpu_mode=False) for index in (0, 1)]
+    assert [flag_value(w.sglang_args, "--base-gpu-id") for w in gpu_workers] == ["2", "3"]
+    assert all(sum(a.startswith("--base-gpu-id") for a in w.sglang_args) == 1 for w in gpu_workers)
+    named = worker_config(parse("--workers", "2", "--served-model-name", "mine"), 0, cpu_mode=True)
+    assert flag_value(named.sglang_args, "--served-model-name") == "mine"
+    command = router_command(config, ["http://127.0.0.1:1", "http://127.0.0.1:2"], metrics_port=3)
+    assert flag_value(command, "--policy") == "cache_aware" and flag_value(command, "--port") == "30000"
+    assert command[command.index("--worker-urls") + 1 :] == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    assert flag_value(command, "--prometheus-port") == "3"

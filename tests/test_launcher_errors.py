@@ -39,7 +39,7 @@ def test_unknown_policy_is_refused_with_the_valid_names(tiny_llama_dir):
         (["--kv-evict-policy", "lava", "--tp-size=2"], "--tp-size 2 cannot be used"),
         (["--kv-evict-policy", "snapkv", "--chunked-prefill-size", "512"], "a chunk boundary can split a prompt"),
         (["--kv-evict-policy", "lava", "--enable-hicache"], "HiCache copies tree values"),
-        (["--kv-evict-policy", "lava", "--radix-cache-backend", "x"], "compression lives in the launcher's own"),
+        (["--kv-evict-policy", "lava", "--radix-cache-backend", "x"], "compression lives in the plugin's own radix cache"),
         (["--kv-evict-policy", "lava", "--cuda-graph-backend-decode", "full"], "replayed CUDA graphs"),
         (["--kv-evict-policy", "lava", "--enable-mixed-chunk"], "batches mixing prefill and decode tokens"),
         (["--kv-evict-policy", "lava", "--kv-evict-budget", "1.5"], "budget ratio 1.5 must be in (0, 1)"),
@@ -104,3 +104,34 @@ def test_an_attention_backend_the_engine_does_not_wrap_is_refused_with_a_policy(
     [line] = error_lines(output)
     assert "--attention-backend flex_attention" in line and "torch_native" in line
     assert elapsed < FAST_EXIT_SECONDS and "Load weight" not in output
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--workers", "0"], "--workers 0: at least one worker is needed"),
+        # A terabyte of KV pool per worker on this tiny model: refused from the host's MemAvailable.
+        (["--workers", "2", "--max-total-tokens", "2000000000"], "--workers 2 needs about"),
+    ],
+)
+def test_scale_out_without_room_is_refused_before_any_worker_starts(tiny_llama_dir, args, message):
+    code, output, elapsed = run_launcher("--model", str(tiny_llama_dir), "--port", str(free_port()), *args)
+    assert code == 2
+    [line] = error_lines(output)
+    assert message in line
+    assert elapsed < FAST_EXIT_SECONDS and "Load weight" not in output and "worker 0" not in output
+
+
+def test_a_missing_router_is_refused_before_the_model_resolves(monkeypatch, tmp_path, capsys):
+    """In-process: the launcher looks the router package up before anything else of the scale-out."""
+    import importlib.util
+
+    from sgl_kvevict.server.launcher import main
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "sglang_router" else real_find_spec(name, *a)
+    )
+    assert main(["--model", str(tmp_path / "not-resolved"), "--port", str(free_port()), "--workers", "2"]) == 2
+    [line] = error_lines(capsys.readouterr().err)
+    assert "--workers 2 needs SGLang's router: pip install sglang-router==0.3.2" in line

@@ -12,7 +12,8 @@ import logging
 
 import torch
 from sglang.srt.mem_cache.registry import TreeCacheBuildContext
-from sglang.srt.runtime_context import get_schedule, get_spec
+from sglang.srt.model_executor.cuda_graph_config import Backend
+from sglang.srt.runtime_context import get_disagg, get_exec, get_memory, get_parallel, get_schedule, get_serving, get_spec
 
 from sgl_kvevict.engine.arena import Arena, SlotSource
 from sgl_kvevict.engine.attention import SegmentAttentionBackend
@@ -21,6 +22,7 @@ from sgl_kvevict.engine.metrics import export_metrics
 from sgl_kvevict.engine.radix_cache import CompressedRadixCache
 from sgl_kvevict.engine.plugin import RADIX_CACHE_BACKEND
 from sgl_kvevict.engine.state import EngineState, ModelShape
+from sgl_kvevict.limits import SetupFacts, violations
 from sgl_kvevict.serving import ServingConfig
 
 logger = logging.getLogger(__name__)
@@ -30,24 +32,35 @@ class UnsupportedSetup(ValueError):
 
 
 def unsupported_features(ctx: TreeCacheBuildContext, attn_backend) -> list[str]:
-    """One line per SGLang setting that compressed nodes cannot work with (empty when all is well)."""
-    schedule = get_schedule()
-    checks = [
-        (ctx.disable_radix_cache, "--disable-radix-cache: compressed prompts live in the radix tree"),
-        (ctx.params.page_size != 1, f"--page-size {ctx.params.page_size}: compressed spans need page size 1"),
-        (ctx.tp_size != 1, f"--tp-size {ctx.tp_size}: every rank would need identical tree decisions"),
-        (ctx.enable_hierarchical_cache, "--enable-hierarchical-cache: HiCache copies rows token by token"),
-        (ctx.is_hybrid_swa or ctx.is_hybrid_ssm, "hybrid SWA/SSM models: only full-attention models"),
-        (not schedule.disable_overlap_schedule, "overlap schedule: pass --disable-overlap-schedule"),
-        (schedule.enable_mixed_chunk, "--enable-mixed-chunk: decode rows inside an extend batch"),
-        (get_spec().speculative_algorithm is not None, "speculative decoding"),
-        (
-            not isinstance(attn_backend, SegmentAttentionBackend),
-            f"attention backend {type(attn_backend).__name__}: only torch_native (CPU) and flashinfer (CUDA) "
-            "attend over compressed nodes",
-        ),
-    ]
-    return [reason for failed, reason in checks if failed]
+    """One line per limit of ``sgl_kvevict.limits`` this SGLang set-up breaks (empty when all is well),
+    from SGLang's resolved configuration and the graphs the model runner captured. The tree is built
+    after the attention backends and graph capture (scheduler.py: init_model_worker, then
+    build_kv_cache), so both are final here."""
+    schedule, parallel, graphs = get_schedule(), get_parallel(), get_exec().graph.cuda_graph_config
+    # graphs is never None once SGLang resolved its arguments (cuda_graph_config.py builds the default).
+    runner = ctx.tp_worker.model_runner
+    facts = SetupFacts(
+        page_size=ctx.params.page_size,
+        chunked_prefill_size=schedule.chunked_prefill_size,
+        # Configured graphs, or a captured decode graph (a CPU graph under --enable-torch-compile).
+        cuda_graphs=any(phase.backend != Backend.DISABLED for phase in (graphs.decode, graphs.prefill))
+        or runner.decode_cuda_graph_runner is not None,
+        hierarchical_cache=ctx.enable_hierarchical_cache,
+        tp_size=ctx.tp_size,
+        pp_size=parallel.pp_size,
+        dp_size=parallel.dp_size,
+        attention_dp=parallel.attn_dp_size > 1,
+        radix_cache_disabled=ctx.disable_radix_cache,
+        session_radix_cache=get_memory().enable_session_radix_cache,
+        speculative=get_spec().speculative_algorithm is not None,
+        mixed_chunk=schedule.enable_mixed_chunk,
+        overlap_schedule=not schedule.disable_overlap_schedule,
+        disaggregation=get_disagg().disaggregation_mode != "null",
+        tokenizer_workers=get_serving().tokenizer_worker_num,
+        attention_backend_wrapped=isinstance(attn_backend, SegmentAttentionBackend),
+        hybrid_model=ctx.is_hybrid_swa or ctx.is_hybrid_ssm,
+    )
+    return violations(facts)
 
 
 def create_compressed_radix_cache(ctx: TreeCacheBuildContext) -> CompressedRadixCache:

@@ -16,6 +16,7 @@ Everything heavy is imported inside the factories, which run only in the schedul
 
 from __future__ import annotations
 
+from sgl_kvevict.limits import check_sglang_version
 from sgl_kvevict.serving import ServingConfig
 
 RADIX_CACHE_BACKEND = "sgl_kvevict"
@@ -24,6 +25,7 @@ RADIX_CACHE_BACKEND = "sgl_kvevict"
 def register() -> None:
     if not ServingConfig.from_env().enabled:
         return
+    check_sglang_version()  # the engine hooks into one SGLang version's internals
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
     from sglang.srt.mem_cache.registry import register_radix_cache_backend, registered_radix_cache_backends
 

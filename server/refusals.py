@@ -1,0 +1,60 @@
+"""The SGLang flags the launcher refuses or owns, checked before any model loads.
+
+With a policy set, every flag of ``sgl_kvevict.limits`` is refused with its limit's reason (the tree
+refuses the same limits again when SGLang builds it, for servers started without the launcher).
+Whatever the policy, the flags the launcher sets itself are refused, and so are abbreviations of
+any flag the launcher inspects: SGLang's parser would expand ``--tp 2`` to ``--tp-size 2`` behind
+the launcher's back.
+"""
+
+from __future__ import annotations
+
+from sgl_kvevict.limits import limit_flags
+from sgl_kvevict.server.sglang_args import flag_value, has_flag
+
+KV_EVICT_PREFIX = "--kv-evict-"
+# SGLang flags the launcher owns whatever the policy; passing them through would contradict our own.
+RESERVED_SGLANG_FLAGS = ("--model-path", "--host", "--port")
+# SGLang flags the launcher reads or sets (besides the refused ones).
+READ_SGLANG_FLAGS = (
+    "--max-total-tokens", "--mem-fraction-static", "--disable-overlap-schedule", "--device", "--dtype",
+    "--kv-cache-dtype", "--served-model-name", "--base-gpu-id",
+)  # fmt: skip
+
+
+class FlagError(ValueError):
+    """A bad command line; the message is one line naming the flag and what is wrong."""
+
+
+def inspected_flags() -> list[str]:
+    refused = [spelling for _, flag in limit_flags() for spelling in flag.spellings]
+    return [*RESERVED_SGLANG_FLAGS, *READ_SGLANG_FLAGS, *refused]
+
+
+def check_reserved_flags(sglang_args: list[str]) -> None:
+    for flag in RESERVED_SGLANG_FLAGS:
+        if has_flag(sglang_args, flag):
+            raise FlagError(f"{flag} is set by the launcher; use --model/--host/--port instead")
+
+
+def check_flag_spellings(sglang_args: list[str], our_flags: list[str]) -> None:
+    """Refuse what the launcher could not see through: an unknown --kv-evict-* flag (a typo would
+    otherwise reach SGLang and fail only after it imports), and abbreviations of inspected flags."""
+    inspected = inspected_flags()
+    for token in sglang_args:
+        name = token.split("=", 1)[0]
+        if name.startswith(KV_EVICT_PREFIX):
+            raise FlagError(f"{name} is not a flag of ours; valid: {', '.join(our_flags)}")
+        if name.startswith("--") and name not in inspected:
+            expansions = [flag for flag in inspected if flag.startswith(name)]
+            if expansions:
+                raise FlagError(f"{name} abbreviates {expansions[0]}; spell it in full so the launcher can check it")
+
+
+def check_compression_compatible(sglang_args: list[str]) -> None:
+    for limit, flag in limit_flags():
+        for spelling in filter(lambda name: has_flag(sglang_args, name), flag.spellings):
+            value = flag_value(sglang_args, spelling)
+            if flag.refuses(value):
+                shown = spelling if value is None else f"{spelling} {value}"
+                raise FlagError(f"{shown} cannot be used with a --kv-evict-policy: {limit.reason}")

@@ -1,0 +1,197 @@
+"""``--workers N``: N plugin workers behind SGLang's cache-aware router, one launcher for all.
+
+* Workers: N SGLang servers with the same flags (each its own process group, its own KV pool of
+  ``--max-total-tokens``, its own stats socket) on free loopback ports, served model name
+  ``--model`` unless given (so clients' ``"model"`` matches what the router lists).
+* Router: ``sglang-router``'s Rust router (``router_entry``) on ``--host``/``--port`` with the
+  ``cache_aware`` policy: it keeps an approximate radix tree of the request texts it sent to each
+  worker and sends a request to the worker whose tree shares the longest prefix with it (above 30%
+  of the text; else the worker with the smallest tree). A compressed prefix lives on one worker
+  only, so that affinity is what makes a conversation's later turns reuse it.
+* Stats: the router does not forward ``/kvevict/stats``; the launcher serves the aggregate on
+  ``--stats-port`` (``stats_aggregate``).
+* Faults: the launcher polls its children every second. A worker that exits is reported and taken
+  out of the router (``DELETE /workers/{id}``), so later requests go to the others; requests it was
+  serving fail with the router's error (connection reset), they do not hang. The launcher exits
+  when the router or the last worker exits, and on SIGINT/SIGTERM stops every group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import json
+import sys
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from sgl_kvevict.server.capacity import available_host_bytes, check_gpus, check_host_memory, worker_footprint
+from sgl_kvevict.server.flags import LaunchConfig
+from sgl_kvevict.server.processes import (
+    ChildGroup,
+    StartupError,
+    StopSignals,
+    check_port_free,
+    free_loopback_ports,
+    log,
+    stop_all,
+    wait_until_healthy,
+)
+from sgl_kvevict.server.sglang_args import flag_value, has_flag
+from sgl_kvevict.server.stats_aggregate import STATS_ROUTE, StatsServer
+from sgl_kvevict.server.worker import server_env, sglang_args, sglang_command, stats_socket_address
+
+ROUTER_PACKAGE = "sglang_router"
+ROUTER_REQUIREMENT = "sglang-router==0.3.2"
+WORKER_HOST = "127.0.0.1"
+SUPERVISE_SECONDS = 1.0
+# The router's own settings, on top of its defaults (sglang_router/router_args.py):
+ROUTER_FLAGS = (
+    "--policy", "cache_aware",
+    # It logs every request at info level.
+    "--log-level", "warn",
+    # Its default waits 180 s for in-flight requests on SIGTERM; the launcher's grace is 30 s.
+    "--shutdown-grace-period-secs", "10",
+)  # fmt: skip
+
+
+@dataclass
+class Worker:
+    index: int
+    url: str
+    child: ChildGroup
+
+    @property
+    def name(self) -> str:
+        return f"worker {self.index} ({self.url})"
+
+
+def check_prerequisites(config: LaunchConfig, cpu_mode: bool) -> None:
+    """Before the model resolves: the router is installed and the stats port is free."""
+    if importlib.util.find_spec(ROUTER_PACKAGE) is None:
+        raise StartupError(
+            f"--workers {config.workers} needs SGLang's router: pip install {ROUTER_REQUIREMENT} (make setup does)"
+        )
+    check_port_free(config.host, config.stats_port)
+
+
+def check_capacity(config: LaunchConfig, model_dir: Path, cpu_mode: bool) -> None:
+    """N pools fit in host RAM (CPU), or N GPUs are visible (CUDA)."""
+    if cpu_mode:
+        footprint = worker_footprint(model_dir, sglang_args(config, cpu_mode))
+        check_host_memory(config.workers, footprint, available_host_bytes())
+    else:
+        import torch
+
+        check_gpus(config.workers, config.sglang_args, torch.cuda.device_count())
+
+
+def worker_config(config: LaunchConfig, index: int, cpu_mode: bool) -> LaunchConfig:
+    args = list(config.sglang_args)
+    if not has_flag(args, "--served-model-name"):
+        args += ["--served-model-name", config.model]
+    if not cpu_mode:
+        args = [*_without_flag(args, "--base-gpu-id"), "--base-gpu-id", str(_base_gpu(config) + index)]
+    return dataclasses.replace(config, sglang_args=args)
+
+
+def _base_gpu(config: LaunchConfig) -> int:
+    return int(flag_value(config.sglang_args, "--base-gpu-id") or 0)
+
+
+def _without_flag(args: list[str], flag: str) -> list[str]:
+    """``args`` less ``flag`` and its value (both spellings)."""
+    kept, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == flag:
+            skip = True
+        elif not arg.startswith(flag + "="):
+            kept.append(arg)
+    return kept
+
+
+def router_command(config: LaunchConfig, worker_urls: list[str], metrics_port: int) -> list[str]:
+    return [
+        sys.executable, "-m", "sgl_kvevict.server.router_entry", *ROUTER_FLAGS,
+        "--host", config.host, "--port", str(config.port),
+        # Its Prometheus exporter would take port 29000 on every interface; a free loopback port instead.
+        "--prometheus-host", WORKER_HOST, "--prometheus-port", str(metrics_port),
+        "--worker-urls", *worker_urls,
+    ]  # fmt: skip
+
+
+def remove_from_router(router_url: str, worker_url: str) -> None:
+    """Take ``worker_url`` out of the router (its API names workers by the id ``GET /workers`` lists)."""
+    try:
+        with urllib.request.urlopen(f"{router_url}/workers", timeout=10) as response:
+            ids = [w["id"] for w in json.loads(response.read())["workers"] if w["url"] == worker_url]
+        for worker_id in ids:
+            request = urllib.request.Request(f"{router_url}/workers/{worker_id}", method="DELETE")
+            with urllib.request.urlopen(request, timeout=10):
+                pass
+    except (urllib.error.URLError, OSError, ValueError, KeyError) as error:
+        log(f"could not remove {worker_url} from the router ({error}); its health checks will")
+
+
+def supervise(workers: list[Worker], router: ChildGroup, router_url: str, signals: StopSignals) -> int:
+    """Until a signal, the router's exit or the last worker's: report dead workers, take them out."""
+    while not signals.event.wait(SUPERVISE_SECONDS):
+        if router.exit_code() is not None:
+            log(f"the router exited with code {router.exit_code()}")
+            return router.exit_code() or 1
+        for worker in [w for w in workers if w.child.exit_code() is not None]:
+            log(f"{worker.name} exited with code {worker.child.exit_code()}; the router no longer sends it requests")
+            remove_from_router(router_url, worker.url)
+            workers.remove(worker)
+        if not workers:
+            log("no worker is left")
+            return 1
+    log(f"received {signals.name}, shutting down")
+    return 0
+
+
+def run(config: LaunchConfig, model_dir: Path, cpu_mode: bool, signals: StopSignals) -> int:
+    *worker_ports, metrics_port = free_loopback_ports(config.workers + 1)
+    router_url = f"http://{config.host}:{config.port}"
+    children: list[ChildGroup] = []
+    with contextlib.ExitStack() as resources:
+        try:
+            workers = []
+            for index, port in enumerate(worker_ports):
+                worker = worker_config(config, index, cpu_mode)
+                address = resources.enter_context(stats_socket_address(config.serving.enabled))
+                command = sglang_command(worker, str(model_dir), cpu_mode, WORKER_HOST, port)
+                child = ChildGroup(f"worker {index}", command, server_env(worker, cpu_mode, address))
+                children.append(child)
+                workers.append(Worker(index, f"http://{WORKER_HOST}:{port}", child))
+            for worker in workers:
+                wait_until_healthy(worker.child, worker.url, config.startup_timeout, signals.event)
+            if signals.event.is_set():
+                return 0
+            router = ChildGroup("the router", router_command(config, [w.url for w in workers], metrics_port))
+            children.append(router)
+            wait_until_healthy(router, router_url, config.startup_timeout, signals.event)
+            stats = StatsServer(config.host, config.stats_port, lambda: [w.url for w in workers])
+            resources.callback(stats.close)
+            if not signals.event.is_set():
+                log_serving(config, workers, router_url, metrics_port)
+            return supervise(workers, router, router_url, signals)
+        finally:
+            stop_all(children)
+            log("stopped")
+
+
+def log_serving(config: LaunchConfig, workers: list[Worker], router_url: str, metrics_port: int) -> None:
+    for worker in workers:
+        log(f"{worker.name}: {STATS_ROUTE} at {worker.url}{STATS_ROUTE}")
+    log(
+        f"serving {config.model} with {len(workers)} workers behind the cache-aware router at {router_url} "
+        f"(OpenAI API at {router_url}/v1, {config.serving.describe()}; all workers' {STATS_ROUTE} at "
+        f"http://{config.host}:{config.stats_port}{STATS_ROUTE}; router metrics at "
+        f"http://{WORKER_HOST}:{metrics_port}/metrics)"
+    )

@@ -1,0 +1,91 @@
+"""SGLang's argument list as the launcher sees and extends it: reading a flag, and the flags the
+launcher adds (CPU development mode, compression), each only when the user did not pass it.
+
+The added flags are data (``CPU_MODE_DEFAULTS``, ``COMPRESSION_DEFAULTS``), so ``--help`` and the
+README's flag table print exactly what the launcher passes.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+# The radix-cache backend the engine registers (a pure module: no sglang import).
+from sgl_kvevict.engine.plugin import RADIX_CACHE_BACKEND
+# KV pool on CPU when the user sizes nothing: SGLang would otherwise take ~70% of free RAM (15 GB
+# for SmolLM2 here, 45 s just to zero it). 65,536 tokens of SmolLM2 in bf16 are 1.5 GB.
+CPU_DEFAULT_MAX_TOTAL_TOKENS = 65536
+# SGLang derives this fraction by reserving GPU activation memory for max_prefill_tokens; with chunked
+# prefill off (as compression needs) that reserve exceeds a CPU machine's RAM and the fraction comes
+# out negative. On CPU --max-total-tokens sizes the pool; this only caps it.
+CPU_MEM_FRACTION_STATIC = 0.5
+
+Defaults = tuple[tuple[str, tuple[str, ...]], ...]
+
+CPU_MODE_DEFAULTS: Defaults = (
+    ("--device", ("cpu",)),
+    ("--attention-backend", ("torch_native",)),
+    ("--cuda-graph-backend-decode", ("disabled",)),
+    ("--cuda-graph-backend-prefill", ("disabled",)),
+    ("--disable-overlap-schedule", ()),
+    ("--page-size", ("1",)),
+    # fp16 prefill is ~3x slower than bf16 on these CPUs.
+    ("--dtype", ("bfloat16",)),
+    ("--skip-server-warmup", ()),
+)
+
+# What compression needs (sgl_kvevict.limits), for the flags the user left unset; conflicting values
+# are refused before this list is applied.
+COMPRESSION_DEFAULTS: Defaults = (
+    ("--page-size", ("1",)),
+    ("--chunked-prefill-size", ("-1",)),
+    ("--disable-overlap-schedule", ()),
+    ("--cuda-graph-backend-decode", ("disabled",)),
+    ("--cuda-graph-backend-prefill", ("disabled",)),
+)
+
+
+def has_flag(args: list[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+def flag_value(args: list[str], flag: str) -> Optional[str]:
+    """The value of the last occurrence of ``flag`` (what argparse keeps); None for a switch or absent."""
+    value = None
+    for index, arg in enumerate(args):
+        if arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+        elif arg == flag:
+            following = args[index + 1] if index + 1 < len(args) else None
+            # A negative number is a value (--chunked-prefill-size -1), another flag is not.
+            value = None if following is None or following.startswith("--") else following
+    return value
+
+
+def defaults_not_given(sglang_args: list[str], defaults: Defaults) -> list[str]:
+    return [item for flag, values in defaults if not has_flag(sglang_args, flag) for item in (flag, *values)]
+
+
+def render_defaults(defaults: Defaults) -> str:
+    """``--device cpu --skip-server-warmup ...``: the flags as the launcher passes them."""
+    return " ".join(" ".join((flag, *values)) for flag, values in defaults)
+
+
+def cpu_mode_args(sglang_args: list[str]) -> list[str]:
+    """The CPU development-mode defaults for flags the user did not set."""
+    added = defaults_not_given(sglang_args, CPU_MODE_DEFAULTS)
+    if not has_flag(sglang_args, "--max-total-tokens") and not has_flag(sglang_args, "--mem-fraction-static"):
+        added += ["--max-total-tokens", str(CPU_DEFAULT_MAX_TOTAL_TOKENS)]
+    if not has_flag(sglang_args, "--mem-fraction-static"):
+        added += ["--mem-fraction-static", str(CPU_MEM_FRACTION_STATIC)]
+    return added
+
+
+def compression_args(sglang_args: list[str], cpu_mode: bool) -> list[str]:
+    """``sglang_args`` rewritten for a compressing server: our radix cache, the attention backend the
+    engine wraps on this machine, and what ``COMPRESSION_DEFAULTS`` needs."""
+    backend = "torch_native" if cpu_mode else "flashinfer"
+    return [
+        *sglang_args,
+        "--radix-cache-backend", RADIX_CACHE_BACKEND,
+        *defaults_not_given(sglang_args, (("--attention-backend", (backend,)), *COMPRESSION_DEFAULTS)),
+    ]  # fmt: skip

@@ -1,0 +1,194 @@
+"""What compression cannot work with yet: every refused SGLang feature, declared once.
+
+Two places refuse these features and both read this table:
+
+* the launcher (``sgl_kvevict.server``), from the command line, before the model loads: each limit
+  lists the SGLang flags (every spelling) that turn the feature on, and the values refused;
+* the compressed radix tree (``sgl_kvevict.engine.factory``), when SGLang builds it in the
+  scheduler process, from a ``SetupFacts`` record the engine fills from SGLang's resolved
+  configuration. This is the safety net for servers started without the launcher (``python -m
+  sglang.launch_server --radix-cache-backend sgl_kvevict``, a ``--config`` file), so every limit
+  the launcher refuses by flag also has a fact the tree checks, unless the tree cannot exist in that
+  set-up at all (``LimitFlag`` only; the docstring of such a limit says why).
+
+Also here: the one SGLang version this plugin is written against, checked by the launcher and by the
+plugin's registration in every SGLang process.
+
+Pure Python: no sglang import, so the launcher can refuse before SGLang is imported.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+SGLANG_VERSION = "0.5.23"
+# The attention backends the plugin replaces with its own (sgl_kvevict.engine.plugin): the only ones
+# that attend over compressed nodes. torch_native runs anywhere; flashinfer is the CUDA path.
+WRAPPED_ATTENTION_BACKENDS = ("torch_native", "flashinfer")
+
+
+class UnsupportedVersion(RuntimeError):
+    """The installed SGLang is not the version this plugin hooks into; the message is one line."""
+
+
+def check_sglang_version(installed: Optional[str] = None) -> None:
+    """Refuse any SGLang but ``SGLANG_VERSION``: the engine overrides private methods and relies on
+    internals (tree, pools, attention backends) that change between releases without notice."""
+    if installed is None:
+        try:
+            installed = importlib.metadata.version("sglang")
+        except importlib.metadata.PackageNotFoundError:
+            raise UnsupportedVersion(f"SGLang is not installed; sgl-kvevict needs sglang=={SGLANG_VERSION}") from None
+    if installed != SGLANG_VERSION:
+        raise UnsupportedVersion(
+            f"sgl-kvevict works with sglang=={SGLANG_VERSION} only (its engine hooks into that version's "
+            f"internals); sglang {installed} is installed"
+        )
+
+
+@dataclass(frozen=True)
+class SetupFacts:
+    """The facts of one SGLang server that decide whether compression can run in it. Defaults are
+    the supported set-up. ``chunked_prefill_size``: SGLang's value (-1 or None: chunking off)."""
+
+    page_size: int = 1
+    chunked_prefill_size: Optional[int] = None
+    cuda_graphs: bool = False  # a decode or prefill graph is configured or was captured
+    hierarchical_cache: bool = False
+    tp_size: int = 1
+    pp_size: int = 1
+    dp_size: int = 1
+    attention_dp: bool = False  # --enable-dp-attention or an attention-DP size above 1
+    radix_cache_disabled: bool = False
+    session_radix_cache: bool = False
+    speculative: bool = False
+    mixed_chunk: bool = False
+    overlap_schedule: bool = False
+    disaggregation: bool = False
+    tokenizer_workers: int = 1
+    attention_backend_wrapped: bool = True
+    hybrid_model: bool = False  # sliding-window or state-space layers
+
+
+@dataclass(frozen=True)
+class LimitFlag:
+    """An SGLang flag (every spelling of it) that turns a limit's feature on: whenever it is given,
+    or when its value is above ``above``, or when its value is not one of ``allowed``."""
+
+    spellings: tuple[str, ...]
+    above: Optional[int] = None
+    allowed: Optional[tuple[str, ...]] = None
+
+    def refuses(self, value: Optional[str]) -> bool:
+        if self.above is not None:
+            try:
+                return int(value) > self.above
+            except (TypeError, ValueError):
+                return False  # not a number: SGLang's own parser reports it
+        if self.allowed is not None:
+            return value not in self.allowed
+        return True
+
+    def condition(self) -> str:
+        """What is refused, for --help and the README: ``--page-size > 1``."""
+        if self.above is not None:
+            return f"{self.spellings[0]} > {self.above}"
+        if self.allowed is not None:
+            return f"{self.spellings[0]} other than {' or '.join(self.allowed)}"
+        return self.spellings[0]
+
+
+@dataclass(frozen=True)
+class Limit:
+    """One SGLang feature compression cannot work with: why, the flags that enable it, and the
+    predicate over ``SetupFacts`` that detects it in a running set-up (None: see the module doc)."""
+
+    name: str
+    reason: str
+    flags: tuple[LimitFlag, ...] = ()
+    violated: Optional[Callable[[SetupFacts], bool]] = None
+
+
+_CUDA_GRAPHS = (
+    "replayed CUDA graphs skip the segment attention's per-batch metadata and read placeholder slot 0 for "
+    "every compressed position; with a policy the launcher disables them"
+)
+_DP_ATTENTION = "DP attention splits a batch's attention across ranks; the segment attention runs on one rank"
+
+# The first-version limits (page size 1, no chunked prefill, no overlap schedule, no CUDA graphs, TP 1)
+# and SGLang 0.5.23's features that copy, move or share KV by slot rows, which compressed nodes do not
+# hold. Spellings are SGLang 0.5.23's (sglang/srt/arg_groups/fields/*.py); a test checks them.
+LIMITS = (
+    Limit("page size", "compressed spans are token-granular: pages of more than one slot are not supported yet",
+          (LimitFlag(("--page-size",), above=1),), lambda f: f.page_size != 1),
+    Limit("chunked prefill",
+          "a chunk boundary can split a prompt, and its first chunks would enter the radix tree dense before the "
+          "prompt's end is scored; with a policy the launcher disables chunking (-1)",
+          (LimitFlag(("--chunked-prefill-size",), above=0),),
+          lambda f: f.chunked_prefill_size is not None and f.chunked_prefill_size > 0),
+    Limit("CUDA graphs", _CUDA_GRAPHS,
+          (LimitFlag(("--cuda-graph-backend-decode",), allowed=("disabled",)),
+           LimitFlag(("--cuda-graph-backend-prefill",), allowed=("disabled",)),
+           LimitFlag(("--cuda-graph-config",))),
+          lambda f: f.cuda_graphs),
+    Limit("hierarchical cache", "HiCache copies tree values slot by slot and compressed nodes hold placeholder slots",
+          (LimitFlag(("--enable-hierarchical-cache", "--enable-hicache")),), lambda f: f.hierarchical_cache),
+    Limit("tensor parallelism",
+          "every TP rank would have to take identical compression and arena decisions; TP 1 only for now",
+          (LimitFlag(("--tp-size", "--tensor-parallel-size"), above=1),), lambda f: f.tp_size != 1),
+    Limit("pipeline parallelism", "each pipeline stage sees only its own layers and layer budgets need all of them",
+          (LimitFlag(("--pp-size", "--pipeline-parallel-size"), above=1),), lambda f: f.pp_size != 1),
+    Limit("data parallelism",
+          "each data-parallel scheduler would hold its own tree and arena; run several workers behind the "
+          "router instead (--workers)",
+          (LimitFlag(("--dp-size", "--data-parallel-size"), above=1),), lambda f: f.dp_size != 1),
+    Limit("DP attention", _DP_ATTENTION,
+          (LimitFlag(("--attn-dp-size", "--attention-data-parallel-size"), above=1),
+           LimitFlag(("--enable-dp-attention",))),
+          lambda f: f.attention_dp),
+    Limit("another radix-cache backend",
+          "compression lives in the plugin's own radix cache (sgl_kvevict), which the launcher selects; with "
+          "another backend the compressed tree is never built, so only the launcher can refuse this",
+          (LimitFlag(("--radix-cache-backend",)),)),
+    Limit("no radix cache", "compressed prompts are kept and reused as radix-tree nodes",
+          (LimitFlag(("--disable-radix-cache",)),), lambda f: f.radix_cache_disabled),
+    Limit("session radix cache",
+          "session caching needs SGLang's unified radix cache, which the compressed tree replaces",
+          (LimitFlag(("--enable-session-radix-cache",)),), lambda f: f.session_radix_cache),
+    Limit("speculative decoding", "draft and verify passes use attention paths that do not read compressed cells",
+          (LimitFlag(("--speculative-algorithm",)),), lambda f: f.speculative),
+    Limit("mixed chunks", "batches mixing prefill and decode tokens are not handled by scoring capture yet",
+          (LimitFlag(("--enable-mixed-chunk",)),), lambda f: f.mixed_chunk),
+    Limit("overlap schedule",
+          "the tree's checkpoint must see a forward's results before the next batch is scheduled; SGLang 0.5.23 "
+          "has no flag that turns overlap on (the launcher passes --disable-overlap-schedule)",
+          (), lambda f: f.overlap_schedule),
+    Limit("PD disaggregation", "PD disaggregation transfers KV by slot rows and compressed spans hold placeholder slots",
+          (LimitFlag(("--disaggregation-mode",), allowed=("null",)),), lambda f: f.disaggregation),
+    Limit("several tokenizer workers", "/kvevict/stats is served by the single HTTP process's app",
+          (LimitFlag(("--tokenizer-worker-num",), above=1),), lambda f: f.tokenizer_workers != 1),
+    Limit("attention backend",
+          "only the backends the plugin wraps attend over compressed nodes (torch_native; flashinfer on CUDA)",
+          (LimitFlag(("--attention-backend",), allowed=WRAPPED_ATTENTION_BACKENDS),
+           LimitFlag(("--prefill-attention-backend",), allowed=WRAPPED_ATTENTION_BACKENDS),
+           LimitFlag(("--decode-attention-backend",), allowed=WRAPPED_ATTENTION_BACKENDS)),
+          lambda f: not f.attention_backend_wrapped),
+    Limit("hybrid models", "sliding-window and state-space layers keep KV the compressed tree does not manage",
+          (), lambda f: f.hybrid_model),
+    Limit("config file",
+          "a config file could set the flags above past the launcher's checks; give SGLang flags on the command "
+          "line (the tree still checks the facts a config file sets)",
+          (LimitFlag(("--config",)),)),
+)  # fmt: skip
+
+
+def violations(facts: SetupFacts) -> list[str]:
+    """One line per limit ``facts`` break (empty when compression can run)."""
+    return [f"{limit.name}: {limit.reason}" for limit in LIMITS if limit.violated is not None and limit.violated(facts)]
+
+
+def limit_flags() -> list[tuple[Limit, LimitFlag]]:
+    """Every refused flag with its limit, in table order."""
+    return [(limit, flag) for limit in LIMITS for flag in limit.flags]

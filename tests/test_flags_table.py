@@ -1,0 +1,44 @@
+"""The README's flag table is generated from the launcher's parser, and the README carries the
+current one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sgl_kvevict.limits import LIMITS
+from sgl_kvevict.server.flags import build_parser
+from sgl_kvevict.server.flags_table import BEGIN, END, main, render, section_of, split_help
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def test_every_flag_of_ours_has_a_row_with_its_default_and_every_limit_is_listed():
+    table = render()
+    for action in build_parser()._actions:
+        if action.option_strings and action.option_strings[0] != "-h":
+            meaning, default = split_help(action)
+            assert f"| `{action.option_strings[0]}" in table and meaning and default
+    assert "| `--kv-evict-window VALUE` | 32 for " in table  # a per-policy default, from the policy classes
+    assert "| `--workers N` | 1: no router |" in table
+    for limit in LIMITS:
+        for flag in limit.flags:
+            assert flag.condition() in table
+
+
+def test_write_replaces_the_section_and_check_sees_a_stale_one(tmp_path, capsys):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# title\n\n{BEGIN}\nold table\n{END}\n\nafter\n")
+    assert main(["--check", str(readme)]) == 1
+    assert "stale" in capsys.readouterr().out
+    assert main(["--write", str(readme)]) == 0
+    assert readme.read_text() == f"# title\n\n{render()}\n\nafter\n"
+    assert main(["--check", str(readme)]) == 0
+    readme.write_text("no markers")
+    with pytest.raises(ValueError, match="no generated flags section"):
+        main(["--check", str(readme)])
+
+
+def test_the_readme_flags_section_is_current():
+    assert section_of(README.read_text()) == render(), "run python -m sgl_kvevict.server.flags_table --write README.md"
