@@ -23,6 +23,7 @@ import dataclasses
 import importlib.util
 import json
 import sys
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from pathlib import Path
 from sgl_kvevict.server.capacity import available_host_bytes, check_gpus, check_host_memory, worker_footprint
 from sgl_kvevict.server.flags import LaunchConfig
 from sgl_kvevict.server.processes import (
+    HEALTH_POLL_SECONDS,
     ChildGroup,
     StartupError,
     StopSignals,
@@ -125,16 +127,38 @@ def router_command(config: LaunchConfig, worker_urls: list[str], metrics_port: i
     ]  # fmt: skip
 
 
-def remove_from_router(router_url: str, worker_url: str) -> None:
-    """Take ``worker_url`` out of the router (its API names workers by the id ``GET /workers`` lists)."""
+def routed_workers(router_url: str) -> dict[str, dict]:
+    """The router's workers by URL (``GET /workers``); empty while it does not answer."""
     try:
         with urllib.request.urlopen(f"{router_url}/workers", timeout=10) as response:
-            ids = [w["id"] for w in json.loads(response.read())["workers"] if w["url"] == worker_url]
-        for worker_id in ids:
-            request = urllib.request.Request(f"{router_url}/workers/{worker_id}", method="DELETE")
+            return {worker["url"]: worker for worker in json.loads(response.read())["workers"]}
+    except (urllib.error.URLError, OSError, ValueError, KeyError):
+        return {}
+
+
+def wait_until_routed(router: ChildGroup, router_url: str, worker_urls: list[str], timeout: float, stop) -> None:
+    """The router answers /health before it has registered its workers (a background job queue in
+    0.3.2; requests meanwhile get 503): wait until it lists every worker as healthy."""
+    wait_until_healthy(router, router_url, timeout, stop)
+    deadline = time.monotonic() + timeout
+    while not stop.is_set():
+        listed = routed_workers(router_url)
+        if all(listed.get(url, {}).get("is_healthy") for url in worker_urls):
+            return
+        if router.exit_code() is not None or time.monotonic() > deadline:
+            raise StartupError(f"the router did not register every worker within {timeout:.0f} s: {sorted(listed)}")
+        stop.wait(HEALTH_POLL_SECONDS)
+
+
+def remove_from_router(router_url: str, worker_url: str) -> None:
+    """Take ``worker_url`` out of the router (its API names workers by the id ``GET /workers`` lists)."""
+    listed = routed_workers(router_url)
+    try:
+        if worker_url in listed:
+            request = urllib.request.Request(f"{router_url}/workers/{listed[worker_url]['id']}", method="DELETE")
             with urllib.request.urlopen(request, timeout=10):
                 pass
-    except (urllib.error.URLError, OSError, ValueError, KeyError) as error:
+    except (urllib.error.URLError, OSError) as error:
         log(f"could not remove {worker_url} from the router ({error}); its health checks will")
 
 
@@ -175,7 +199,7 @@ def run(config: LaunchConfig, model_dir: Path, cpu_mode: bool, signals: StopSign
                 return 0
             router = ChildGroup("the router", router_command(config, [w.url for w in workers], metrics_port))
             children.append(router)
-            wait_until_healthy(router, router_url, config.startup_timeout, signals.event)
+            wait_until_routed(router, router_url, [w.url for w in workers], config.startup_timeout, signals.event)
             stats = StatsServer(config.host, config.stats_port, lambda: [w.url for w in workers])
             resources.callback(stats.close)
             if not signals.event.is_set():
