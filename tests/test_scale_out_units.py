@@ -1,0 +1,73 @@
+"""Scale-out pieces in-process: the aggregated /kvevict/stats and the capacity checks."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from sgl_kvevict.server.capacity import GIB, WorkerFootprint, check_gpus, check_host_memory, worker_footprint
+from sgl_kvevict.server.processes import StartupError, free_loopback_ports
+from sgl_kvevict.server.stats_aggregate import StatsServer, aggregate
+
+
+def worker_stats(reuse_hits: int, served: dict, served_max: int) -> dict:
+    return {"policy": "lava", "budget": "0.25", "window": 32, "reuse_hits": reuse_hits, "kv_slots_total": 1000,
+            "requests_served_per_node": served, "requests_served_per_node_max": served_max,
+            "requests_served_per_node_mean": 1.5}  # fmt: skip
+
+
+def test_the_aggregate_sums_counters_keeps_settings_once_and_skips_a_silent_worker():
+    payload = aggregate(
+        {
+            "http://a": worker_stats(3, {"1": 2, "2": 1}, 2),
+            "http://b": worker_stats(5, {"1": 4}, 1),
+            "http://c": {"error": "timed out"},
+        }
+    )
+    assert (payload["policy"], payload["budget"], payload["window"]) == ("lava", "0.25", 32)
+    assert payload["workers_answering"] == 2 and [w["url"] for w in payload["workers"]] == ["http://a", "http://b", "http://c"]
+    total = payload["total"]
+    assert total["reuse_hits"] == 8 and total["kv_slots_total"] == 2000
+    assert total["requests_served_per_node"] == {"1": 6, "2": 1} and total["requests_served_per_node_max"] == 2
+    assert "requests_served_per_node_mean" not in total and "window" not in total
+
+
+def test_the_stats_server_answers_the_route_and_nothing_else(tmp_path):
+    [port] = free_loopback_ports(1)
+    server = StatsServer("127.0.0.1", port, lambda: ["http://127.0.0.1:1"])  # nothing listens on port 1
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/kvevict/stats", timeout=30) as response:
+            payload = json.loads(response.read())
+        assert payload["workers_answering"] == 0 and "error" in payload["workers"][0]["stats"]
+        with pytest.raises(urllib.error.HTTPError) as error:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=30)
+        assert error.value.code == 404
+    finally:
+        server.close()
+
+
+def test_the_footprint_of_a_worker_follows_its_pool_dtype_and_weights(tmp_path):
+    config = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 1000)
+    footprint = worker_footprint(tmp_path, ["--max-total-tokens", "65536", "--dtype", "bfloat16"])
+    assert footprint.kv_pool == 65536 * 30 * 3 * 64 * 2 * 2  # SmolLM2: 1.5 GB in bf16
+    assert footprint.weights == 1000
+    assert worker_footprint(tmp_path, ["--max-total-tokens", "10", "--kv-cache-dtype", "fp8_e4m3"]).kv_pool == 10 * 30 * 3 * 64 * 2
+    assert worker_footprint(tmp_path, ["--mem-fraction-static", "0.5"]) is None
+
+
+def test_capacity_refusals_are_one_line_with_the_numbers():
+    footprint = WorkerFootprint(kv_pool=GIB, weights=GIB)
+    check_host_memory(2, footprint, available=10 * GIB)
+    with pytest.raises(StartupError, match=r"--workers 3 needs about 12\.0 GiB of host RAM \(3 x \(KV pool 1\.0 GiB .* 8\.0 GiB is"):
+        check_host_memory(3, footprint, available=8 * GIB)
+    with pytest.raises(StartupError, match="needs --max-total-tokens per worker"):
+        check_host_memory(2, None, available=8 * GIB)
+    check_gpus(2, [], visible=2)
+    with pytest.raises(StartupError, match=r"needs GPUs 1\.\.2 \(one per worker\) but 2 are visible"):
+        check_gpus(2, ["--base-gpu-id", "1"], visible=2)
