@@ -135,3 +135,42 @@ def test_a_missing_router_is_refused_before_the_model_resolves(monkeypatch, tmp_
     assert main(["--model", str(tmp_path / "not-resolved"), "--port", str(free_port()), "--workers", "2"]) == 2
     [line] = error_lines(capsys.readouterr().err)
     assert "--workers 2 needs SGLang's router: pip install sglang-router==0.3.2" in line
+
+
+def test_a_server_started_without_the_launcher_is_refused_by_the_tree(tiny_llama_dir, tmp_path):
+    """SGLang started directly with the plugin's tree: the tree reads the same limits from SGLang's
+    resolved configuration (sgl_kvevict.limits via engine/factory.py) and refuses to be built."""
+    import os
+    import signal
+    import sys
+
+    from sgl_kvevict.serving import ENV_VAR, ServingConfig
+
+    command = [
+        sys.executable, "-m", "sgl_kvevict.server.sglang_entry", "--model-path", str(tiny_llama_dir),
+        "--host", "127.0.0.1", "--port", str(free_port()), "--radix-cache-backend", "sgl_kvevict",
+        "--device", "cpu", "--attention-backend", "torch_native", "--cuda-graph-backend-decode", "disabled",
+        "--cuda-graph-backend-prefill", "disabled", "--disable-overlap-schedule", "--page-size", "1",
+        "--dtype", "float32", "--skip-server-warmup", "--max-total-tokens", "4000", "--mem-fraction-static", "0.3",
+        "--chunked-prefill-size", "512", "--enable-mixed-chunk",  # what the launcher would refuse
+    ]  # fmt: skip
+    env = {**os.environ, ENV_VAR: ServingConfig("lava").to_env(), "OMP_NUM_THREADS": "1"}
+    log_path = tmp_path / "sglang.log"
+    with open(log_path, "wb") as log_file:
+        process = subprocess.Popen(command, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 300
+    try:  # the scheduler's error is enough; SGLang then waits a minute for GPU crash dumps before exiting
+        while process.poll() is None and time.monotonic() < deadline:
+            if "KV eviction cannot run with:" in log_path.read_text(errors="replace"):
+                break
+            time.sleep(0.5)
+    finally:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait()
+    output = log_path.read_text(errors="replace")
+    assert "Uvicorn running" not in output  # refused before it served
+    [line] = [line for line in output.splitlines() if "KV eviction cannot run with:" in line][-1:]
+    assert "chunked prefill: a chunk boundary can split a prompt" in line and "mixed chunks: batches mixing" in line
