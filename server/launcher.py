@@ -50,7 +50,7 @@ def run(config: LaunchConfig) -> int:
     check_port_free(config.host, config.port)
     cpu_mode = cpu_mode_needed()
     if config.workers > 1:
-        scale_out.check_prerequisites(config, cpu_mode)
+        scale_out.check_prerequisites(config)
     model_dir = resolve_model(config.model, log=log)
     if config.workers > 1:
         scale_out.check_capacity(config, model_dir, cpu_mode)

@@ -71,7 +71,7 @@ class Worker:
         return f"worker {self.index} ({self.url})"
 
 
-def check_prerequisites(config: LaunchConfig, cpu_mode: bool) -> None:
+def check_prerequisites(config: LaunchConfig) -> None:
     """Before the model resolves: the router is installed and the stats port is free."""
     if importlib.util.find_spec(ROUTER_PACKAGE) is None:
         raise StartupError(
@@ -179,29 +179,44 @@ def supervise(workers: list[Worker], router: ChildGroup, router_url: str, signal
     return 0
 
 
+def start_workers(
+    config: LaunchConfig, model_dir: Path, cpu_mode: bool, resources: contextlib.ExitStack, children: list[ChildGroup]
+) -> list[Worker]:
+    """Every worker's process group, started at once (each loads while the others do); each joins
+    ``children`` as soon as it runs, so a failure half-way still stops the ones started."""
+    workers = []
+    for index, port in enumerate(free_loopback_ports(config.workers)):
+        worker = worker_config(config, index, cpu_mode)
+        address = resources.enter_context(stats_socket_address(config.serving.enabled))
+        command = sglang_command(worker, str(model_dir), cpu_mode, WORKER_HOST, port)
+        child = ChildGroup(f"worker {index}", command, server_env(worker, cpu_mode, address))
+        children.append(child)
+        workers.append(Worker(index, f"http://{WORKER_HOST}:{port}", child))
+    return workers
+
+
+def serve_stats(config: LaunchConfig, workers: list[Worker]) -> StatsServer:
+    try:
+        return StatsServer(config.host, config.stats_port, lambda: [w.url for w in workers])
+    except OSError as error:  # taken since check_prerequisites looked
+        raise StartupError(f"cannot serve {STATS_ROUTE} on {config.host}:{config.stats_port}: {error.strerror}") from None
+
+
 def run(config: LaunchConfig, model_dir: Path, cpu_mode: bool, signals: StopSignals) -> int:
-    *worker_ports, metrics_port = free_loopback_ports(config.workers + 1)
     router_url = f"http://{config.host}:{config.port}"
     children: list[ChildGroup] = []
     with contextlib.ExitStack() as resources:
         try:
-            workers = []
-            for index, port in enumerate(worker_ports):
-                worker = worker_config(config, index, cpu_mode)
-                address = resources.enter_context(stats_socket_address(config.serving.enabled))
-                command = sglang_command(worker, str(model_dir), cpu_mode, WORKER_HOST, port)
-                child = ChildGroup(f"worker {index}", command, server_env(worker, cpu_mode, address))
-                children.append(child)
-                workers.append(Worker(index, f"http://{WORKER_HOST}:{port}", child))
+            workers = start_workers(config, model_dir, cpu_mode, resources, children)
             for worker in workers:
                 wait_until_healthy(worker.child, worker.url, config.startup_timeout, signals.event)
             if signals.event.is_set():
                 return 0
+            [metrics_port] = free_loopback_ports(1)
             router = ChildGroup("the router", router_command(config, [w.url for w in workers], metrics_port))
             children.append(router)
             wait_until_routed(router, router_url, [w.url for w in workers], config.startup_timeout, signals.event)
-            stats = StatsServer(config.host, config.stats_port, lambda: [w.url for w in workers])
-            resources.callback(stats.close)
+            resources.callback(serve_stats(config, workers).close)
             if not signals.event.is_set():
                 log_serving(config, workers, router_url, metrics_port)
             return supervise(workers, router, router_url, signals)
