@@ -16,12 +16,14 @@ Everything heavy is imported inside the factories, which run only in the schedul
 
 from __future__ import annotations
 
+from sgl_kvevict.engine import sync_probe
 from sgl_kvevict.serving import ServingConfig
 
 RADIX_CACHE_BACKEND = "sgl_kvevict"
 
 
 def register() -> None:
+    sync_probe.install()  # a debug probe, only with KVEVICT_SYNC_PROBE set (stock servers included)
     if not ServingConfig.from_env().enabled:
         return
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
