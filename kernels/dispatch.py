@@ -99,14 +99,20 @@ def segment_attention(
     num_kv_heads: int,
     sm_scale: float,
     max_q_len: int | None = None,
+    max_cells: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over compressed cells, one sequence per (request, KV head); returns ``(out, lse)``.
 
     q ``[N, H_q, D]``; qo_indptr ``[B + 1]``; kv_indptr ``[B * H_kv + 1]``; kv_indices ``[nnz]`` cell ids;
-    out ``[N, H_q, D_v]``, lse fp32 ``[N, H_q]`` natural log. See ``segment_attention``.
+    out ``[N, H_q, D_v]``, lse fp32 ``[N, H_q]`` natural log. max_q_len, max_cells: the longest query run
+    and cell sequence, host ints the caller knows (computed with a device sync when None). See
+    ``segment_attention``.
     """
-    impl = _implementation(q.device, segment_attention_triton, segment_attention_torch)
-    return impl(q, arena_k, arena_v, qo_indptr, kv_indptr, kv_indices, num_kv_heads, sm_scale, max_q_len)
+    if use_triton(q.device):
+        return segment_attention_triton(q, arena_k, arena_v, qo_indptr, kv_indptr, kv_indices, num_kv_heads, sm_scale, max_q_len)
+    return segment_attention_torch(
+        q, arena_k, arena_v, qo_indptr, kv_indptr, kv_indices, num_kv_heads, sm_scale, max_q_len, max_cells
+    )
 
 
 def merge_attention_states(

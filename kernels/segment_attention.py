@@ -41,6 +41,7 @@ _LOG2E = math.log2(math.e)
 _LN2 = tl.constexpr(math.log(2.0))
 _BLOCK_N = 32  # cells per block
 _ROWS_PER_TILE = 64  # (query token, query head) rows per program
+_TWIN_QUERY_CHUNK = 256  # query tokens per step of the torch twin: bounds its [B, T, H_q, cells] logits
 
 
 @triton.jit
@@ -168,36 +169,44 @@ def segment_attention_torch(
     num_kv_heads: int,
     sm_scale: float,
     max_q_len: int | None = None,
+    max_cells: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch twin of ``segment_attention_triton`` (fp32 math): one padded batch over KV heads per request.
-
-    max_q_len is accepted for signature parity and unused.
-    """
+    """Torch twin of ``segment_attention_triton`` (fp32 math): every request at once, queries and cells
+    padded to ``max_q_len`` and ``max_cells`` (host ints the caller knows; computed with a sync if None),
+    in chunks of queries. No Python loop over requests or heads and no host sync when both are given:
+    the CPU serving path runs it once per layer."""
     _check_inputs(q, arena_k, arena_v, qo_indptr, kv_indptr, num_kv_heads)
-    num_tokens, num_q_heads, _ = q.shape
+    num_tokens, num_q_heads, head_dim = q.shape
     group = num_q_heads // num_kv_heads
-    out = torch.zeros(num_tokens, num_q_heads, arena_v.shape[1], dtype=torch.float32, device=q.device)
+    num_requests = qo_indptr.numel() - 1
+    out = torch.zeros(num_tokens, num_q_heads, arena_v.shape[1], dtype=q.dtype, device=q.device)
     lse = torch.full((num_tokens, num_q_heads), float("-inf"), dtype=torch.float32, device=q.device)
-    qo_bounds = qo_indptr.tolist()
-    kv_bounds = kv_indptr.to("cpu", torch.int64)
-    cell_counts = (kv_bounds[1:] - kv_bounds[:-1]).view(-1, num_kv_heads)  # [B, H_kv]
-    for request, (q_start, q_end) in enumerate(zip(qo_bounds[:-1], qo_bounds[1:])):
-        max_cells = int(cell_counts[request].max())
-        if q_end == q_start or max_cells == 0:
-            continue
-        offsets = torch.arange(max_cells)
-        has_cell = offsets < cell_counts[request][:, None]  # [H_kv, max_cells]
-        first_entry = kv_bounds[request * num_kv_heads : (request + 1) * num_kv_heads]
-        entries = torch.where(has_cell, first_entry[:, None] + offsets, 0)  # padding reads entry 0, masked below
-        has_cell = has_cell.to(q.device)
-        cells = kv_indices[entries.to(q.device)].long()
-        keys = arena_k[cells].float()  # [H_kv, max_cells, D]
-        values = arena_v[cells].float()
-        queries = q[q_start:q_end].float().view(-1, num_kv_heads, group, q.shape[2])  # [T, H_kv, G, D]
-        logits = torch.einsum("tkgd,kcd->tkgc", queries, keys) * sm_scale
-        logits = logits.masked_fill(~has_cell[None, :, None, :], float("-inf"))
-        request_lse = torch.logsumexp(logits, dim=-1)  # -inf for heads without cells
-        probs = torch.exp(logits - request_lse.masked_fill(request_lse == float("-inf"), 0.0)[..., None])
-        out[q_start:q_end] = torch.einsum("tkgc,kcd->tkgd", probs, values).reshape(q_end - q_start, num_q_heads, -1)
-        lse[q_start:q_end] = request_lse.reshape(q_end - q_start, num_q_heads)
-    return out.to(q.dtype), lse
+    if num_tokens == 0 or num_requests == 0 or kv_indices.numel() == 0:
+        return out, lse
+    if max_q_len is None:
+        max_q_len = int((qo_indptr[1:] - qo_indptr[:-1]).max())
+    if max_cells is None:
+        max_cells = int((kv_indptr[1:] - kv_indptr[:-1]).max())
+    device = q.device
+    qo_indptr, kv_indptr = qo_indptr.to(device, torch.int64), kv_indptr.to(device, torch.int64)
+    cell_offsets = torch.arange(max_cells, device=device)
+    first_entry = kv_indptr[:-1].view(num_requests, num_kv_heads, 1)
+    has_cell = cell_offsets < (kv_indptr[1:] - kv_indptr[:-1]).view(num_requests, num_kv_heads, 1)
+    entries = torch.where(has_cell, first_entry + cell_offsets, 0)  # padding reads entry 0, masked below
+    cells = kv_indices[entries].long()
+    keys, values = arena_k[cells].float(), arena_v[cells].float()  # [B, H_kv, C, D]
+    query_lengths = (qo_indptr[1:] - qo_indptr[:-1]).view(num_requests, 1)
+    for chunk_start in range(0, max_q_len, _TWIN_QUERY_CHUNK):
+        offsets = torch.arange(chunk_start, min(chunk_start + _TWIN_QUERY_CHUNK, max_q_len), device=device)
+        rows = qo_indptr[:-1].view(num_requests, 1) + offsets  # [B, T]
+        valid = offsets < query_lengths
+        rows = torch.where(valid, rows, 0)
+        queries = q[rows].float().view(num_requests, len(offsets), num_kv_heads, group, head_dim)
+        logits = torch.einsum("btkgd,bkcd->btkgc", queries, keys) * sm_scale
+        logits = logits.masked_fill(~has_cell[:, None, :, None, :], float("-inf"))
+        chunk_lse = torch.logsumexp(logits, dim=-1)  # [B, T, H_kv, G]; -inf for heads without cells
+        probs = torch.exp(logits - chunk_lse.masked_fill(chunk_lse == float("-inf"), 0.0)[..., None])
+        chunk_out = torch.einsum("btkgc,bkcd->btkgd", probs, values).reshape(num_requests, len(offsets), num_q_heads, -1)
+        out[rows[valid]] = chunk_out[valid].to(q.dtype)
+        lse[rows[valid]] = chunk_lse.reshape(num_requests, len(offsets), num_q_heads)[valid]
+    return out, lse

@@ -125,7 +125,7 @@ def compressed_attention(plan: ForwardPlan, queries: torch.Tensor, layer) -> tup
     space, cells = plan.engine.arena.space, plan.cells
     return segment_attention(
         queries[plan.query_rows], space.k_rows, space.v_rows, plan.qo_indptr, cells.kv_indptr[layer.layer_id],
-        cells.kv_indices, layer.tp_k_head_num, layer.scaling, plan.max_queries,
+        cells.kv_indices, layer.tp_k_head_num, layer.scaling, plan.max_queries, cells.max_cells,
     )  # fmt: skip
 
 
