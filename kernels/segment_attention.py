@@ -132,6 +132,21 @@ def _check_inputs(q, arena_k, arena_v, qo_indptr, kv_indptr, num_kv_heads):
         raise ValueError("q and the arena must share head dim and dtype")
 
 
+def _query_tile(group: int, max_q_len: int) -> tuple[int, int]:
+    """``(BLOCK_G, BLOCK_T)``: a program's query heads (the GQA group, padded) x query tokens."""
+    block_g = triton.next_power_of_2(group)
+    # Rows = tokens x group heads must reach 16 for tl.dot; decode (one token) pads with empty tokens.
+    return block_g, max(16 // block_g, min(triton.next_power_of_2(max_q_len), max(1, _ROWS_PER_TILE // block_g)))
+
+
+def chosen_kv_splits(
+    num_requests: int, num_kv_heads: int, group: int, max_q_len: int, max_cells_per_sequence: int | None
+) -> int:
+    """The splits ``segment_attention_triton`` uses for these sizes when ``num_kv_splits`` is None."""
+    query_blocks = triton.cdiv(max_q_len, _query_tile(group, max_q_len)[1])
+    return kv_splits(num_requests * num_kv_heads * query_blocks, max_cells_per_sequence)
+
+
 def kv_splits(num_programs: int, max_cells_per_sequence: int | None) -> int:
     """Splits per sequence so that ``num_programs x splits`` reaches ~2 waves of the GPU, each split
     keeping at least ``_MIN_CELLS_PER_SPLIT`` cells of the longest sequence; 1 without a cell bound."""
@@ -157,7 +172,8 @@ def segment_attention_triton(
     """Attention of ``q`` over the cells of each (request, KV head); shapes in the module docstring.
 
     max_q_len: at least the longest query run of one request (1 for decode); sizes the grid, so a
-        smaller value silently drops queries. Computed with a device sync if None.
+        smaller value leaves the rows of later queries unwritten. Computed with a device sync if None.
+        Every row of a query of some request is written: ``N`` must be ``qo_indptr[-1]``.
     max_cells_per_sequence: an upper bound on the cells of one (request, KV head), known on the host;
         lets ``kv_splits`` split long sequences (None: no split). A bound too small only splits less.
     num_kv_splits: overrides ``kv_splits`` (benchmarks, tests).
@@ -175,13 +191,9 @@ def segment_attention_triton(
     if max_q_len is None:
         max_q_len = int((qo_indptr[1:] - qo_indptr[:-1]).max())
 
-    block_g = triton.next_power_of_2(group)
-    # Rows = tokens x group heads must reach 16 for tl.dot; decode (one token) pads with empty tokens.
-    block_t = max(16 // block_g, min(triton.next_power_of_2(max_q_len), max(1, _ROWS_PER_TILE // block_g)))
-    num_sequences = num_requests * num_kv_heads
-    query_blocks = triton.cdiv(max_q_len, block_t)
+    block_g, block_t = _query_tile(group, max_q_len)
     if num_kv_splits is None:
-        num_kv_splits = kv_splits(num_sequences * query_blocks, max_cells_per_sequence)
+        num_kv_splits = chosen_kv_splits(num_requests, num_kv_heads, group, max_q_len, max_cells_per_sequence)
     # Every (split, token, head) row is written by the kernel (empty splits: out 0, lse -inf).
     out = torch.empty(num_tokens, num_q_heads, head_dim_v, dtype=q.dtype, device=q.device)
     lse = torch.empty(num_tokens, num_q_heads, dtype=torch.float32, device=q.device)
@@ -189,7 +201,7 @@ def segment_attention_triton(
     # [S, N, H_q, D_v] and [S, N, H_q]: fp32 partials, or views of the outputs when unsplit.
     split_out = out.unsqueeze(0) if num_kv_splits == 1 else torch.empty(num_kv_splits, *out.shape, **f32)
     split_lse = lse.unsqueeze(0) if num_kv_splits == 1 else torch.empty(num_kv_splits, *lse.shape, **f32)
-    _segment_attention_kernel[(num_sequences, query_blocks, num_kv_splits)](
+    _segment_attention_kernel[(num_requests * num_kv_heads, triton.cdiv(max_q_len, block_t), num_kv_splits)](
         q, arena_k, arena_v, qo_indptr, kv_indptr, kv_indices, split_out, split_lse,
         num_kv_heads, group, num_kv_splits, sm_scale * _LOG2E, q.stride(0), q.stride(1),
         arena_k.stride(0), arena_v.stride(0), split_out.stride(0), split_out.stride(1), split_out.stride(2),
