@@ -1,4 +1,4 @@
-"""Merge two partial attention results by log-sum-exp: Triton kernel and torch twin.
+"""Merge partial attention results by log-sum-exp: Triton kernels and torch twin.
 
 Semantics of ``flashinfer.cascade.merge_state``: given attention of the same queries over two
 disjoint key sets, ``(out_a, lse_a)`` and ``(out_b, lse_b)``, return attention over their union:
@@ -13,7 +13,8 @@ The merged output has ``out_a``'s dtype. ``merge_split_states_triton`` merges ``
 once (the second pass of split-KV attention); both kernels share ``merge_state_pair``.
 
 The Triton path is untested on CUDA hardware: it is verified only in Triton interpreter mode on CPU
-(``tests/test_kernels_segment_attention.py``).
+(``tests/test_kernels_segment_attention.py``) and compiled for sm_90 without running
+(``tests/test_kernels_compile.py``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Observation-window statistics read straight from SGLang's KV buffer and compressed cells: Triton kernels and torch twin.
+"""Observation-window statistics read from SGLang's KV buffer and compressed cells: Triton kernels, torch twin.
 
 Computes the ``WindowStats`` of ``sgl_kvevict.scoring.window`` (the formulas and their meaning are
 defined there) for one request of one layer, reading its keys and values where they live instead of
@@ -46,7 +46,8 @@ Global memory holds ``O(H_q w D_v)`` (the window outputs, only for OBCache key/j
 statistics themselves, whatever ``w``. Accumulation is fp32 whatever the KV dtype; ``tl.dot`` operands
 are in the KV dtype (products exact for fp16/bf16, IEEE for fp32). No function here reads device data
 on the host. The CUDA path is untested on hardware: it is verified only in Triton interpreter mode on
-CPU (``tests/test_kernels_window.py``; ``docs/gpu-kernels.md`` runs the same tests compiled).
+CPU (``tests/test_kernels_window.py``) and compiled for sm_90 without running
+(``tests/test_kernels_compile.py``); ``docs/gpu-kernels.md`` runs the same tests compiled on a GPU.
 """
 
 from __future__ import annotations
@@ -237,7 +238,9 @@ def _window_softmax_partials_kernel(
 
 
 @triton.jit
-def _reduce_over_window(per_row, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr, MAX: tl.constexpr):
+def _reduce_over_window(
+    per_row, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr, MAX: tl.constexpr
+):
     """``[BLOCK_H * BLOCK_W, BLOCK_N]`` per window row -> ``[BLOCK_H, BLOCK_N]`` per query head (sum or max)."""
     per_head = tl.reshape(per_row, (BLOCK_H, BLOCK_W, BLOCK_N))
     if MAX:
@@ -473,7 +476,10 @@ def _key_source_arguments(
     positions = None if key_positions is None else key_positions.contiguous()
     head_dim, head_dim_v = k_buffer.shape[2], v_buffer.shape[2]
     return _KernelArguments(
-        tensors=(q_window, k_buffer, v_buffer, kv_indices.contiguous(), positions, *(cell_stores or (None, None)), *cell_indices),
+        tensors=(
+            q_window, k_buffer, v_buffer, kv_indices.contiguous(), positions, *(cell_stores or (None, None)),
+            *cell_indices,
+        ),  # fmt: skip
         strides=(
             q_window.stride(0), q_window.stride(1), k_buffer.stride(0), k_buffer.stride(1),
             v_buffer.stride(0), v_buffer.stride(1), *(t.stride(0) for t in cell_stores or (k_buffer, v_buffer)),

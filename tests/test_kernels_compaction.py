@@ -146,9 +146,8 @@ def test_one_launch_compacts_every_layer_of_a_flat_pool(dtype: torch.dtype, devi
     expected_k, expected_v = flat_k.clone(), flat_v.clone()
     for layer in range(num_layers):  # the per-layer loop the single launch replaces
         in_layer = layer_ids == layer
-        copy_kv_rows_torch(
-            expected_k, expected_v, expected_k, expected_v, dense_rows[in_layer].to(device), cell_rows[in_layer].to(device)
-        )
+        rows = (dense_rows[in_layer].to(device), cell_rows[in_layer].to(device))
+        copy_kv_rows_torch(expected_k, expected_v, expected_k, expected_v, *rows)
     copy_kv_rows(flat_k, flat_v, flat_k, flat_v, dense_rows.to(device), cell_rows.to(device))
     assert torch.equal(flat_k, expected_k) and torch.equal(flat_v, expected_v)
 

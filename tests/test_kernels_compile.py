@@ -134,7 +134,8 @@ def compile_cases(torch):
 
     def merge_splits(dtype):
         partial_out, partial_lse = torch.zeros(4, 16, 32, 128), torch.zeros(4, 16, 32)
-        return lambda: merge_split_states_triton(partial_out, partial_lse, torch.zeros(16, 32, 128, dtype=dtype), torch.zeros(16, 32))
+        out, lse = torch.zeros(16, 32, 128, dtype=dtype), torch.zeros(16, 32)
+        return lambda: merge_split_states_triton(partial_out, partial_lse, out, lse)
 
     def copy(dtype, head_dim, head_dim_v):
         k, v = torch.zeros(1000, head_dim, dtype=dtype), torch.zeros(1000, head_dim_v, dtype=dtype)
@@ -147,7 +148,7 @@ def compile_cases(torch):
         ("window attn_sum w32", bf16, window(bf16, 32, StatsRequest(attn_sum=True), compressed=False)),
         ("window every stat w32 cells Dv64", bf16, window(bf16, 32, every, compressed=True, head_dim_v=64)),
         ("window attn_max w2048 cells", bf16, window(bf16, 2048, StatsRequest(attn_max=True), compressed=True)),
-        ("window attn_sum+l1 w32", fp16, window(fp16, 32, StatsRequest(attn_sum=True, value_l1=True), compressed=False)),
+        ("window attn_sum+l1 w32", fp16, window(fp16, 32, StatsRequest(attn_sum=True, value_l1=True), False)),
         ("window every stat w32", fp32, window(fp32, 32, every, compressed=False)),
         ("segment decode B4 G4", bf16, segment(bf16, 4, [1] * 4, num_kv_splits=1)),
         ("segment decode B1 G4 16 splits", bf16, segment(bf16, 4, [1], num_kv_splits=16)),

@@ -89,7 +89,8 @@ def test_gpu_tests_are_deselected_by_default_and_fail_without_a_gpu(gpu_tests: s
     env = {key: value for key, value in os.environ.items() if key not in ("TRITON_INTERPRET", "KVEVICT_GPU_TESTS")}
     if gpu_tests == "1":
         env["KVEVICT_GPU_TESTS"] = "1"
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "cuda and 5-3-64 and float32", GPU_TEST]
+    one_case = "cuda and 5-3-64 and float32"
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", one_case, GPU_TEST]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     summary = result.stdout.strip().splitlines()[-1]
     assert "skipped" not in summary, summary

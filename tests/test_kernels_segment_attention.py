@@ -170,7 +170,9 @@ def test_strided_queries_and_arena_rows(num_kv_splits: int, device: str):
     qkv = torch.randn(q.shape[0], q.shape[1] + 2 * batch.num_kv_heads, batch.head_dim, device=device)
     qkv[:, : q.shape[1]] = q
     strided_q = qkv[:, : q.shape[1]]
-    wide_k, wide_v = (torch.full((t.shape[0], t.shape[1] + 16), float("nan"), device=device) for t in (arena_k, arena_v))
+    wide_k, wide_v = (
+        torch.full((t.shape[0], t.shape[1] + 16), float("nan"), device=device) for t in (arena_k, arena_v)
+    )
     wide_k[:, 8 : 8 + batch.head_dim], wide_v[:, 8 : 8 + batch.head_dim] = arena_k, arena_v
     strided_k, strided_v = wide_k[:, 8 : 8 + batch.head_dim], wide_v[:, 8 : 8 + batch.head_dim]
     assert not any(t.is_contiguous() for t in (strided_q, strided_k, strided_v))

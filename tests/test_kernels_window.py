@@ -389,4 +389,5 @@ def test_rejects_inputs_it_would_silently_misread():
             window_stats_impl(q_window, k_buffer, v_buffer, kv_indices, scaling, EVERY_STAT, key_positions=kv_indices)
         with pytest.raises(ValueError, match="head_indptr"):
             bad_cells = dataclasses.replace(cells, head_indptr=cells.head_indptr[:-1])
-            window_stats_impl(q_window, k_buffer, v_buffer, kv_indices, scaling, EVERY_STAT, **{**kwargs, "cells": bad_cells})
+            bad_kwargs = {**kwargs, "cells": bad_cells}
+            window_stats_impl(q_window, k_buffer, v_buffer, kv_indices, scaling, EVERY_STAT, **bad_kwargs)
