@@ -19,6 +19,8 @@ from test_kernels_support import (
     requires_interpreter,
     scattered_slots,
 )
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from sgl_kvevict.kernels.window_scores import CompressedCells, window_stats_torch, window_stats_triton
 from sgl_kvevict.scoring.window import COLUMN_STATS, StatsRequest, WindowStats, window_stats
@@ -363,10 +365,25 @@ def test_strided_queries_buffers_and_cell_stores(device: str):
     assert_stats_close(twin, request.reference(stats_request), torch.float32)
 
 
+class TensorsOffDevice(TorchDispatchMode):
+    """Records every op that returns a tensor off ``device`` (an index put would silently accept one)."""
+
+    def __init__(self, device: str):
+        super().__init__()
+        self.device, self.ops = device, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops += [str(func) for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.device.type != self.device]
+        return out
+
+
 def test_twin_creates_every_tensor_on_the_inputs_device():
-    """Every input on the meta device: a tensor the twin created on the CPU would raise when combined."""
+    """Every input on the meta device, every op of the twin watched: nothing it creates lands on the CPU."""
     request = compressed_request(LAYOUTS[1], torch.float32)
-    stats = request.run(window_stats_torch, EVERY_STAT, device="meta")
+    with TensorsOffDevice("meta") as off_device:
+        stats = request.run(window_stats_torch, EVERY_STAT, device="meta")
+    assert off_device.ops == []
     for name in COLUMN_STATS:
         assert getattr(stats, name).device.type == "meta", name
     assert stats.attn_max.shape == (LAYOUTS[1].num_kv_heads * LAYOUTS[1].group, LAYOUTS[1].context_len)
