@@ -101,7 +101,8 @@ def compile_cases(torch):
         attn_sum=True, attn_max=True, tail_rows=2, obc_value=True, obc_key=True, obc_joint=True, value_l1=True
     )
 
-    def window(dtype, window_len, request, compressed: bool, head_dim_v: int = 128):
+    def window(dtype, window_len, request, compressed: bool, head_dim_v: int = 128, index=torch.int32):
+        """index: dtype of the cell ids, positions and head_indptr (the engine may pass int32 or int64)."""
         q = torch.zeros(32, window_len, 128, dtype=dtype)
         k_buffer = torch.zeros(4096, 8, 128, dtype=dtype)
         v_buffer = torch.zeros(4096, 8, head_dim_v, dtype=dtype)
@@ -110,7 +111,7 @@ def compile_cases(torch):
             return lambda: window_stats_triton(q, k_buffer, v_buffer, kv_indices, 0.1, request)
         cells = CompressedCells(
             torch.zeros(1000, 128, dtype=dtype), torch.zeros(1000, head_dim_v, dtype=dtype),
-            torch.arange(800), torch.arange(800, dtype=torch.int32), torch.arange(9, dtype=torch.int32) * 100,
+            torch.arange(800, dtype=index), torch.arange(800, dtype=index), torch.arange(9, dtype=index) * 100,
         )  # fmt: skip
         positions = kv_indices.long() + 1000
         return lambda: window_stats_triton(
@@ -118,12 +119,12 @@ def compile_cases(torch):
             context_length=window_len + 1064, cells=cells,
         )  # fmt: skip
 
-    def segment(dtype, group, q_lens, num_kv_splits):
+    def segment(dtype, group, q_lens, num_kv_splits, index=torch.int32):
         q = torch.zeros(sum(q_lens), 8 * group, 128, dtype=dtype)
         arena = torch.zeros(4096, 128, dtype=dtype)
         qo_indptr = torch.tensor([0, *q_lens]).cumsum(0).int()
-        kv_indptr = torch.arange(8 * len(q_lens) + 1, dtype=torch.int32) * 100
-        kv_indices = torch.arange(int(kv_indptr[-1]), dtype=torch.int32)
+        kv_indptr = torch.arange(8 * len(q_lens) + 1, dtype=index) * 100
+        kv_indices = torch.arange(int(kv_indptr[-1]), dtype=index)
         return lambda: segment_attention_triton(
             q, arena, arena, qo_indptr, kv_indptr, kv_indices, 8, 0.1, max(q_lens), num_kv_splits=num_kv_splits
         )
@@ -146,12 +147,12 @@ def compile_cases(torch):
     every = every_stat
     return [
         ("window attn_sum w32", bf16, window(bf16, 32, StatsRequest(attn_sum=True), compressed=False)),
-        ("window every stat w32 cells Dv64", bf16, window(bf16, 32, every, compressed=True, head_dim_v=64)),
+        ("window every stat w32 cells Dv64 int64", bf16, window(bf16, 32, every, True, 64, torch.int64)),
         ("window attn_max w2048 cells", bf16, window(bf16, 2048, StatsRequest(attn_max=True), compressed=True)),
         ("window attn_sum+l1 w32", fp16, window(fp16, 32, StatsRequest(attn_sum=True, value_l1=True), False)),
         ("window every stat w32", fp32, window(fp32, 32, every, compressed=False)),
         ("segment decode B4 G4", bf16, segment(bf16, 4, [1] * 4, num_kv_splits=1)),
-        ("segment decode B1 G4 16 splits", bf16, segment(bf16, 4, [1], num_kv_splits=16)),
+        ("segment decode B1 G4 16 splits int64", bf16, segment(bf16, 4, [1], 16, torch.int64)),
         ("segment extend 200 G8", fp16, segment(fp16, 8, [200], num_kv_splits=1)),
         ("segment extend G1 2 splits", fp32, segment(fp32, 1, [3, 1], num_kv_splits=2)),
         ("merge", bf16, merge(bf16)),
