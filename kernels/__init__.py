@@ -13,9 +13,11 @@ from sgl_kvevict.kernels.dispatch import (
     segment_attention,
     window_stats_paged,
 )
+from sgl_kvevict.kernels.window_scores import CompressedCells
 
 __all__ = [
     "ArenaCellMap",
+    "CompressedCells",
     "copy_kv_rows",
     "gather_kv_to_arena",
     "merge_attention_states",

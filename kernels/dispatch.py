@@ -7,13 +7,14 @@ and semantics are documented in the kernel modules; the CUDA path is untested on
 
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+from typing import Callable, Optional, TypeVar
 
 import torch
 
 from sgl_kvevict.kernels.compaction import (
     ArenaCellMap,
     check_arena,
+    check_row_copy,
     copy_kv_rows_torch,
     copy_kv_rows_triton,
     kv_buffer_rows,
@@ -21,7 +22,7 @@ from sgl_kvevict.kernels.compaction import (
 from sgl_kvevict.kernels.merge_states import merge_attention_states_torch, merge_attention_states_triton
 from sgl_kvevict.kernels.runtime import use_triton
 from sgl_kvevict.kernels.segment_attention import segment_attention_torch, segment_attention_triton
-from sgl_kvevict.kernels.window_scores import window_stats_torch, window_stats_triton
+from sgl_kvevict.kernels.window_scores import CompressedCells, window_stats_torch, window_stats_triton
 from sgl_kvevict.scoring.window import StatsRequest, WindowStats
 
 _Impl = TypeVar("_Impl", bound=Callable)
@@ -38,14 +39,21 @@ def window_stats_paged(
     kv_indices: torch.Tensor,
     scaling: float,
     request: StatsRequest,
+    key_positions: Optional[torch.Tensor] = None,
+    context_length: Optional[int] = None,
+    cells: Optional[CompressedCells] = None,
 ) -> WindowStats:
-    """``WindowStats`` of one request and layer, keys read through ``kv_indices`` from the KV buffer.
+    """``WindowStats`` of one request and layer, keys read where they live: dense slots and compressed cells.
 
-    q_window ``[H_q, w, D]``; k_buffer ``[slots, H_kv, D]``; v_buffer ``[slots, H_kv, D_v]``;
-    kv_indices int ``[L]`` (slot of each position). See ``window_scores``.
+    q_window ``[H_q, w, D]`` at positions ``L - w .. L - 1``; k_buffer ``[slots, H_kv, D]``, v_buffer
+    ``[slots, H_kv, D_v]``; kv_indices int ``[n]``: the slot of each dense key. Plain case (no
+    compressed prefix): positions ``0 .. n - 1``, ``L = n``. Otherwise key_positions int ``[n]``
+    (ascending, the window's own positions among them), ``context_length`` ``L`` (a host int) and the
+    request's ``CompressedCells`` of this layer (cells at positions ``>= L`` are ignored). Columns are
+    positions ``[0, L)``, 0 where a head holds nothing. No host sync. See ``window_scores``.
     """
     impl = _implementation(q_window.device, window_stats_triton, window_stats_torch)
-    return impl(q_window, k_buffer, v_buffer, kv_indices, scaling, request)
+    return impl(q_window, k_buffer, v_buffer, kv_indices, scaling, request, key_positions, context_length, cells)
 
 
 def copy_kv_rows(
@@ -58,9 +66,12 @@ def copy_kv_rows(
 ) -> None:
     """``dst_k[dst_rows] = src_k[src_rows]`` and the same for V, in one launch.
 
-    K ``[*, D]`` and V ``[*, D_v]`` row views (contiguous rows); rows int ``[n]`` on their device. Source
-    and destination may be the same tensors when no destination row is also a source row.
+    K ``[rows, D]``, V ``[rows, D_v]`` (unit stride in the head dim); src_rows, dst_rows int ``[n]`` on
+    the KV device. With every layer's KV buffer a view of one allocation, the flat
+    ``[layers * slots * H_kv, D]`` view makes compaction of all layers, or moving cells, one call with
+    global row ids. The rows written must not be rows read by the same call. See ``compaction``.
     """
+    check_row_copy(src_k, src_v, dst_k, dst_v, src_rows, dst_rows)
     copy = _implementation(src_k.device, copy_kv_rows_triton, copy_kv_rows_torch)
     copy(src_k, src_v, dst_k, dst_v, src_rows, dst_rows)
 
@@ -99,14 +110,20 @@ def segment_attention(
     num_kv_heads: int,
     sm_scale: float,
     max_q_len: int | None = None,
+    max_cells_per_sequence: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over compressed cells, one sequence per (request, KV head); returns ``(out, lse)``.
 
-    q ``[N, H_q, D]``; qo_indptr ``[B + 1]``; kv_indptr ``[B * H_kv + 1]``; kv_indices ``[nnz]`` cell ids;
-    out ``[N, H_q, D_v]``, lse fp32 ``[N, H_q]`` natural log. See ``segment_attention``.
+    q ``[N, H_q, D]``; arena_k ``[cells, D]``, arena_v ``[cells, D_v]`` (row stores, e.g. the flat cell
+    space); qo_indptr ``[B + 1]``; kv_indptr ``[B * H_kv + 1]``; kv_indices ``[nnz]`` cell ids; out
+    ``[N, H_q, D_v]``, lse fp32 ``[N, H_q]`` natural log. ``max_q_len`` (None: one host sync) and
+    ``max_cells_per_sequence`` (None: no split-KV) are host ints; with both given there is no host sync.
+    See ``segment_attention``.
     """
     impl = _implementation(q.device, segment_attention_triton, segment_attention_torch)
-    return impl(q, arena_k, arena_v, qo_indptr, kv_indptr, kv_indices, num_kv_heads, sm_scale, max_q_len)
+    return impl(
+        q, arena_k, arena_v, qo_indptr, kv_indptr, kv_indices, num_kv_heads, sm_scale, max_q_len, max_cells_per_sequence
+    )
 
 
 def merge_attention_states(

@@ -1,4 +1,4 @@
-"""Merge two partial attention results by log-sum-exp: Triton kernel and torch twin.
+"""Merge partial attention results by log-sum-exp: Triton kernels and torch twin.
 
 Semantics of ``flashinfer.cascade.merge_state``: given attention of the same queries over two
 disjoint key sets, ``(out_a, lse_a)`` and ``(out_b, lse_b)``, return attention over their union:
@@ -9,10 +9,12 @@ disjoint key sets, ``(out_a, lse_a)`` and ``(out_b, lse_b)``, return attention o
 Shapes: ``out_*`` ``[N, H, D]``, ``lse_*`` fp32 ``[N, H]``, natural log (FlashInfer's own kernels
 use base 2: convert before mixing). A side with ``lse = -inf`` (no keys) contributes nothing, and its
 output is ignored whatever it holds (NaN included); both empty gives ``out = 0`` and ``lse = -inf``.
-The merged output has ``out_a``'s dtype.
+The merged output has ``out_a``'s dtype. ``merge_split_states_triton`` merges ``S`` such states at
+once (the second pass of split-KV attention); both kernels share ``merge_state_pair``.
 
 The Triton path is untested on CUDA hardware: it is verified only in Triton interpreter mode on CPU
-(``tests/test_kernels_segment_attention.py``).
+(``tests/test_kernels_segment_attention.py``) and compiled for sm_90 without running
+(``tests/test_kernels_compile.py``).
 """
 
 from __future__ import annotations
@@ -25,15 +27,12 @@ _BLOCK_ROWS = 16  # (token, head) rows per program
 
 
 @triton.jit
-def _merge_attention_states_kernel(
-    out_a_ptr, lse_a_ptr, out_b_ptr, lse_b_ptr, out_ptr, lse_ptr, num_rows,
-    HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    """Rows are (token, head) pairs of contiguous ``[N * H, D]`` outputs and ``[N * H]`` LSEs."""
-    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    row_valid = rows < num_rows
-    lse_a = tl.load(lse_a_ptr + rows, mask=row_valid, other=float("-inf"))
-    lse_b = tl.load(lse_b_ptr + rows, mask=row_valid, other=float("-inf"))
+def merge_state_pair(out_a, lse_a, out_b, lse_b):
+    """Union of two disjoint key sets: fp32 outputs ``[rows, D]`` and natural-log LSEs ``[rows]`` in, same out.
+
+    A side with ``lse = -inf`` (no keys) contributes nothing whatever its output holds; both empty give
+    ``out = 0``, ``lse = -inf`` (never ``-inf - -inf``).
+    """
     larger = tl.maximum(lse_a, lse_b)
     shift = tl.where(larger == float("-inf"), 0.0, larger)  # both empty: exp(-inf - 0) = 0, not NaN
     weight_a = tl.exp(lse_a - shift)
@@ -41,17 +40,54 @@ def _merge_attention_states_kernel(
     total = weight_a + weight_b
     nonempty = total > 0.0
     safe_total = tl.where(nonempty, total, 1.0)
-    tl.store(lse_ptr + rows, tl.where(nonempty, shift + tl.log(safe_total), float("-inf")), mask=row_valid)
+    lse = tl.where(nonempty, shift + tl.log(safe_total), float("-inf"))
+    scale_a = (weight_a / safe_total)[:, None]
+    scale_b = (weight_b / safe_total)[:, None]
+    out = tl.where(scale_a > 0.0, out_a * scale_a, 0.0) + tl.where(scale_b > 0.0, out_b * scale_b, 0.0)
+    return out, lse
 
+
+@triton.jit
+def _merge_attention_states_kernel(
+    out_a_ptr, lse_a_ptr, out_b_ptr, lse_b_ptr, out_ptr, lse_ptr, num_rows,
+    HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Rows are (token, head) pairs of contiguous ``[N * H, D]`` outputs and ``[N * H]`` LSEs."""
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_valid = rows < num_rows
     dims = tl.arange(0, BLOCK_D)
     offsets = rows.to(tl.int64)[:, None] * HEAD_DIM + dims[None, :]
     mask = row_valid[:, None] & (dims[None, :] < HEAD_DIM)
-    out_a = tl.load(out_a_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    out_b = tl.load(out_b_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    scale_a = (weight_a / safe_total)[:, None]
-    scale_b = (weight_b / safe_total)[:, None]
-    merged = tl.where(scale_a > 0.0, out_a * scale_a, 0.0) + tl.where(scale_b > 0.0, out_b * scale_b, 0.0)
-    tl.store(out_ptr + offsets, merged.to(out_ptr.dtype.element_ty), mask=mask)
+    out, lse = merge_state_pair(
+        tl.load(out_a_ptr + offsets, mask=mask, other=0.0).to(tl.float32),
+        tl.load(lse_a_ptr + rows, mask=row_valid, other=float("-inf")),
+        tl.load(out_b_ptr + offsets, mask=mask, other=0.0).to(tl.float32),
+        tl.load(lse_b_ptr + rows, mask=row_valid, other=float("-inf")),
+    )
+    tl.store(lse_ptr + rows, lse, mask=row_valid)
+    tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    partial_out_ptr, partial_lse_ptr, out_ptr, lse_ptr, num_rows, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Rows are (token, head) pairs; partials are contiguous fp32 ``[S, rows, D]`` and ``[S, rows]``."""
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_valid = rows < num_rows
+    dims = tl.arange(0, BLOCK_D)
+    mask = row_valid[:, None] & (dims[None, :] < HEAD_DIM)
+    out = tl.zeros([BLOCK_ROWS, BLOCK_D], tl.float32)
+    lse = tl.full([BLOCK_ROWS], float("-inf"), tl.float32)
+    for split in range(num_splits):
+        split_rows = split * num_rows + rows.to(tl.int64)
+        split_lse = tl.load(partial_lse_ptr + split_rows, mask=row_valid, other=float("-inf"))
+        split_out = tl.load(partial_out_ptr + split_rows[:, None] * HEAD_DIM + dims[None, :], mask=mask, other=0.0)
+        out, lse = merge_state_pair(out, lse, split_out, split_lse)
+    offsets = rows.to(tl.int64)[:, None] * HEAD_DIM + dims[None, :]
+    tl.store(lse_ptr + rows, lse, mask=row_valid)
+    tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _check_inputs(out_a, lse_a, out_b, lse_b):
@@ -93,3 +129,22 @@ def merge_attention_states_torch(
     out = torch.where(scale_a > 0, out_a.float() * scale_a, zero)
     out += torch.where(scale_b > 0, out_b.float() * scale_b, zero)
     return out.to(out_a.dtype), lse
+
+
+def merge_split_states_triton(
+    partial_out: torch.Tensor, partial_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
+) -> None:
+    """Merge ``S`` partial states of the same queries over disjoint key sets into ``out``, ``lse``.
+
+    partial_out fp32 ``[S, N, H, D]`` and partial_lse fp32 ``[S, N, H]`` (natural log), contiguous;
+    out ``[N, H, D]`` (any float dtype) and lse fp32 ``[N, H]``, contiguous, written in place. Splits
+    with ``lse = -inf`` contribute nothing (flash-decoding's second pass; ``segment_attention``).
+    """
+    num_splits, num_tokens, num_heads, head_dim = partial_out.shape
+    num_rows = num_tokens * num_heads
+    if num_rows == 0:
+        return
+    _merge_splits_kernel[(triton.cdiv(num_rows, _BLOCK_ROWS),)](
+        partial_out, partial_lse, out, lse, num_rows, num_splits,
+        HEAD_DIM=head_dim, BLOCK_ROWS=_BLOCK_ROWS, BLOCK_D=triton.next_power_of_2(head_dim),
+    )  # fmt: skip

@@ -55,3 +55,17 @@ def dot(a, b, UPCAST: tl.constexpr):
     else:
         result = tl.dot(a, b)
     return result
+
+
+@triton.jit
+def split_range(split, num_splits, begin, end, BLOCK_N: tl.constexpr):
+    """Entries ``[lo, hi)`` of ``[begin, end)`` that split ``split`` of ``num_splits`` handles.
+
+    Splits take ``ceil(ceil(n / num_splits) / BLOCK_N)`` whole blocks each, so only a split's last block
+    is partial; trailing splits may be empty (``lo >= hi``: a ``range(lo, hi, BLOCK_N)`` loop does nothing).
+    Computed per program from device-resident bounds, so each sequence or KV head is split by its own
+    length and the grid needs only ``num_splits`` from the host.
+    """
+    per_split = tl.cdiv(tl.cdiv(end - begin, num_splits), BLOCK_N) * BLOCK_N
+    lo = begin + split * per_split
+    return lo, tl.minimum(lo + per_split, end)

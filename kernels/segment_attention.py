@@ -21,10 +21,19 @@ FlashInfer equivalent: ``BatchPrefillWithPagedKVCacheWrapper`` planned with ``nu
 permuted to ``[(r, g, token), G, D]``; this kernel reads ``q`` in place instead. Note that FlashInfer
 returns a base-2 LSE by default: multiply it by ln 2 before mixing it with the LSE here.
 
+Split-KV (flash-decoding): one program per (sequence, query block) walking all of a sequence's cells
+is ``B * H_kv`` programs at decode, ~8 for one request on a 132-SM GPU. With ``num_kv_splits = S > 1``
+the grid gains a split axis: program ``(s, q block, split)`` walks its split of sequence ``s``'s cells
+(``runtime.split_range``, from the sequence's own count on the device, so uneven sequences split
+evenly) and writes a partial ``(out, lse)``; ``merge_states.merge_split_states_triton`` merges the
+``S`` partials (an empty split has ``lse = -inf`` and drops out). ``segment_attention_triton`` picks
+``S`` from host sizes only: the program count and ``max_cells_per_sequence``, an upper bound on the
+cells of one sequence the caller knows on the host (the engine computes it once per forward); without
+it there is no split and no host sync.
+
 The Triton path is untested on CUDA hardware: it is verified only in Triton interpreter mode on CPU
-(``tests/test_kernels_segment_attention.py``). It has no split over the cells (one program walks a
-whole sequence), which is fine for the short compressed sequences of one node but leaves the GPU
-under-occupied for small decode batches over long compressed contexts.
+(``tests/test_kernels_segment_attention.py``) and compiled for sm_90 without running
+(``tests/test_kernels_compile.py``).
 """
 
 from __future__ import annotations
@@ -35,26 +44,33 @@ import torch
 import triton
 import triton.language as tl
 
-from sgl_kvevict.kernels.runtime import dot, dot_block, upcast_dot_operands
+from sgl_kvevict.kernels.merge_states import merge_split_states_triton
+from sgl_kvevict.kernels.runtime import dot, dot_block, split_range, upcast_dot_operands
 
 _LOG2E = math.log2(math.e)
 _LN2 = tl.constexpr(math.log(2.0))
 _BLOCK_N = 32  # cells per block
+_TWIN_QUERY_CHUNK = 256  # query tokens per step of the torch twin: bounds its [B, T, H_q, cells] logits
 _ROWS_PER_TILE = 64  # (query token, query head) rows per program
+_TARGET_PROGRAMS = 256  # ~2 waves on a 132-SM GPU; a heuristic, not tuned on hardware
+_MIN_CELLS_PER_SPLIT = 256  # below this a split's partial write and merge cost more than its cells
 
 
 @triton.jit
 def _segment_attention_kernel(
     q_ptr, arena_k_ptr, arena_v_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr, out_ptr, lse_ptr,
-    num_kv_heads, group, sm_scale_log2,
-    stride_q_token, stride_q_head, stride_out_token, stride_out_head,
+    num_kv_heads, group, num_splits, sm_scale_log2,
+    stride_q_token, stride_q_head, stride_arena_k, stride_arena_v,
+    stride_out_split, stride_out_token, stride_out_head, stride_lse_split,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
-    """One program: sequence ``program_id(0)``, ``BLOCK_T`` query tokens x its ``G`` query heads.
+    """One program: sequence ``program_id(0)``, ``BLOCK_T`` query tokens x its ``G`` query heads, split
+    ``program_id(2)`` of its cells; writes ``(out, lse)`` at that split's offset (split 0 when unsplit).
 
     Row ``r`` of the tile is query token ``r // BLOCK_G`` of the block, head ``r % BLOCK_G`` of the group.
     """
+    split = tl.program_id(2)
     sequence = tl.program_id(0)
     request = sequence // num_kv_heads
     kv_head = sequence % num_kv_heads
@@ -76,14 +92,15 @@ def _segment_attention_kernel(
     row_max = tl.full([BLOCK_T * BLOCK_G], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_T * BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_T * BLOCK_G, BLOCK_DV], tl.float32)
-    kv_start = tl.load(kv_indptr_ptr + sequence)
-    kv_end = tl.load(kv_indptr_ptr + sequence + 1)
+    kv_start, kv_end = split_range(
+        split, num_splits, tl.load(kv_indptr_ptr + sequence), tl.load(kv_indptr_ptr + sequence + 1), BLOCK_N
+    )
     for block_start in range(kv_start, kv_end, BLOCK_N):
         entries = block_start + tl.arange(0, BLOCK_N)
         entry_valid = entries < kv_end
         cells = tl.load(kv_indices_ptr + entries, mask=entry_valid, other=0).to(tl.int64)
         k_mask = entry_valid[:, None] & (dims[None, :] < HEAD_DIM)
-        k = tl.load(arena_k_ptr + cells[:, None] * HEAD_DIM + dims[None, :], mask=k_mask, other=0.0)
+        k = tl.load(arena_k_ptr + cells[:, None] * stride_arena_k + dims[None, :], mask=k_mask, other=0.0)
         logits = dot(q, tl.trans(k), UPCAST) * sm_scale_log2
         logits = tl.where(entry_valid[None, :], logits, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(logits, 1))  # finite: every block has a valid cell
@@ -91,18 +108,19 @@ def _segment_attention_kernel(
         rescale = tl.exp2(row_max - new_max)
         row_sum = row_sum * rescale + tl.sum(probs, 1)
         v_mask = entry_valid[:, None] & (dims_v[None, :] < HEAD_DIM_V)
-        v = tl.load(arena_v_ptr + cells[:, None] * HEAD_DIM_V + dims_v[None, :], mask=v_mask, other=0.0)
+        v = tl.load(arena_v_ptr + cells[:, None] * stride_arena_v + dims_v[None, :], mask=v_mask, other=0.0)
         acc = acc * rescale[:, None] + dot(probs.to(v.dtype), v, UPCAST)
         row_max = new_max
 
     has_cells = row_sum > 0.0
-    denominator = tl.where(has_cells, row_sum, 1.0)  # an empty sequence leaves acc = 0
+    denominator = tl.where(has_cells, row_sum, 1.0)  # an empty sequence or split leaves acc = 0
     out = acc / denominator[:, None]
     lse = tl.where(has_cells, (row_max + tl.log2(denominator)) * _LN2, float("-inf"))
-    out_row = token_index * stride_out_token + q_head * stride_out_head
+    out_row = split.to(tl.int64) * stride_out_split + token_index * stride_out_token + q_head * stride_out_head
     out_ptrs = out_ptr + out_row[:, None] + dims_v[None, :]
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & (dims_v[None, :] < HEAD_DIM_V))
-    tl.store(lse_ptr + token_index * (num_kv_heads * group) + q_head, lse, mask=row_valid)
+    lse_row = split.to(tl.int64) * stride_lse_split + token_index * (num_kv_heads * group) + q_head
+    tl.store(lse_ptr + lse_row, lse, mask=row_valid)
 
 
 def _check_inputs(q, arena_k, arena_v, qo_indptr, kv_indptr, num_kv_heads):
@@ -115,6 +133,30 @@ def _check_inputs(q, arena_k, arena_v, qo_indptr, kv_indptr, num_kv_heads):
         raise ValueError("q and the arena must share head dim and dtype")
 
 
+def _query_tile(group: int, max_q_len: int) -> tuple[int, int]:
+    """``(BLOCK_G, BLOCK_T)``: a program's query heads (the GQA group, padded) x query tokens."""
+    block_g = triton.next_power_of_2(group)
+    # Rows = tokens x group heads must reach 16 for tl.dot; decode (one token) pads with empty tokens.
+    return block_g, max(16 // block_g, min(triton.next_power_of_2(max_q_len), max(1, _ROWS_PER_TILE // block_g)))
+
+
+def chosen_kv_splits(
+    num_requests: int, num_kv_heads: int, group: int, max_q_len: int, max_cells_per_sequence: int | None
+) -> int:
+    """The splits ``segment_attention_triton`` uses for these sizes when ``num_kv_splits`` is None."""
+    query_blocks = triton.cdiv(max_q_len, _query_tile(group, max_q_len)[1])
+    return kv_splits(num_requests * num_kv_heads * query_blocks, max_cells_per_sequence)
+
+
+def kv_splits(num_programs: int, max_cells_per_sequence: int | None) -> int:
+    """Splits per sequence so that ``num_programs x splits`` reaches ~2 waves of the GPU, each split
+    keeping at least ``_MIN_CELLS_PER_SPLIT`` cells of the longest sequence; 1 without a cell bound."""
+    if max_cells_per_sequence is None or num_programs >= _TARGET_PROGRAMS:
+        return 1
+    by_occupancy = triton.cdiv(_TARGET_PROGRAMS, num_programs)
+    return max(1, min(by_occupancy, max_cells_per_sequence // _MIN_CELLS_PER_SPLIT))
+
+
 def segment_attention_triton(
     q: torch.Tensor,
     arena_k: torch.Tensor,
@@ -125,36 +167,51 @@ def segment_attention_triton(
     num_kv_heads: int,
     sm_scale: float,
     max_q_len: int | None = None,
+    max_cells_per_sequence: int | None = None,
+    num_kv_splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` over the cells of each (request, KV head); shapes in the module docstring.
 
     max_q_len: at least the longest query run of one request (1 for decode); sizes the grid, so a
-        smaller value silently drops queries. Computed with a device sync if None.
+        smaller value leaves the rows of later queries unwritten. Computed with a device sync if None.
+        Every row of a query of some request is written: ``N`` must be ``qo_indptr[-1]``.
+    max_cells_per_sequence: an upper bound on the cells of one (request, KV head), known on the host;
+        lets ``kv_splits`` split long sequences (None: no split). A bound too small only splits less.
+    num_kv_splits: overrides ``kv_splits`` (benchmarks, tests).
     """
     _check_inputs(q, arena_k, arena_v, qo_indptr, kv_indptr, num_kv_heads)
     num_tokens, num_q_heads, head_dim = q.shape
     head_dim_v = arena_v.shape[1]
     group = num_q_heads // num_kv_heads
     num_requests = qo_indptr.numel() - 1
-    out = torch.zeros(num_tokens, num_q_heads, head_dim_v, dtype=q.dtype, device=q.device)
-    lse = torch.full((num_tokens, num_q_heads), float("-inf"), dtype=torch.float32, device=q.device)
     if num_tokens == 0 or num_requests == 0:
-        return out, lse
-    if q.stride(2) != 1 or not (arena_k.is_contiguous() and arena_v.is_contiguous()):
-        raise ValueError("q's head dim and the arena tensors must be contiguous")
+        out = torch.zeros(num_tokens, num_q_heads, head_dim_v, dtype=q.dtype, device=q.device)
+        return out, torch.full((num_tokens, num_q_heads), float("-inf"), dtype=torch.float32, device=q.device)
+    if q.stride(2) != 1 or arena_k.stride(1) != 1 or arena_v.stride(1) != 1:
+        raise ValueError("the head dims of q and of the arena tensors must be contiguous")
     if max_q_len is None:
         max_q_len = int((qo_indptr[1:] - qo_indptr[:-1]).max())
 
-    block_g = triton.next_power_of_2(group)
-    # Rows = tokens x group heads must reach 16 for tl.dot; decode (one token) pads with empty tokens.
-    block_t = max(16 // block_g, min(triton.next_power_of_2(max_q_len), max(1, _ROWS_PER_TILE // block_g)))
-    grid = (num_requests * num_kv_heads, triton.cdiv(max_q_len, block_t))
-    _segment_attention_kernel[grid](
-        q, arena_k, arena_v, qo_indptr, kv_indptr, kv_indices, out, lse,
-        num_kv_heads, group, sm_scale * _LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+    block_g, block_t = _query_tile(group, max_q_len)
+    if num_kv_splits is None:
+        num_kv_splits = chosen_kv_splits(num_requests, num_kv_heads, group, max_q_len, max_cells_per_sequence)
+    # Every (split, token, head) row is written by the kernel (empty splits: out 0, lse -inf).
+    out = torch.empty(num_tokens, num_q_heads, head_dim_v, dtype=q.dtype, device=q.device)
+    lse = torch.empty(num_tokens, num_q_heads, dtype=torch.float32, device=q.device)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    # [S, N, H_q, D_v] and [S, N, H_q]: fp32 partials, or views of the outputs when unsplit.
+    split_out = out.unsqueeze(0) if num_kv_splits == 1 else torch.empty(num_kv_splits, *out.shape, **f32)
+    split_lse = lse.unsqueeze(0) if num_kv_splits == 1 else torch.empty(num_kv_splits, *lse.shape, **f32)
+    _segment_attention_kernel[(num_requests * num_kv_heads, triton.cdiv(max_q_len, block_t), num_kv_splits)](
+        q, arena_k, arena_v, qo_indptr, kv_indptr, kv_indices, split_out, split_lse,
+        num_kv_heads, group, num_kv_splits, sm_scale * _LOG2E, q.stride(0), q.stride(1),
+        arena_k.stride(0), arena_v.stride(0), split_out.stride(0), split_out.stride(1), split_out.stride(2),
+        split_lse.stride(0),
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_T=block_t, BLOCK_G=block_g, BLOCK_N=_BLOCK_N,
         BLOCK_D=dot_block(head_dim), BLOCK_DV=dot_block(head_dim_v), UPCAST=upcast_dot_operands(q.dtype),
     )  # fmt: skip
+    if num_kv_splits > 1:
+        merge_split_states_triton(split_out, split_lse, out, lse)
     return out, lse
 
 
@@ -168,36 +225,45 @@ def segment_attention_torch(
     num_kv_heads: int,
     sm_scale: float,
     max_q_len: int | None = None,
+    max_cells_per_sequence: int | None = None,
+    num_kv_splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch twin of ``segment_attention_triton`` (fp32 math): one padded batch over KV heads per request.
-
-    max_q_len is accepted for signature parity and unused.
-    """
+    """Torch twin of ``segment_attention_triton`` (fp32 math): every request at once, queries and cells
+    padded to ``max_q_len`` and ``max_cells_per_sequence`` (host ints the caller knows; computed with a
+    sync when None), in chunks of queries. No Python loop over requests or heads, and no host sync when
+    both are given: the CPU serving path runs it once per layer. num_kv_splits is accepted for
+    signature parity and unused (one softmax over all cells gives the split kernel's merged result)."""
     _check_inputs(q, arena_k, arena_v, qo_indptr, kv_indptr, num_kv_heads)
-    num_tokens, num_q_heads, _ = q.shape
+    num_tokens, num_q_heads, head_dim = q.shape
     group = num_q_heads // num_kv_heads
-    out = torch.zeros(num_tokens, num_q_heads, arena_v.shape[1], dtype=torch.float32, device=q.device)
+    num_requests = qo_indptr.numel() - 1
+    out = torch.zeros(num_tokens, num_q_heads, arena_v.shape[1], dtype=q.dtype, device=q.device)
     lse = torch.full((num_tokens, num_q_heads), float("-inf"), dtype=torch.float32, device=q.device)
-    qo_bounds = qo_indptr.tolist()
-    kv_bounds = kv_indptr.to("cpu", torch.int64)
-    cell_counts = (kv_bounds[1:] - kv_bounds[:-1]).view(-1, num_kv_heads)  # [B, H_kv]
-    for request, (q_start, q_end) in enumerate(zip(qo_bounds[:-1], qo_bounds[1:])):
-        max_cells = int(cell_counts[request].max())
-        if q_end == q_start or max_cells == 0:
-            continue
-        offsets = torch.arange(max_cells)
-        has_cell = offsets < cell_counts[request][:, None]  # [H_kv, max_cells]
-        first_entry = kv_bounds[request * num_kv_heads : (request + 1) * num_kv_heads]
-        entries = torch.where(has_cell, first_entry[:, None] + offsets, 0)  # padding reads entry 0, masked below
-        has_cell = has_cell.to(q.device)
-        cells = kv_indices[entries.to(q.device)].long()
-        keys = arena_k[cells].float()  # [H_kv, max_cells, D]
-        values = arena_v[cells].float()
-        queries = q[q_start:q_end].float().view(-1, num_kv_heads, group, q.shape[2])  # [T, H_kv, G, D]
-        logits = torch.einsum("tkgd,kcd->tkgc", queries, keys) * sm_scale
-        logits = logits.masked_fill(~has_cell[None, :, None, :], float("-inf"))
-        request_lse = torch.logsumexp(logits, dim=-1)  # -inf for heads without cells
-        probs = torch.exp(logits - request_lse.masked_fill(request_lse == float("-inf"), 0.0)[..., None])
-        out[q_start:q_end] = torch.einsum("tkgc,kcd->tkgd", probs, values).reshape(q_end - q_start, num_q_heads, -1)
-        lse[q_start:q_end] = request_lse.reshape(q_end - q_start, num_q_heads)
-    return out.to(q.dtype), lse
+    if num_tokens == 0 or num_requests == 0 or kv_indices.numel() == 0:
+        return out, lse
+    device = q.device
+    qo_indptr, kv_indptr = qo_indptr.to(device, torch.int64), kv_indptr.to(device, torch.int64)
+    query_lengths = (qo_indptr[1:] - qo_indptr[:-1]).view(num_requests, 1)
+    cell_counts = (kv_indptr[1:] - kv_indptr[:-1]).view(num_requests, num_kv_heads, 1)
+    if max_q_len is None:
+        max_q_len = int(query_lengths.max())
+    if max_cells_per_sequence is None:
+        max_cells_per_sequence = int(cell_counts.max())
+    cell_offsets = torch.arange(max_cells_per_sequence, device=device)
+    has_cell = cell_offsets < cell_counts  # [B, H_kv, C]
+    entries = torch.where(has_cell, kv_indptr[:-1].view(num_requests, num_kv_heads, 1) + cell_offsets, 0)
+    cells = kv_indices[entries].long()  # padding reads entry 0, masked below
+    keys, values = arena_k[cells].float(), arena_v[cells].float()  # [B, H_kv, C, D]
+    for chunk_start in range(0, max_q_len, _TWIN_QUERY_CHUNK):
+        offsets = torch.arange(chunk_start, min(chunk_start + _TWIN_QUERY_CHUNK, max_q_len), device=device)
+        valid = offsets < query_lengths  # [B, T]
+        rows = torch.where(valid, qo_indptr[:-1].view(num_requests, 1) + offsets, 0)
+        queries = q[rows].float().view(num_requests, len(offsets), num_kv_heads, group, head_dim)
+        logits = torch.einsum("btkgd,bkcd->btkgc", queries, keys) * sm_scale
+        logits = logits.masked_fill(~has_cell[:, None, :, None, :], float("-inf"))
+        chunk_lse = torch.logsumexp(logits, dim=-1)  # [B, T, H_kv, G]; -inf for heads without cells
+        probs = torch.exp(logits - chunk_lse.masked_fill(chunk_lse == float("-inf"), 0.0)[..., None])
+        chunk_out = torch.einsum("btkgc,bkcd->btkgd", probs, values).reshape(num_requests, len(offsets), num_q_heads, -1)
+        out[rows[valid]] = chunk_out[valid].to(q.dtype)
+        lse[rows[valid]] = chunk_lse.reshape(num_requests, len(offsets), num_q_heads)[valid]
+    return out, lse

@@ -36,7 +36,7 @@ from sgl_kvevict.settings import ConfigError, help_of, settings_of
 DEFAULT_PORT = 30000
 DEFAULT_HOST = "127.0.0.1"
 # Our flags that are not EvictionConfig fields (those are the knobs, derived from the dataclass).
-ENGINE_FLAGS = ("--kv-evict-policy", "--kv-evict-scope", "--kv-evict-block-size")
+ENGINE_FLAGS = ("--kv-evict-policy", "--kv-evict-scope", "--kv-evict-block-size", "--kv-evict-per-request")
 
 
 @dataclass(frozen=True)
@@ -208,6 +208,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="TOKENS",
         help=f"tokens per block in block scope; must exceed the observation window (default {DEFAULT_BLOCK_SIZE})",
     )
+    evict.add_argument(
+        "--kv-evict-per-request",
+        action="store_const",
+        const=True,
+        help="let a request choose its own eviction options in SGLang's extra_key request field, e.g. "
+        "\"extra_key\": \"kvevict:policy=snapkv,budget=0.5\" (the --kv-evict-* option names); requests with "
+        "different options never share compressed nodes. For A/B experiments on one server (default off)",
+    )
     for knob in knob_fields():
         evict.add_argument(
             knob_flag(knob.name),
@@ -290,6 +298,6 @@ def serving_config(args: argparse.Namespace) -> ServingConfig:
         raise FlagError(f"--kv-evict-block-size {args.kv_evict_block_size}: only with --kv-evict-scope block")
     try:
         scope = Scope.parse(args.kv_evict_scope or RequestScope.name, args.kv_evict_block_size)
-        return ServingConfig(policy, options, scope=scope)
+        return ServingConfig(policy, options, scope=scope, per_request=bool(args.kv_evict_per_request))
     except ConfigError as error:
         raise FlagError(f"--kv-evict-*: {error}") from None

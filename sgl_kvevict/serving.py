@@ -25,6 +25,8 @@ class ServingConfig:
     """policy: a registered policy name or ``none`` (stock SGLang).
     eviction_options: the ``--kv-evict-<field>`` strings given besides the policy (``EvictionConfig``
         field names, dashes allowed).
+    per_request: requests may name their own eviction options in SGLang's ``extra_key`` request field
+        (``"kvevict:policy=snapkv,budget=0.5"``; ``engine.state.EngineState``).
     scope: which spans become compressed radix nodes (``sgl_kvevict.scope``). One scope per server:
         block scope does not also compress the tail after the last block in request scope. A block
         must hold more than the policy's window.
@@ -33,6 +35,7 @@ class ServingConfig:
     policy: str = NO_EVICTION
     eviction_options: Mapping[str, str] = field(default_factory=dict)
     scope: Scope = RequestScope()
+    per_request: bool = False
 
     def __post_init__(self):
         if self.policy == NO_EVICTION and self.eviction_options:
@@ -70,6 +73,7 @@ class ServingConfig:
                 "eviction_options": dict(self.eviction_options),
                 "scope": self.scope.name,
                 "block_size": getattr(self.scope, "block_size", None),
+                "per_request": self.per_request,
             }
         )
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -15,14 +17,32 @@ torch.set_num_threads(1)
 
 def pytest_collection_modifyitems(config, items):
     """Triton-interpreter tests run only in a process that has the interpreter on (their module's
-    driver test starts one); elsewhere they are deselected, so nothing is reported as skipped."""
+    driver test starts one), and the CUDA kernel tests (mark ``gpu``) only with ``KVEVICT_GPU_TESTS=1``;
+    elsewhere they are deselected, so nothing is reported as skipped."""
     from sgl_kvevict.kernels.runtime import TRITON_INTERPRETED
+    from test_kernels_support import GPU_TESTS_VARIABLE
 
-    excluded_mark = "triton_interpreter_driver" if TRITON_INTERPRETED else "triton_interpreter"
-    selected = [item for item in items if item.get_closest_marker(excluded_mark) is None]
+    excluded_marks = {"triton_interpreter_driver" if TRITON_INTERPRETED else "triton_interpreter"}
+    if os.environ.get(GPU_TESTS_VARIABLE) != "1":
+        excluded_marks.add("gpu")
+    selected = [item for item in items if not any(item.get_closest_marker(mark) for mark in excluded_marks)]
     if len(selected) != len(items):
         config.hook.pytest_deselected(items=[item for item in items if item not in selected])
         items[:] = selected
+
+
+def pytest_runtest_setup(item):
+    """A selected CUDA kernel test fails, never skips or passes, where it cannot run compiled on a GPU."""
+    if item.get_closest_marker("gpu") is None:
+        return
+    from sgl_kvevict.kernels.runtime import TRITON_INTERPRETED
+    from test_kernels_support import GPU_TESTS_VARIABLE
+
+    if TRITON_INTERPRETED:
+        pytest.fail("gpu tests check compiled kernels, but TRITON_INTERPRET=1 is set: unset it", pytrace=False)
+    if not torch.cuda.is_available():
+        message = f"{GPU_TESTS_VARIABLE}=1 selects the CUDA kernel tests, but torch sees no CUDA device"
+        pytest.fail(f"{message} (torch {torch.__version__}, CUDA build {torch.version.cuda})", pytrace=False)
 
 
 @pytest.fixture(scope="session")

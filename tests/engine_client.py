@@ -11,6 +11,7 @@ import urllib.request
 import torch
 
 from serving import RunningServer
+from sgl_kvevict.engine.state import REQUEST_OPTIONS_PREFIX
 
 # With a policy the launcher passes SGLang a shrunk --max-total-tokens, from which SGLang's CPU memory
 # profiling derives a negative --mem-fraction-static and refuses to start; an explicit one avoids it.
@@ -28,11 +29,22 @@ def stats(server: RunningServer) -> dict:
     return get(server, "/kvevict/stats")
 
 
-def generate(server: RunningServer, input_ids: list[int], max_new_tokens: int, rid: str | None = None) -> dict:
+def generate(
+    server: RunningServer, input_ids: list[int], max_new_tokens: int, rid: str | None = None, options: str | None = None
+) -> dict:
+    """Greedy ``/generate``; ``options``: the request's own eviction options (``--kv-evict-per-request``)."""
     payload = {"input_ids": input_ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}}
     if rid is not None:
         payload["rid"] = rid
+    if options is not None:
+        payload["extra_key"] = REQUEST_OPTIONS_PREFIX + options
     return server.post("/generate", payload)
+
+
+def request_options(config) -> str:
+    """The ``extra_key`` options that make a ``--kv-evict-per-request`` server serve ``config``'s policy."""
+    overrides = {"policy": config.policy, **({"budget": str(config.budget)} if config.budget is not None else {})}
+    return ",".join(f"{name}={value}" for name, value in overrides.items())
 
 
 def abort(server: RunningServer, rid: str) -> None:

@@ -29,9 +29,10 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E4
 
 from sgl_kvevict.engine.attention import KVEvictTorchBackend  # noqa: E402
 from sgl_kvevict.engine.batch import ForwardPlan, RequestSlice  # noqa: E402
-from sgl_kvevict.engine.segments import CompressedSegment, PathView  # noqa: E402
+from sgl_kvevict.engine.cells import CellSpace  # noqa: E402
+from sgl_kvevict.engine.segments import CompressedSegment, PathView, ranges_to_positions  # noqa: E402
 
-NUM_LAYERS, HEAD_DIM, NUM_SLOTS, CELLS_PER_LAYER = 2, 16, 256, 128
+NUM_LAYERS, HEAD_DIM, NUM_SLOTS = 2, 16, 256
 
 
 @pytest.fixture
@@ -67,16 +68,15 @@ DECODE = tuple(RequestSpec(spec.seq_len + 1, 1, spec.spans) for spec in EXTEND)
 
 
 class KVPool:
-    """The ``token_to_kv_pool`` surface the backends use: per-layer ``[slots, H_kv, D]`` buffers."""
+    """The ``token_to_kv_pool`` surface the backends use: per-layer ``[slots, H_kv, D]`` buffers, views of one
+    allocation as the engine's pool makes them (so compressed cells live in the same memory)."""
 
     def __init__(self, num_kv_heads: int, dtype: torch.dtype, generator: torch.Generator):
-        def buffers():
-            shape = (NUM_SLOTS, num_kv_heads, HEAD_DIM)
-            return [torch.randn(shape, generator=generator).to(dtype) for _ in range(NUM_LAYERS)]
-
-        self.k_buffer, self.v_buffer = buffers(), buffers()
-        for buffer in (*self.k_buffer, *self.v_buffer):
-            buffer[0] = float("nan")  # the placeholder slot of compressed positions: must never be read
+        storage = torch.randn(NUM_LAYERS, 2, NUM_SLOTS, num_kv_heads, HEAD_DIM, generator=generator).to(dtype)
+        storage[:, :, 0] = float("nan")  # the placeholder slot of compressed positions: must never be read
+        self.k_buffer = [storage[layer, 0] for layer in range(NUM_LAYERS)]
+        self.v_buffer = [storage[layer, 1] for layer in range(NUM_LAYERS)]
+        self.dtype = dtype
 
     def get_key_buffer(self, layer_id):
         return self.k_buffer[layer_id]
@@ -98,48 +98,48 @@ class Scenario:
     plan: ForwardPlan
     forward_batch: SimpleNamespace
     pool: KVPool
+    space: CellSpace
     req_to_token: torch.Tensor
-    arena: SimpleNamespace
     specs: tuple
     q: torch.Tensor  # [N, H_q * D]
     k: torch.Tensor  # [N, H_kv * D]
     v: torch.Tensor
 
 
+def compressed_segment(start: int, end: int, counts, free_cells: list[int], generator) -> CompressedSegment:
+    """A segment keeping ``counts[layer][head]`` positions of ``[start, end)``, stored in cells taken from
+    ``free_cells`` (cells of slots no dense position uses)."""
+    positions = [
+        start + torch.randperm(end - start, generator=generator)[:count].sort().values
+        for layer_counts in counts
+        for count in layer_counts
+    ]  # kept positions per (layer, head), ascending (attention does not depend on them: RoPE is in the keys)
+    segment = CompressedSegment(start, end - start, torch.tensor(counts), torch.cat(positions))
+    segment.cells = torch.tensor([free_cells.pop() for _ in range(segment.num_cells)], dtype=torch.int64)
+    return segment
+
+
 def build_scenario(specs, mode: ForwardMode, num_kv_heads: int, group: int, dtype=torch.float32, seed=0) -> Scenario:
     generator = torch.Generator().manual_seed(seed)
     pool = KVPool(num_kv_heads, dtype, generator)
-    arena = SimpleNamespace(
-        k=[torch.randn(CELLS_PER_LAYER, HEAD_DIM, generator=generator).to(dtype) for _ in range(NUM_LAYERS)],
-        v=[torch.randn(CELLS_PER_LAYER, HEAD_DIM, generator=generator).to(dtype) for _ in range(NUM_LAYERS)],
-    )
-    free_slots = (torch.randperm(NUM_SLOTS - 1, generator=generator) + 1).tolist()
-    free_cells = [torch.randperm(CELLS_PER_LAYER, generator=generator).tolist() for _ in range(NUM_LAYERS)]
+    space = CellSpace.of_buffers(pool.k_buffer, pool.v_buffer)
+    slots = (torch.randperm(NUM_SLOTS - 1, generator=generator) + 1).tolist()
+    free_slots, cell_slots = slots[: NUM_SLOTS // 2], torch.tensor(slots[NUM_SLOTS // 2 :])
+    free_cells = space.cells_of_slots(cell_slots).flatten()[torch.randperm(len(cell_slots) * space.cells_per_slot, generator=generator)].tolist()
     req_to_token = torch.zeros(len(specs) + 1, 64, dtype=torch.int32)
     requests, q_start, out_cache_loc = [], 0, []
     for index, spec in enumerate(specs):
         row = index + 1  # row 0 unused: rows are not batch indices
-        segments = []
-        for start, end, two_head_counts in spec.spans:
-            counts = [[heads[h % 2] for h in range(num_kv_heads)] for heads in two_head_counts]  # cycled
-            cells = tuple(
-                torch.tensor([free_cells[layer].pop() for _ in range(sum(counts[layer]))], dtype=torch.int64)
-                for layer in range(NUM_LAYERS)
-            )
-            head_indptr = tuple(torch.tensor((0, *counts[layer])).cumsum(0) for layer in range(NUM_LAYERS))
-            positions = tuple(
-                torch.cat([
-                    start + torch.randperm(end - start, generator=generator)[:count].sort().values
-                    for count in counts[layer]
-                ])
-                for layer in range(NUM_LAYERS)
-            )  # kept positions per head, ascending (attention does not depend on them: RoPE is in the keys)
-            segments.append(CompressedSegment(start, end - start, cells, head_indptr, positions))
-        view = PathView.of(segments, NUM_LAYERS, num_kv_heads) if segments else None
-        dense = torch.arange(spec.seq_len) if view is None else view.dense_positions(spec.seq_len, torch.device("cpu"))
+        segments = [
+            compressed_segment(start, end, [[heads[h % 2] for h in range(num_kv_heads)] for heads in two_head_counts], free_cells, generator)
+            for start, end, two_head_counts in spec.spans
+        ]  # fmt: skip
+        view = PathView.of(segments, torch.device("cpu")) if segments else None
+        request = RequestSlice(index, q_start, q_start + spec.num_queries, spec.seq_len, row, view)
+        dense = ranges_to_positions(request.dense_ranges(), torch.device("cpu"))
         req_to_token[row, dense] = torch.tensor([free_slots.pop() for _ in range(len(dense))], dtype=torch.int32)
         out_cache_loc.append(req_to_token[row, spec.seq_len - spec.num_queries : spec.seq_len])
-        requests.append(RequestSlice(index, q_start, q_start + spec.num_queries, spec.seq_len, row, view))
+        requests.append(request)
         q_start += spec.num_queries
     num_tokens = q_start
     num_q_heads = num_kv_heads * group
@@ -157,9 +157,11 @@ def build_scenario(specs, mode: ForwardMode, num_kv_heads: int, group: int, dtyp
         extend_prefix_lens=seq_lens - extend_lens,
         extend_seq_lens=extend_lens,
     )
-    plan = ForwardPlan(SimpleNamespace(arena=arena), requests, [])
+    engine = SimpleNamespace(arena=SimpleNamespace(space=space), cell_batch_cache=((), None))
+    plan = ForwardPlan(engine, mode.is_decode(), requests, [])
+    plan._describe_compressed(torch.device("cpu"), req_to_token)
     q, k, v = tokens(num_q_heads), tokens(num_kv_heads), tokens(num_kv_heads)
-    return Scenario(plan, forward_batch, pool, req_to_token, arena, specs, q, k, v)
+    return Scenario(plan, forward_batch, pool, space, req_to_token, specs, q, k, v)
 
 
 def layer_of(layer_id: int, num_kv_heads: int, group: int):
@@ -170,13 +172,17 @@ def layer_of(layer_id: int, num_kv_heads: int, group: int):
     )  # fmt: skip
 
 
-def make_flashinfer_backend(module, scenario: Scenario):
+def make_flashinfer_backend(module, scenario: Scenario, num_kv_heads: int = 2, group: int = 2):
     """The backend without ``FlashInferAttnBackend.__init__`` (CUDA only): the attributes its segment path reads."""
     backend = module.backend.KVEvictFlashInferBackend.__new__(module.backend.KVEvictFlashInferBackend)
     backend.req_to_token_pool = SimpleNamespace(req_to_token=scenario.req_to_token)
     backend.token_to_kv_pool = scenario.pool
     workspace = torch.empty(1 << 20, dtype=torch.uint8)
     backend.prefill_wrappers_paged = [module.fake.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")]
+    layer = layer_of(0, num_kv_heads, group)
+    backend._shape = module.backend.AttentionShape(
+        layer.tp_q_head_num, num_kv_heads, HEAD_DIM, HEAD_DIM, layer.scaling, scenario.pool.dtype, scenario.pool.dtype
+    )
     return backend
 
 
@@ -187,28 +193,29 @@ def run_backend(backend, scenario: Scenario, layer) -> torch.Tensor:
 
 
 def naive_attention(scenario: Scenario, layer) -> torch.Tensor:
-    """float64, per request and query head: softmax over its KV head's arena cells (always visible)
-    and its dense positions up to the query's (the forward's own K/V already written)."""
+    """float64, per request and query head: softmax over its KV head's cells (always visible) and its
+    dense positions up to the query's (the forward's own K/V already written)."""
     num_q_heads, num_kv_heads = layer.tp_q_head_num, layer.tp_k_head_num
     group = num_q_heads // num_kv_heads
     queries = scenario.q.view(-1, num_q_heads, HEAD_DIM).double()
     k_cache, v_cache = (buffer.double() for buffer in scenario.pool.get_kv_buffer(layer.layer_id))
-    arena_k, arena_v = scenario.arena.k[layer.layer_id].double(), scenario.arena.v[layer.layer_id].double()
+    cells_k, cells_v = scenario.space.k_rows.double(), scenario.space.v_rows.double()
     out = torch.zeros_like(queries)
     for request in scenario.plan.requests:
-        positions = request.dense_positions(torch.device("cpu"))
+        positions = ranges_to_positions(request.dense_ranges(), torch.device("cpu"))
         slots = scenario.req_to_token[request.row, positions].long()
-        query_positions = request.query_positions(torch.device("cpu"))
+        query_positions = torch.arange(request.first_query_position, request.seq_len)
         for token, query_position in zip(range(request.q_start, request.q_end), query_positions):
             visible = slots[positions <= query_position]
             for head in range(num_q_heads):
                 kv_head = head // group
                 keys, values = k_cache[visible, kv_head], v_cache[visible, kv_head]
                 if request.view is not None:
-                    counts = request.view.head_counts[layer.layer_id]
-                    start = int(counts[:kv_head].sum())
-                    cells = request.view.cells[layer.layer_id][start : start + int(counts[kv_head])]
-                    keys, values = torch.cat([arena_k[cells], keys]), torch.cat([arena_v[cells], values])
+                    view = request.view
+                    layer_start = view.layer_offsets[layer.layer_id]
+                    start = layer_start + int(view.counts[layer.layer_id, :kv_head].sum())
+                    cells = view.cells[start : start + int(view.counts[layer.layer_id, kv_head])]
+                    keys, values = torch.cat([cells_k[cells], keys]), torch.cat([cells_v[cells], values])
                 probs = torch.softmax(keys @ queries[token, head] * layer.scaling, dim=0)
                 out[token, head] = probs @ values
     return out.view(-1, num_q_heads * HEAD_DIM)
@@ -233,7 +240,7 @@ GQA = [pytest.param(2, 2, id="kv2-g2"), pytest.param(1, 3, id="kv1-g3"), pytest.
 def test_mixed_batch_matches_cpu_backend_and_naive_attention(flashinfer_module, specs, mode, num_kv_heads, group):
     flash = build_scenario(specs, mode, num_kv_heads, group)
     cpu = build_scenario(specs, mode, num_kv_heads, group)
-    backend = make_flashinfer_backend(flashinfer_module, flash)
+    backend = make_flashinfer_backend(flashinfer_module, flash, num_kv_heads, group)
     backend._init_segment_metadata(flash.forward_batch, flash.plan)
     cpu_backend = torch_backend(cpu)
     for layer_id in range(NUM_LAYERS):  # the layers keep different cells per head

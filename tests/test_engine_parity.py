@@ -1,9 +1,11 @@
-"""Parity of the SGLang engine with the HF reference engine, one real server per policy (tiny fp32 model).
+"""Parity of the SGLang engine with the HF reference engine, every policy on one real server (tiny fp32 model).
 
-For the same prompt and policy the server keeps exactly the positions the reference keeps per
-(layer, KV head) (read from the server's plan dumps), decodes the same greedy tokens over its
-compressed + dense attention, holds exactly the planned cells in its arena within the budget, and
-gives every cell and slot back on /flush_cache.
+The server runs with ``--kv-evict-per-request``: each case's requests name their policy in SGLang's
+``extra_key`` field, so one server start serves every policy (each policy's nodes live in their own
+subtree). For the same prompt and policy the server keeps exactly the positions the reference keeps
+per (layer, KV head) (read from the server's plan dumps), decodes the same greedy tokens over its
+compressed + dense attention, holds exactly the planned cells within the budget, and gives every cell
+and slot back on /flush_cache.
 """
 
 from __future__ import annotations
@@ -13,7 +15,15 @@ import random
 import pytest
 import torch
 
-from engine_client import TINY_SERVER_FLAGS, assert_no_leak_after_flush, assert_same_plan, assert_strict_idle_check_passed, generate, stats
+from engine_client import (
+    TINY_SERVER_FLAGS,
+    assert_no_leak_after_flush,
+    assert_same_plan,
+    assert_strict_idle_check_passed,
+    generate,
+    request_options,
+    stats,
+)
 from serving import running_server
 from sgl_kvevict.config import EvictionConfig, build_policy
 from sgl_kvevict.engine.state import PLAN_DUMP_ENV
@@ -42,30 +52,40 @@ def compressed_cells(plan, window: int) -> int:
     return sum(int((layer.kept_positions < plan.segment_end - window).sum()) for layer in plan.layers)
 
 
+@pytest.fixture(scope="module")
+def dump_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("plans")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir, tmp_path_factory, dump_dir):
+    flags = ("--kv-evict-policy", "snapkv", "--kv-evict-per-request", "--max-total-tokens", "4096", *TINY_SERVER_FLAGS)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(PLAN_DUMP_ENV, str(dump_dir))
+        with running_server(tiny_llama_dir, tmp_path_factory.mktemp("parity"), *flags) as running:
+            yield running
+            assert_strict_idle_check_passed(running)
+
+
 @pytest.mark.parametrize("policy", registered_policies())
-def test_server_keeps_what_the_reference_keeps(policy, tiny_llama_dir, reference, tmp_path, monkeypatch):
-    dump_dir = tmp_path / "plans"
-    monkeypatch.setenv(PLAN_DUMP_ENV, str(dump_dir))
+def test_server_keeps_what_the_reference_keeps(policy, server, reference, dump_dir):
     config = EvictionConfig.for_policy(policy)
-    flags = ("--kv-evict-policy", policy, "--max-total-tokens", "4096", *TINY_SERVER_FLAGS)
-    with running_server(tiny_llama_dir, tmp_path, *flags) as server:
-        for index, length in enumerate(PROMPT_LENGTHS):
-            prompt = random_prompt(length, seed=index)
-            rid = f"{policy}-{index}"
-            response = generate(server, prompt, MAX_NEW_TOKENS, rid=rid)
-            expected = reference.generate(prompt, build_policy(config), max_new_tokens=MAX_NEW_TOKENS)
-            (reference_plan,) = expected.plans
+    for index, length in enumerate(PROMPT_LENGTHS):
+        prompt = random_prompt(length, seed=index)
+        rid = f"{policy}-{index}"
+        response = generate(server, prompt, MAX_NEW_TOKENS, rid=rid, options=request_options(config))
+        expected = reference.generate(prompt, build_policy(config), max_new_tokens=MAX_NEW_TOKENS)
+        (reference_plan,) = expected.plans
 
-            assert_same_plan(torch.load(dump_dir / f"{rid}.pt"), reference_plan)
-            assert tuple(response["output_ids"]) == expected.output_ids
+        assert_same_plan(torch.load(dump_dir / f"{rid}.pt"), reference_plan)
+        assert tuple(response["output_ids"]) == expected.output_ids
 
-            during = stats(server)
-            evicted = reference_plan.total_kept() < length * reference.num_layers * reference.num_kv_heads
-            assert during["compressed_nodes"] == int(evicted)
-            assert during["arena_cells_used"] == during["kept_cells"]
-            assert during["kept_cells"] == (compressed_cells(reference_plan, config.window) if evicted else 0)
-            if config.budget is not None:
-                per_head = max(config.budget.per_head(length), config.window)
-                assert reference_plan.total_kept() <= per_head * reference.num_layers * reference.num_kv_heads
-            assert_no_leak_after_flush(server)
-        assert_strict_idle_check_passed(server)
+        during = stats(server)
+        evicted = reference_plan.total_kept() < length * reference.num_layers * reference.num_kv_heads
+        assert during["compressed_nodes"] == int(evicted)
+        assert during["arena_cells_used"] == during["kept_cells"]
+        assert during["kept_cells"] == (compressed_cells(reference_plan, config.window) if evicted else 0)
+        if config.budget is not None:
+            per_head = max(config.budget.per_head(length), config.window)
+            assert reference_plan.total_kept() <= per_head * reference.num_layers * reference.num_kv_heads
+        assert_no_leak_after_flush(server)

@@ -1,7 +1,8 @@
 """Parity of the SGLang engine with the HF reference engine on SmolLM2 pass-key prompts, per policy.
 
-For every registered policy (and SnapKV with the OBCache joint score), one real fp32 server answers
-chat-template pass-key prompts of about 600 tokens, sent as the token ids the reference engine built
+For every registered policy (and SnapKV with the OBCache joint score), one real fp32 server (every
+policy on it, chosen per request with ``--kv-evict-per-request``) answers chat-template pass-key
+prompts of about 600 tokens, sent as the token ids the reference engine built
 (``ReferenceEngine.chat_prompt``), so both sides see identical ids. In request scope the server
 compresses the whole single-turn prompt with its observation window at the end, which is the
 reference's question-aware mode. The server's greedy tokens must equal the reference's, and the
@@ -32,14 +33,32 @@ CONTEXT_TOKENS = 560
 MAX_NEW_TOKENS = 8
 # Every registered policy at its defaults (budget 0.25 where one applies), plus an OBCache score.
 CASES = [(policy, ()) for policy in registered_policies()] + [("snapkv", (("score", "obc-joint"),))]
-# A server start dominates each case (~45 s idle, ~100 s on a loaded 2-core machine), so the cheap
-# baselines answer the first prompt only and the four papers' methods both.
-PAPER_CASES = {"lava", "ada-snapkv", "dbudget", "snapkv-obc-joint"}
+# One server serves every case (--kv-evict-per-request); each case answers both prompts.
 
 
 def case_id(case) -> str:
     policy, overrides = case
     return "-".join([policy, *(value for _, value in overrides)])
+
+
+def case_options(case) -> str:
+    policy, overrides = case
+    return ",".join(f"{key}={value}" for key, value in (("policy", policy), *overrides))
+
+
+@pytest.fixture(scope="module")
+def dump_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("plans")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, dump_dir):
+    flags = ("--kv-evict-policy", "snapkv", "--kv-evict-per-request", "--max-total-tokens", "8192", *TINY_SERVER_FLAGS)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(PLAN_DUMP_ENV, str(dump_dir))
+        with running_server("smollm2", tmp_path_factory.mktemp("smollm2-parity"), *flags) as running:
+            yield running
+            assert_strict_idle_check_passed(running)
 
 
 @pytest.fixture(scope="module")
@@ -93,24 +112,16 @@ def mismatch_report(reference, prompt, config, served: tuple[int, ...], expected
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_smollm2_passkey_greedy_parity(case, reference, prompts, tmp_path, monkeypatch):
+def test_smollm2_passkey_greedy_parity(case, server, reference, prompts, dump_dir):
     policy, overrides = case
-    dump_dir = tmp_path / "plans"
-    monkeypatch.setenv(PLAN_DUMP_ENV, str(dump_dir))
     config = EvictionConfig.for_policy(policy, **dict(overrides))
-    override_flags = [arg for key, value in overrides for arg in (f"--kv-evict-{key}", value)]
-    flags = ("--kv-evict-policy", policy, *override_flags, "--max-total-tokens", "8192", *TINY_SERVER_FLAGS)
-    with running_server("smollm2", tmp_path, *flags) as server:
-        for index, prompt in enumerate(prompts if case_id(case) in PAPER_CASES else prompts[:1]):
-            rid = f"{case_id(case)}-{index}"
-            response = generate(server, list(prompt.token_ids), MAX_NEW_TOKENS, rid=rid)
-            assert response["meta_info"]["prompt_tokens"] == len(prompt)
-            expected = reference.generate(prompt, build_policy(config), Mode.QUESTION_AWARE, MAX_NEW_TOKENS)
-            (reference_plan,) = expected.plans
-            assert_same_plan(torch.load(dump_dir / f"{rid}.pt"), reference_plan)
-            served = tuple(response["output_ids"])
-            assert served == expected.output_ids, mismatch_report(
-                reference, prompt, config, served, expected.output_ids
-            )
-            assert_no_leak_after_flush(server)
-        assert_strict_idle_check_passed(server)
+    for index, prompt in enumerate(prompts):
+        rid = f"{case_id(case)}-{index}"
+        response = generate(server, list(prompt.token_ids), MAX_NEW_TOKENS, rid=rid, options=case_options(case))
+        assert response["meta_info"]["prompt_tokens"] == len(prompt)
+        expected = reference.generate(prompt, build_policy(config), Mode.QUESTION_AWARE, MAX_NEW_TOKENS)
+        (reference_plan,) = expected.plans
+        assert_same_plan(torch.load(dump_dir / f"{rid}.pt"), reference_plan)
+        served = tuple(response["output_ids"])
+        assert served == expected.output_ids, mismatch_report(reference, prompt, config, served, expected.output_ids)
+        assert_no_leak_after_flush(server)

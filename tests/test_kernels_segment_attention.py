@@ -3,14 +3,27 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import pytest
 import torch
-from test_kernels_support import DTYPES, TOLERANCE, assert_close, interpreter_process_test, requires_interpreter
+from test_kernels_support import (
+    DTYPES,
+    TOLERANCE,
+    assert_close,
+    interpreter_process_test,
+    no_host_sync,
+    on_kernel_devices,
+    requires_interpreter,
+)
 
-from sgl_kvevict.kernels.merge_states import merge_attention_states_torch, merge_attention_states_triton
-from sgl_kvevict.kernels.segment_attention import segment_attention_torch, segment_attention_triton
+from sgl_kvevict.kernels.merge_states import (
+    merge_attention_states_torch,
+    merge_attention_states_triton,
+    merge_split_states_triton,
+)
+from sgl_kvevict.kernels.segment_attention import kv_splits, segment_attention_torch, segment_attention_triton
 
 test_in_interpreter_process = interpreter_process_test(__file__)
 
@@ -36,10 +49,14 @@ BATCHES = [
     Batch(num_kv_heads=4, group=1, head_dim=64, q_lens=(2, 3), cell_counts=((0, 17, 2, 9), (20, 1, 0, 6))),
     # G = 8: 8 query tokens per program, so 9 tokens take two programs
     Batch(num_kv_heads=1, group=8, head_dim=128, q_lens=(1, 9), cell_counts=((70,), (2,))),
+    # G = 2 decode over long and uneven sequences: several blocks per split, splits of uneven size
+    Batch(num_kv_heads=3, group=2, head_dim=64, q_lens=(1, 1), cell_counts=((300, 0, 1), (97, 64, 33))),
 ]
+# Cell splits per sequence: none; 3 (uneven, e.g. 33 cells -> 32 + 1 + 0); 8 (most splits empty).
+KV_SPLITS = [1, 3, 8]
 
 
-def make_batch(batch: Batch, dtype: torch.dtype, seed: int = 0):
+def make_batch(batch: Batch, dtype: torch.dtype, seed: int = 0, device: str = "cpu"):
     """q ``[N, H_q, D]``, arena ``[cells, D]``, qo_indptr ``[B + 1]``, kv_indptr ``[B * H_kv + 1]``, kv_indices."""
     generator = torch.Generator().manual_seed(seed)
     counts = torch.tensor(batch.cell_counts).flatten()
@@ -51,11 +68,15 @@ def make_batch(batch: Batch, dtype: torch.dtype, seed: int = 0):
     arena_v = torch.randn(num_cells, batch.head_dim, generator=generator).to(dtype)
     num_q_heads = batch.num_kv_heads * batch.group
     q = torch.randn(sum(batch.q_lens), num_q_heads, batch.head_dim, generator=generator).to(dtype)
-    return q, arena_k, arena_v, qo_indptr, kv_indptr, kv_indices, batch.num_kv_heads, 1 / math.sqrt(batch.head_dim)
+    tensors = (t.to(device) for t in (q, arena_k, arena_v, qo_indptr, kv_indptr, kv_indices))
+    return *tensors, batch.num_kv_heads, 1 / math.sqrt(batch.head_dim)
 
 
 def naive_segment_attention(q, arena_k, arena_v, qo_indptr, kv_indptr, kv_indices, num_kv_heads, sm_scale):
     """Per query token and head, softmax over its (request, KV head) cells in float64."""
+    q, arena_k, arena_v, qo_indptr, kv_indptr, kv_indices = (
+        t.cpu() for t in (q, arena_k, arena_v, qo_indptr, kv_indptr, kv_indices)
+    )
     num_tokens, num_q_heads, _ = q.shape
     group = num_q_heads // num_kv_heads
     out = torch.zeros(num_tokens, num_q_heads, arena_v.shape[1], dtype=torch.float64)
@@ -80,37 +101,87 @@ def assert_attention_close(actual, expected, dtype: torch.dtype) -> None:
     assert_close(actual[1], expected[1], fp32_math)
 
 
-@requires_interpreter
+@on_kernel_devices
+@pytest.mark.parametrize("num_kv_splits", KV_SPLITS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("batch", BATCHES, ids=str)
-def test_segment_attention_matches_twin_and_naive(batch: Batch, dtype: torch.dtype):
-    inputs = make_batch(batch, dtype)
-    out, lse = segment_attention_triton(*inputs)
+def test_segment_attention_matches_twin_and_naive(batch: Batch, dtype: torch.dtype, num_kv_splits: int, device: str):
+    inputs = make_batch(batch, dtype, device=device)
+    out, lse = segment_attention_triton(*inputs, max_q_len=max(batch.q_lens), num_kv_splits=num_kv_splits)
+    assert out.device.type == lse.device.type == device
     assert_attention_close((out, lse), segment_attention_torch(*inputs), dtype)
     assert_attention_close((out, lse), naive_segment_attention(*inputs), dtype)
 
 
-@requires_interpreter
-def test_empty_sequences_give_zero_output_and_minus_inf_lse():
+@on_kernel_devices
+@pytest.mark.parametrize("num_kv_splits", KV_SPLITS)
+def test_empty_sequences_give_zero_output_and_minus_inf_lse(num_kv_splits: int, device: str):
+    """Heads without cells, whole requests without cells, and (split) partials of empty splits: no NaN."""
     batch = BATCHES[0]
-    out, lse = segment_attention_triton(*make_batch(batch, torch.float16))
+    out, lse = segment_attention_triton(*make_batch(batch, torch.float16, device=device), num_kv_splits=num_kv_splits)
+    out, lse = out.cpu(), lse.cpu()
     # token r belongs to request r (decode); query heads 4..7 belong to KV head 1
     empty = torch.tensor(batch.cell_counts).repeat_interleave(batch.group, dim=1) == 0  # [B, H_q]
     assert torch.all(lse[empty] == float("-inf")) and torch.all(out[empty] == 0)
     assert torch.all(lse[~empty].isfinite()) and torch.all(out.isfinite())
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("max_cells_per_sequence", [None, 4096])
+def test_no_host_sync_on_cuda(max_cells_per_sequence: int | None):
+    """With ``max_q_len`` and the cell bound given as host ints, decode (split or not) and the merge
+    never make the host wait for the GPU (the first call compiles, outside the check)."""
+    batch = Batch(num_kv_heads=2, group=4, head_dim=128, q_lens=(1,), cell_counts=((3000, 700),))
+    inputs = make_batch(batch, torch.bfloat16, device="cuda")
+    attention = functools.partial(
+        segment_attention_triton, *inputs, max_q_len=1, max_cells_per_sequence=max_cells_per_sequence
+    )
+    out, lse = attention()
+    with no_host_sync():
+        attention()
+        merge_attention_states_triton(out, lse, out, lse)
+
+
+def test_kv_splits_fill_the_gpu_only_where_sequences_are_long_and_few():
+    assert kv_splits(num_programs=8, max_cells_per_sequence=32768) == 32  # batch 1, 8 KV heads: 256 programs
+    assert kv_splits(num_programs=8, max_cells_per_sequence=2048) == 8  # splits of >= 256 cells
+    assert kv_splits(num_programs=256, max_cells_per_sequence=32768) == 1  # batch 32 fills the GPU already
+    assert kv_splits(num_programs=8, max_cells_per_sequence=300) == 1  # too short to pay for a merge
+    assert kv_splits(num_programs=8, max_cells_per_sequence=None) == 1  # no host bound: no split
+
+
 @requires_interpreter
-def test_strided_queries_and_given_max_q_len():
-    """Queries as a view of a fused [N, H_q + 2 H_kv, D] qkv tensor, as attention backends receive them."""
+def test_max_cells_per_sequence_selects_the_split_path():
+    """A caller's cell bound alone splits a long single-sequence decode, with the naive result."""
+    batch = Batch(num_kv_heads=1, group=4, head_dim=64, q_lens=(1,), cell_counts=((700,),))
+    inputs = make_batch(batch, torch.float32, seed=5)
+    assert kv_splits(num_programs=1, max_cells_per_sequence=700) == 2
+    actual = segment_attention_triton(*inputs, max_q_len=1, max_cells_per_sequence=700)
+    assert_attention_close(actual, naive_segment_attention(*inputs), torch.float32)
+
+
+@on_kernel_devices
+@pytest.mark.parametrize("num_kv_splits", [1, 2])
+def test_strided_queries_and_arena_rows(num_kv_splits: int, device: str):
+    """Queries as a view of a fused [N, H_q + 2 H_kv, D] qkv tensor, as attention backends receive them,
+    and arena rows that are slices of wider rows (a row stride other than D), int64 cell ids."""
     batch = BATCHES[1]
-    q, *rest = make_batch(batch, torch.float32)
-    qkv = torch.randn(q.shape[0], q.shape[1] + 2 * batch.num_kv_heads, batch.head_dim)
+    q, arena_k, arena_v, qo_indptr, kv_indptr, kv_indices, *rest = make_batch(batch, torch.float32, device=device)
+    qkv = torch.randn(q.shape[0], q.shape[1] + 2 * batch.num_kv_heads, batch.head_dim, device=device)
     qkv[:, : q.shape[1]] = q
     strided_q = qkv[:, : q.shape[1]]
-    assert not strided_q.is_contiguous()
-    actual = segment_attention_triton(strided_q, *rest, max_q_len=max(batch.q_lens))
-    assert_attention_close(actual, segment_attention_torch(q, *rest), torch.float32)
+    wide_k, wide_v = (
+        torch.full((t.shape[0], t.shape[1] + 16), float("nan"), device=device) for t in (arena_k, arena_v)
+    )
+    wide_k[:, 8 : 8 + batch.head_dim], wide_v[:, 8 : 8 + batch.head_dim] = arena_k, arena_v
+    strided_k, strided_v = wide_k[:, 8 : 8 + batch.head_dim], wide_v[:, 8 : 8 + batch.head_dim]
+    assert not any(t.is_contiguous() for t in (strided_q, strided_k, strided_v))
+    actual = segment_attention_triton(
+        strided_q, strided_k, strided_v, qo_indptr, kv_indptr, kv_indices.long(), *rest,
+        max_q_len=max(batch.q_lens), num_kv_splits=num_kv_splits,
+    )  # fmt: skip
+    expected = segment_attention_torch(q, arena_k, arena_v, qo_indptr, kv_indptr, kv_indices, *rest)
+    assert_attention_close(actual, expected, torch.float32)
 
 
 def random_states(num_tokens: int, num_heads: int, head_dim: int, dtype: torch.dtype, generator: torch.Generator):
@@ -123,34 +194,63 @@ def random_states(num_tokens: int, num_heads: int, head_dim: int, dtype: torch.d
     return out_a, lse_a, out_b, lse_b
 
 
-def naive_merge(out_a, lse_a, out_b, lse_b):
-    """Float64, element by element, the two-term softmax-weighted sum."""
-    out = torch.zeros(out_a.shape, dtype=torch.float64)
-    lse = torch.full(lse_a.shape, float("-inf"), dtype=torch.float64)
-    for token in range(out_a.shape[0]):
-        for head in range(out_a.shape[1]):
-            both = ((out_a[token, head], float(lse_a[token, head])), (out_b[token, head], float(lse_b[token, head])))
-            sides = [(o, s) for o, s in both if s != float("-inf")]
-            if not sides:
+def naive_merge(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float64, element by element, the softmax-weighted sum of the states whose lse is finite."""
+    out = torch.zeros(outs[0].shape, dtype=torch.float64)
+    lse = torch.full(lses[0].shape, float("-inf"), dtype=torch.float64)
+    for token in range(out.shape[0]):
+        for head in range(out.shape[1]):
+            states = [(o[token, head].cpu(), float(s[token, head])) for o, s in zip(outs, lses)]
+            nonempty = [(o, s) for o, s in states if s != float("-inf")]
+            if not nonempty:
                 continue
-            total = math.log(sum(math.exp(s) for _, s in sides))
+            total = math.log(sum(math.exp(s) for _, s in nonempty))
             lse[token, head] = total
-            out[token, head] = sum(o.double() * math.exp(s - total) for o, s in sides)
+            out[token, head] = sum(o.double() * math.exp(s - total) for o, s in nonempty)
     return out, lse
 
 
-@requires_interpreter
+@on_kernel_devices
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("num_tokens, num_heads, head_dim", [(5, 3, 64), (4, 8, 128), (3, 1, 64)])
-def test_merge_matches_twin_and_naive(num_tokens: int, num_heads: int, head_dim: int, dtype: torch.dtype):
-    states = random_states(num_tokens, num_heads, head_dim, dtype, torch.Generator().manual_seed(num_tokens))
+def test_merge_matches_twin_and_naive(num_tokens: int, num_heads: int, head_dim: int, dtype: torch.dtype, device: str):
+    generator = torch.Generator().manual_seed(num_tokens)
+    states = [t.to(device) for t in random_states(num_tokens, num_heads, head_dim, dtype, generator)]
     out, lse = merge_attention_states_triton(*states)
     assert out.dtype == dtype and lse.dtype == torch.float32
-    assert torch.equal(lse[2], torch.full((num_heads,), float("-inf"))) and torch.all(out[2] == 0)
+    assert torch.equal(lse[2].cpu(), torch.full((num_heads,), float("-inf"))) and torch.all(out[2] == 0)
     fp32_math, rounded_output = TOLERANCE[dtype]
-    for expected in (merge_attention_states_torch(*states), naive_merge(*states)):
+    for expected in (merge_attention_states_torch(*states), naive_merge(states[0::2], states[1::2])):
         assert_close(out, expected[0], rounded_output)
         assert_close(lse, expected[1], fp32_math)
+
+
+@on_kernel_devices
+@pytest.mark.parametrize("out_dtype", DTYPES, ids=str)
+def test_merge_of_splits_matches_naive_and_the_pairwise_merge(out_dtype: torch.dtype, device: str):
+    """fp32 partials of 5 splits: two empty splits (NaN outputs, ignored), a row no split holds."""
+    generator = torch.Generator().manual_seed(7)
+    num_splits, num_tokens, num_heads, head_dim = 5, 4, 3, 64
+    partial_out = torch.randn(num_splits, num_tokens, num_heads, head_dim, generator=generator)
+    partial_lse = 3 * torch.randn(num_splits, num_tokens, num_heads, generator=generator)
+    partial_lse[1:3] = float("-inf")
+    partial_out[1] = float("nan")
+    partial_lse[:, 0, 0] = float("-inf")
+    partial_out, partial_lse = partial_out.to(device), partial_lse.to(device)
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=out_dtype, device=device)
+    lse = torch.empty(num_tokens, num_heads, device=device)
+    merge_split_states_triton(partial_out, partial_lse, out, lse)
+    fp32_math, rounded_output = TOLERANCE[out_dtype]
+    expected = naive_merge(list(partial_out), list(partial_lse))
+    assert_close(out, expected[0], rounded_output)
+    assert_close(lse, expected[1], fp32_math)
+    assert lse[0, 0] == float("-inf") and torch.all(out[0, 0] == 0)
+
+    pair_out, pair_lse = torch.empty_like(out), torch.empty_like(lse)
+    merge_split_states_triton(partial_out[3:], partial_lse[3:], pair_out, pair_lse)
+    pairwise = merge_attention_states_triton(partial_out[3], partial_lse[3], partial_out[4], partial_lse[4])
+    assert_close(pair_out, pairwise[0], rounded_output)
+    assert_close(pair_lse, pairwise[1], fp32_math)
 
 
 @requires_interpreter

@@ -1,4 +1,4 @@
-"""Shared by the kernel tests (holds no tests): interpreter-mode harness, tolerances, KV-buffer builders.
+"""Shared by the kernel tests (holds no tests): interpreter and CUDA harness, tolerances, KV-buffer builders.
 
 Without a GPU the Triton kernels run only in Triton's interpreter, which a process enables by setting
 ``TRITON_INTERPRET=1`` before its first ``import triton`` (``sgl_kvevict/kernels/runtime.py``); it
@@ -6,10 +6,15 @@ also routes every CPU call of ``sgl_kvevict.kernels`` to the slow interpreted ke
 process itself never turns it on: each kernel test module holds one ``test_in_interpreter_process``
 (made by ``interpreter_process_test``) that reruns the module in a fresh process with the variable
 set, where its other tests (deselected here) run. ``TRITON_INTERPRET=1 pytest tests/test_kernels_window.py`` runs them directly.
+
+Tests parametrised with ``on_kernel_devices`` run twice: on CPU in the interpreter process (mark
+``triton_interpreter``) and compiled on CUDA (mark ``gpu``, selected only by ``KVEVICT_GPU_TESTS=1``,
+where a missing CUDA device fails them; ``tests/conftest.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -20,9 +25,21 @@ import torch
 
 from sgl_kvevict.kernels import runtime
 
+GPU_TESTS_VARIABLE = "KVEVICT_GPU_TESTS"  # =1 selects the tests marked gpu (tests/conftest.py)
+
 # Interpreter-only tests are deselected (not skipped) in a process without the interpreter, and the
 # driver test below is deselected inside the interpreter process: tests/conftest.py applies both marks.
 requires_interpreter = pytest.mark.triton_interpreter
+
+
+# The device a kernel test runs its Triton kernels on: the interpreter on CPU, or compiled on CUDA.
+on_kernel_devices = pytest.mark.parametrize(
+    "device",
+    [
+        pytest.param("cpu", marks=requires_interpreter, id="interpreter"),
+        pytest.param("cuda", marks=pytest.mark.gpu, id="cuda"),
+    ],
+)
 
 
 def interpreter_process_test(test_file: str):
@@ -33,8 +50,10 @@ def interpreter_process_test(test_file: str):
     def test_in_interpreter_process():
         repo = Path(__file__).resolve().parents[1]
         command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file]
+        # The CUDA tests of the module stay deselected in the interpreter process, whatever this one runs.
+        env = {key: value for key, value in os.environ.items() if key != GPU_TESTS_VARIABLE}
         result = subprocess.run(
-            command, cwd=repo, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=900
+            command, cwd=repo, env={**env, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=900
         )
         summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
         assert result.returncode == 0, f"{' '.join(command)} failed:\n{result.stdout[-8000:]}\n{result.stderr[-2000:]}"
@@ -63,11 +82,11 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, tolerance: float,
 
     scale: magnitude the error is measured against, by default the largest finite ``|expected|``.
     """
-    expected = expected.float()
+    actual, expected = actual.float().cpu(), expected.float().cpu()
     if scale is None:
         finite = expected[expected.isfinite()]
         scale = float(finite.abs().max()) if finite.numel() else 1.0
-    torch.testing.assert_close(actual.float(), expected, rtol=tolerance, atol=tolerance * scale)
+    torch.testing.assert_close(actual, expected, rtol=tolerance, atol=tolerance * scale)
 
 
 def random_kv_buffer(
@@ -97,3 +116,13 @@ def random_kv_buffer(
 def scattered_slots(count: int, num_slots: int, generator: torch.Generator) -> torch.Tensor:
     """int32 ``[count]``: distinct slots in random order, never slot 0 (SGLang's padding slot)."""
     return (torch.randperm(num_slots - 1, generator=generator)[:count] + 1).to(torch.int32)
+
+
+@contextlib.contextmanager
+def no_host_sync():
+    """Raise on any CUDA call that makes the host wait for the device (torch's sync-debug mode)."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

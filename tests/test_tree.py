@@ -67,6 +67,10 @@ def test_conversations_sharing_a_prefix_split_the_node_and_each_hangs_its_own(ha
     assert harness.last_match == 0  # sharing only the head: nothing to end a match at
     harness.finish(third)
     assert len(heads[0].children) == 3 and len(harness.compressed_nodes()) == 4
+    # A prompt whose compressed span would end inside the shared head has nothing of its own to store.
+    short = harness.prefill(system[:30] + tokens(10, WINDOW))
+    assert len(heads[0].children) == 3 and len(harness.compressed_nodes()) == 4
+    harness.finish(short)
     for conversation in (first, second, third):  # every conversation's next turn reuses all of it
         prompt = list(conversation.origin_input_ids)
         follow_up = harness.prefill(prompt + tokens(9, 10))

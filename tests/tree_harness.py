@@ -33,7 +33,7 @@ from sgl_kvevict.engine.cells import CellSpace
 from sgl_kvevict.engine.factory import _slot_source
 from sgl_kvevict.engine.pool import install_contiguous_kv_buffers
 from sgl_kvevict.engine.radix_cache import CompressedRadixCache, compressed_segment
-from sgl_kvevict.engine.state import EngineState, ModelShape
+from sgl_kvevict.engine.state import EngineState, EvictionSetup, ModelShape
 from sgl_kvevict.plan import CompressionPlan, LayerPlan
 from sgl_kvevict.policies.base import Policy, SegmentCompressor, SegmentSpec
 from sgl_kvevict.scope import RequestScope, Scope
@@ -121,7 +121,8 @@ class TreeHarness:
         self.arena = Arena(self.space, _slot_source(self.allocator, self.space))
         config = EvictionConfig(policy="snapkv", window=WINDOW)
         self.engine = EngineState(config, self.shape, self.arena, self.allocator, scope)
-        self.engine.policy = RulePolicy(config, rule)
+        policy = RulePolicy(config, rule)
+        self.engine.default_setup = EvictionSetup(config, policy, policy.stats_request())
         params = CacheInitParams(
             disable=False, req_to_token_pool=self.req_to_token_pool, token_to_kv_pool_allocator=self.allocator, page_size=1
         )

@@ -83,10 +83,10 @@ def observe_window(job: ScoringJob, q: torch.Tensor, layer, engine: EngineState,
     q_window = queries[request.q_end - job.window : request.q_end].transpose(0, 1)  # [H_q, w, D]
     k_buffer, v_buffer = kv_pool.get_key_buffer(layer.layer_id), kv_pool.get_value_buffer(layer.layer_id)
     if request.view is None:
-        stats = window_stats_paged(q_window, k_buffer, v_buffer, job.dense_slots, layer.scaling, engine.stats_request)
+        stats = window_stats_paged(q_window, k_buffer, v_buffer, job.dense_slots, layer.scaling, job.stats_request)
     else:
         keys, values, kept = _position_indexed_cache(job, layer.layer_id, k_buffer, v_buffer, engine.arena.space)
-        stats = window_stats(q_window, keys, values, layer.scaling, engine.stats_request, kept=kept)
+        stats = window_stats(q_window, keys, values, layer.scaling, job.stats_request, kept=kept)
     job.compressor.observe(layer.layer_id, stats)
 
 
@@ -125,7 +125,7 @@ def compressed_attention(plan: ForwardPlan, queries: torch.Tensor, layer) -> tup
     space, cells = plan.engine.arena.space, plan.cells
     return segment_attention(
         queries[plan.query_rows], space.k_rows, space.v_rows, plan.qo_indptr, cells.kv_indptr[layer.layer_id],
-        cells.kv_indices, layer.tp_k_head_num, layer.scaling, plan.max_queries,
+        cells.kv_indices, layer.tp_k_head_num, layer.scaling, plan.max_queries, cells.max_cells,
     )  # fmt: skip
 
 

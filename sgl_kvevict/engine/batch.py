@@ -32,6 +32,7 @@ from sgl_kvevict.engine.radix_cache import compressed_path
 from sgl_kvevict.engine.segments import PathView, ranges_to_positions
 from sgl_kvevict.engine.state import EngineState, request_state
 from sgl_kvevict.policies.base import SegmentCompressor
+from sgl_kvevict.scoring.window import StatsRequest
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ class ScoringJob:
     request: RequestSlice
     compressor: SegmentCompressor
     window: int
+    stats_request: StatsRequest
     dense_positions: torch.Tensor
     dense_slots: torch.Tensor
 
@@ -115,8 +117,9 @@ class CellBatch:
 class DenseBatch:
     """The compressed requests' dense keys, padded to one batch (device tensors).
 
-    slots int64 ``[B_c, n]`` (slot 0 where padded), positions int64 ``[B_c, n]`` (past every query where
-    padded, so the causal mask hides them), and query_positions ``[N_c]``: the position of each
+    slots int64 ``[B_c, n]`` and positions int64 ``[B_c, n]``; a padded entry repeats a real slot of its
+    request (never the placeholder slot 0, whose content is undefined) at a position past every query,
+    so the causal mask hides it. query_positions ``[N_c]``: the position of each
     compressed query row (request-major, as ``ForwardPlan.query_rows``).
     """
 
@@ -134,8 +137,10 @@ class DenseBatch:
         slots = torch.zeros(len(requests), widest, dtype=torch.int64, device=device)
         for index, (request, request_ranges) in enumerate(zip(requests, ranges)):
             request_positions = ranges_to_positions(request_ranges, device)
+            request_slots = req_to_token[request.row, request_positions]
             positions[index, : len(request_positions)] = request_positions
-            slots[index, : len(request_positions)] = req_to_token[request.row, request_positions]
+            slots[index] = request_slots[-1]  # the new token's slot: every request has one
+            slots[index, : len(request_positions)] = request_slots
         query_positions = torch.cat(
             [torch.arange(r.first_query_position, r.seq_len, device=device) for r in requests]
         )
@@ -209,16 +214,17 @@ def _scoring_jobs(engine: EngineState, req, request: RequestSlice, req_to_token:
     start = request.first_query_position
     if start != req.kv.cache_protected_len:
         return []  # the extend starts inside tree-owned tokens: nothing of it is the request's own
-    window = engine.eviction.window
     device = req_to_token.device
     jobs = []
     for compressor in engine.submit(req, start, request.seq_len):
         if not compressor.needs_stats:
             continue
+        setup = request_state(req).setup
         scored = request.up_to(compressor.spec.end)
         positions = ranges_to_positions(scored.dense_ranges(), device)
         slots = req_to_token[request.row, positions].to(torch.int64)
-        jobs.append(ScoringJob(scored, compressor, min(window, compressor.spec.length), positions, slots))
+        window = min(setup.config.window, compressor.spec.length)
+        jobs.append(ScoringJob(scored, compressor, window, setup.stats_request, positions, slots))
     return jobs
 
 

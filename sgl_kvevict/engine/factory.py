@@ -84,7 +84,7 @@ def create_compressed_radix_cache(ctx: TreeCacheBuildContext) -> CompressedRadix
     except ValueError as error:
         raise UnsupportedSetup(f"KV eviction cannot store compressed KV in this KV pool: {error}") from None
     arena = Arena(space, _slot_source(allocator, space))
-    engine = EngineState(serving.eviction, shape, arena, allocator, serving.scope)
+    engine = EngineState(serving.eviction, shape, arena, allocator, serving.scope, serving.per_request)
     cache = CompressedRadixCache(ctx.params, engine)
     runner.attn_backend.attach_engine(engine)
     logger.info(

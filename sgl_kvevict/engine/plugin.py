@@ -16,6 +16,7 @@ Everything heavy is imported inside the factories, which run only in the schedul
 
 from __future__ import annotations
 
+from sgl_kvevict.engine import sync_probe
 from sgl_kvevict.limits import check_sglang_version
 from sgl_kvevict.serving import ServingConfig
 
@@ -23,6 +24,7 @@ RADIX_CACHE_BACKEND = "sgl_kvevict"
 
 
 def register() -> None:
+    sync_probe.install()  # a debug probe, only with KVEVICT_SYNC_PROBE set (stock servers included)
     if not ServingConfig.from_env().enabled:
         return
     check_sglang_version()  # the engine hooks into one SGLang version's internals

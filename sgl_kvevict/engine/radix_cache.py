@@ -316,16 +316,16 @@ class CompressedRadixCache(RadixCache):
             return
         state = request_state(req)
         first_checkpoint = not state.reuse_counted
+        matched = compressed_nodes(req.last_node)
         if first_checkpoint:
             state.reuse_counted = True
             self._count_use(req.last_node)
         created = [node for compressor in self.engine.take_pending(req) if (node := self._compress(req, compressor))]
         if created:
             self.engine.stats.count("requests_compressed")
-        reused = compressed_nodes(req.last_node)
         self._insert_dense(req, up_to, split_prompt=True)
-        if first_checkpoint:  # nodes adopted from a concurrent request that compressed them first
-            known = {id(node) for node in reused}
+        if first_checkpoint:  # heads it hangs below, and nodes a concurrent request compressed first
+            known = {id(node) for node in matched + created}
             for node in compressed_nodes(req.last_node):
                 if id(node) not in known:
                     self._count_served(node)
@@ -377,7 +377,8 @@ class CompressedRadixCache(RadixCache):
             return None  # the row changed since the forward scored it (e.g. retraction), or the insert stopped short
         plan = compressor.plan()
         self.engine.dump_plan(req.rid, plan)
-        window_kept_dense = min(self.engine.eviction.window, spec.length) if self.engine.scope.window_stays_dense else 0
+        window = request_state(req).setup.config.window
+        window_kept_dense = min(window, spec.length) if self.engine.scope.window_stays_dense else 0
         end = spec.end - window_kept_dense
         kept = restrict_plan(plan, start, end)
         if kept.total_kept() == kept.segment_length * kept.num_layers * kept.layers[0].num_kv_heads:

@@ -24,6 +24,7 @@ Per-request state lives on the ``Req`` object (``RequestState`` as attribute ``k
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import weakref
@@ -39,20 +40,42 @@ from sgl_kvevict.engine.arena import Arena
 from sgl_kvevict.engine.eviction import EvictionOrder
 from sgl_kvevict.engine.segments import CompressedSegment, PathView
 from sgl_kvevict.plan import CompressionPlan
-from sgl_kvevict.policies.base import SegmentCompressor, SegmentSpec
+from sgl_kvevict.policies.base import Policy, SegmentCompressor, SegmentSpec
 from sgl_kvevict.scope import BlockScope, Scope
+from sgl_kvevict.scoring.window import StatsRequest
+from sgl_kvevict.settings import ConfigError
+
+logger = logging.getLogger(__name__)
 
 # Debug switch: a directory where every applied plan is saved as ``<rid>.pt`` (parity tests).
 PLAN_DUMP_ENV = "KVEVICT_PLAN_DUMP_DIR"
+# A request's ``extra_key`` that starts with this names its own eviction options (``per_request``).
+REQUEST_OPTIONS_PREFIX = "kvevict:"
+
+
+@dataclass(frozen=True)
+class EvictionSetup:
+    """One eviction configuration ready to serve: the config, its policy and the statistics it needs."""
+
+    config: EvictionConfig
+    policy: Policy
+    stats_request: StatsRequest
+
+    @classmethod
+    def of(cls, config: EvictionConfig) -> "EvictionSetup":
+        policy = build_policy(config)
+        return cls(config, policy, policy.stats_request())
 
 
 @dataclass
 class RequestState:
-    """pending: the compressors of the spans scored in the last forward (position order), until the
+    """setup: the eviction configuration serving the request (``EngineState.setup_for``; None: it stays
+    dense). pending: the compressors of the spans scored in the last forward (position order), until the
     tree's checkpoint takes them. view, view_node, view_generation: the request's ``PathView`` and the
     ``last_node`` and arena generation it was built for (``engine.batch.path_view``). reuse_counted:
     the use of the matched prefix was counted."""
 
+    setup: Optional[EvictionSetup] = None
     pending: list[SegmentCompressor] = field(default_factory=list)
     view: Optional[PathView] = None
     view_node: Any = None
@@ -106,6 +129,7 @@ class EngineStats:
     shared_node_hits: int = 0
     compressed_nodes_created: int = 0
     compression_races_lost: int = 0
+    request_option_errors: int = 0
     dense_nodes_evicted: int = 0
     dense_slots_evicted: int = 0
     compressed_nodes_evicted: int = 0
@@ -179,13 +203,22 @@ _NOT_COUNTERS = ("served_histogram", "lock")
 
 
 class EngineState:
-    """The policy, the arena, the eviction order, the request index and the stats of one scheduler."""
+    """The eviction setups, the arena, the eviction order, the request index and the stats of one scheduler.
 
-    def __init__(self, eviction: EvictionConfig, shape: ModelShape, arena: Arena, allocator, scope: Scope):
+    per_request: requests may bring their own eviction options in SGLang's ``extra_key`` request field,
+    ``"kvevict:policy=snapkv,budget=0.5"`` (the ``--kv-evict-*`` option names): A/B experiments and the
+    parity tests serve several policies from one server. SGLang keeps requests with different extra keys
+    in separate subtrees, so a node compressed by one setup is never reused by another.
+    """
+
+    def __init__(
+        self, eviction: EvictionConfig, shape: ModelShape, arena: Arena, allocator, scope: Scope, per_request: bool = False
+    ):
         self.eviction = eviction
         self.scope = scope
-        self.policy = build_policy(eviction)
-        self.stats_request = self.policy.stats_request()
+        self.default_setup = EvictionSetup.of(eviction)
+        self.per_request = per_request
+        self._request_setups: dict[str, Optional[EvictionSetup]] = {}
         self.shape = shape
         self.arena = arena
         self.order = EvictionOrder()
@@ -204,16 +237,38 @@ class EngineState:
         """1. match: index the request by rid for the backend."""
         self.requests[req.rid] = req
 
+    def setup_for(self, req) -> Optional[EvictionSetup]:
+        """The request's eviction setup: the server's, or with ``per_request`` its ``extra_key``'s (None when
+        those options are invalid: the request stays dense and ``request_option_errors`` counts it)."""
+        key = req.extra_key
+        if not (self.per_request and key and key.startswith(REQUEST_OPTIONS_PREFIX)):
+            return self.default_setup
+        if key not in self._request_setups:
+            self._request_setups[key] = self._parse_request_options(key[len(REQUEST_OPTIONS_PREFIX) :])
+        return self._request_setups[key]
+
+    def _parse_request_options(self, text: str) -> Optional[EvictionSetup]:
+        try:
+            options = dict(item.split("=", 1) for item in text.split(",") if item)
+            return EvictionSetup.of(EvictionConfig.from_strings(options))
+        except (ConfigError, ValueError) as error:
+            logger.warning("sgl-kvevict: request eviction options %r refused (%s); the request stays dense", text, error)
+            self.stats.count("request_option_errors")
+            return None
+
     def submit(self, req, start: int, end: int) -> list[SegmentCompressor]:
         """2. submit: compressors for the spans compressed when the request's own prompt tokens
         ``[start, end)`` are prefilled, pending on the request until its checkpoint."""
+        state = request_state(req)
+        state.setup = setup = self.setup_for(req)
+        if setup is None:
+            return []
         shape = self.shape
-        compressors = [
-            self.policy.start(SegmentSpec(a, b, shape.num_layers, shape.num_kv_heads, shape.num_q_heads))
-            for a, b in self.scope.compressible_spans(start, end, self.eviction.window)
+        state.pending = [
+            setup.policy.start(SegmentSpec(a, b, shape.num_layers, shape.num_kv_heads, shape.num_q_heads))
+            for a, b in self.scope.compressible_spans(start, end, setup.config.window)
         ]
-        request_state(req).pending = compressors
-        return compressors
+        return state.pending
 
     def take_pending(self, req) -> list[SegmentCompressor]:
         """3. take: the compressors the last forward fed, once."""

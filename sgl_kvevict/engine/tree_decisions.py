@@ -17,7 +17,8 @@ The rules (``engine.radix_cache`` explains the invariants they keep):
   the shared positions (the first compressor's selection), and the request's own node, its plan
   restricted to ``[divergence, end)``, hangs below the head. This holds in request and block scope:
   documents that share a system prompt all get their own compressed node.
-* If split heads cover the whole span, nothing of it is the request's own: it stays as it is.
+* If split heads cover the whole span, or it ends inside a compressed node it shares, nothing of it
+  is the request's own: it stays as it is.
 """
 
 from __future__ import annotations
@@ -74,16 +75,16 @@ def decide_compression(
         same_span = walk.covered == end and walk.partial is None and is_compressed(walk.passed[-1])
         return CompressionDecision(Outcome.LOST_RACE if same_span else Outcome.TAKEN)
     parent = walk.passed[-1] if walk.passed else anchor
+    if walk.partial is not None and not is_compressed(walk.partial):
+        return CompressionDecision(Outcome.TAKEN)
+    own_start = walk.covered + walk.partial_matched
+    if own_start == end:  # the span ends where (or inside where) compressed nodes already hold it
+        return CompressionDecision(Outcome.SHARED)
     if walk.partial is not None:
-        if not is_compressed(walk.partial):
-            return CompressionDecision(Outcome.TAKEN)
-        own_start = walk.covered + walk.partial_matched
         return CompressionDecision(
             Outcome.COMPRESS, parent, split_node=walk.partial, split_offset=walk.partial_matched, own_start=own_start
         )
-    if walk.covered == end:
-        return CompressionDecision(Outcome.SHARED)
-    return CompressionDecision(Outcome.COMPRESS, parent, own_start=walk.covered)
+    return CompressionDecision(Outcome.COMPRESS, parent, own_start=own_start)
 
 
 def atomic_prefix_length(
