@@ -31,8 +31,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from sgl_kvevict.engine.batch import DenseBatch, ForwardPlan, RequestSlice, ScoringJob
 from sgl_kvevict.engine.state import EngineState
-from sgl_kvevict.kernels import merge_attention_states, segment_attention, window_stats_paged
-from sgl_kvevict.scoring.window import window_stats
+from sgl_kvevict.kernels import CompressedCells, merge_attention_states, segment_attention, window_stats_paged
 
 _QUERY_CHUNK = 512  # bounds the [chunk, H_q, L] fp32 logits of an extend's dense part
 
@@ -85,35 +84,16 @@ def observe_window(job: ScoringJob, q: torch.Tensor, layer, engine: EngineState,
     if request.view is None:
         stats = window_stats_paged(q_window, k_buffer, v_buffer, job.dense_slots, layer.scaling, job.stats_request)
     else:
-        keys, values, kept = _position_indexed_cache(job, layer.layer_id, k_buffer, v_buffer, engine.arena.space)
-        stats = window_stats(q_window, keys, values, layer.scaling, job.stats_request, kept=kept)
+        view, space = request.view, engine.arena.space
+        start, end = view.layer_offsets[layer.layer_id], view.layer_offsets[layer.layer_id + 1]
+        cells = CompressedCells(
+            space.k_rows, space.v_rows, view.cells[start:end], view.positions[start:end], view.head_indptr[layer.layer_id]
+        )
+        stats = window_stats_paged(
+            q_window, k_buffer, v_buffer, job.dense_slots, layer.scaling, job.stats_request,
+            key_positions=job.dense_positions, context_length=request.seq_len, cells=cells,
+        )  # fmt: skip
     job.compressor.observe(layer.layer_id, stats)
-
-
-def _position_indexed_cache(job: ScoringJob, layer: int, k_buffer, v_buffer, space):
-    """What each KV head of ``layer`` holds of positions ``[0, L)`` as the reference engine sees its dense
-    cache: keys and values ``[H_kv, L, D]`` with every dense position and each head's own cells, and the
-    kept mask ``[H_kv, L]``."""
-    view, length = job.request.view, job.request.seq_len
-    num_kv_heads = k_buffer.shape[1]
-    device = k_buffer.device
-    start, end = view.layer_offsets[layer], view.layer_offsets[layer + 1]
-    cells, positions = view.cells[start:end], view.positions[start:end]
-    heads = torch.repeat_interleave(
-        torch.arange(num_kv_heads, device=device), view.counts[layer].to(device), output_size=end - start
-    )
-    inside = positions < length  # cells of spans after the scored segment end are not its keys
-    cells, positions, heads = cells[inside], positions[inside], heads[inside]
-    keys = k_buffer.new_zeros(num_kv_heads, length, k_buffer.shape[2])
-    values = v_buffer.new_zeros(num_kv_heads, length, v_buffer.shape[2])
-    keys[:, job.dense_positions] = k_buffer[job.dense_slots].transpose(0, 1)
-    values[:, job.dense_positions] = v_buffer[job.dense_slots].transpose(0, 1)
-    keys[heads, positions] = space.k_rows[cells]
-    values[heads, positions] = space.v_rows[cells]
-    kept = torch.zeros(num_kv_heads, length, dtype=torch.bool, device=device)
-    kept[:, job.dense_positions] = True
-    kept[heads, positions] = True
-    return keys, values, kept
 
 
 def compressed_attention(plan: ForwardPlan, queries: torch.Tensor, layer) -> tuple[torch.Tensor, torch.Tensor]:

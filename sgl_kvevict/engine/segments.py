@@ -117,6 +117,7 @@ class PathView:
     layer_offsets: ``L + 1`` host ints: layer ``l``'s cells are ``cells[layer_offsets[l]:layer_offsets[l + 1]]``.
     cells, positions: int64 ``[n]`` on the KV device: cell ids and their logical positions, layer-major,
         then KV head, then path order (so positions ascend within a (layer, head)).
+    head_indptr: int64 ``[L, H_kv + 1]`` on the KV device: each KV head's cells inside its layer's slice.
     """
 
     spans: tuple[tuple[int, int], ...]
@@ -124,6 +125,7 @@ class PathView:
     layer_offsets: tuple[int, ...]
     cells: torch.Tensor
     positions: torch.Tensor
+    head_indptr: torch.Tensor
 
     @classmethod
     def of(cls, segments: Sequence[CompressedSegment], device: torch.device) -> "PathView":
@@ -134,8 +136,9 @@ class PathView:
         positions = torch.cat([segment.positions for segment in segments])[order].to(device)
         counts = per_segment.sum(0).view_as(segments[0].counts)
         layer_offsets = (0, *torch.cumsum(counts.sum(1), 0).tolist())
+        head_indptr = torch.nn.functional.pad(torch.cumsum(counts, 1), (1, 0)).to(device)
         spans = tuple((segment.start, segment.end) for segment in segments)
-        return cls(spans, counts, layer_offsets, cells, positions)
+        return cls(spans, counts, layer_offsets, cells, positions, head_indptr)
 
     @property
     def compressed_tokens(self) -> int:
@@ -153,12 +156,6 @@ class PathView:
         if cursor < length:
             ranges.append((cursor, length))
         return ranges
-
-    def layer_head_indptr(self, layer: int) -> torch.Tensor:
-        """int64 ``[H_kv + 1]`` (host): offsets of each KV head's cells inside layer ``layer``'s slice."""
-        indptr = torch.zeros(self.counts.shape[1] + 1, dtype=torch.int64)
-        indptr[1:] = torch.cumsum(self.counts[layer], 0)
-        return indptr
 
 
 def _interleave_index(per_segment: torch.Tensor) -> torch.Tensor:
