@@ -8,7 +8,7 @@ import itertools
 import pytest
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
-from sgl_kvevict.engine.radix_cache import compressed_segment, match_may_end
+from sgl_kvevict.engine.paths import compressed_segment, match_may_end
 from sgl_kvevict.scope import BlockScope
 from tree_harness import WINDOW, KeepEvery, TreeHarness, tokens
 

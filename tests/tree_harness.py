@@ -32,7 +32,8 @@ from sgl_kvevict.engine.arena import Arena
 from sgl_kvevict.engine.cells import CellSpace
 from sgl_kvevict.engine.factory import _slot_source
 from sgl_kvevict.engine.pool import install_contiguous_kv_buffers
-from sgl_kvevict.engine.radix_cache import CompressedRadixCache, compressed_segment
+from sgl_kvevict.engine.paths import compressed_segment
+from sgl_kvevict.engine.radix_cache import CompressedRadixCache
 from sgl_kvevict.engine.state import EngineState, EvictionSetup, ModelShape
 from sgl_kvevict.plan import CompressionPlan, LayerPlan
 from sgl_kvevict.policies.base import Policy, SegmentCompressor, SegmentSpec

@@ -32,6 +32,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sgl_kvevict.engine.batch import DenseBatch, ForwardPlan, RequestSlice, ScoringJob
 from sgl_kvevict.engine.state import EngineState
 from sgl_kvevict.kernels import CompressedCells, merge_attention_states, segment_attention, window_stats_paged
+from sgl_kvevict.scoring.window import WindowStats
 
 _QUERY_CHUNK = 512  # bounds the [chunk, H_q, L] fp32 logits of an extend's dense part
 
@@ -72,11 +73,15 @@ def dense_attention(
 
 
 def observe_window(job: ScoringJob, q: torch.Tensor, layer, engine: EngineState, kv_pool) -> None:
-    """Scoring capture of one request and layer: its window's ``WindowStats`` to its compressor.
+    """Scoring capture of one request and layer: the span's statistics to its compressor.
 
     q ``[N, H_q * D]`` (this forward's post-RoPE queries); the KV of the request (prefix and this extend)
-    must already be in ``kv_pool``.
+    must already be in ``kv_pool``. A learned scorer gets the layer's attention-input hidden states of the
+    span instead (``engine.hidden_states``).
     """
+    if job.stats_request.hidden_states:
+        job.compressor.observe(layer.layer_id, _hidden_state_stats(job, engine.hidden_states.by_layer[layer.layer_id]))
+        return
     request = job.request
     queries = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
     q_window = queries[request.q_end - job.window : request.q_end].transpose(0, 1)  # [H_q, w, D]
@@ -94,6 +99,13 @@ def observe_window(job: ScoringJob, q: torch.Tensor, layer, engine: EngineState,
             key_positions=job.dense_positions, context_length=request.seq_len, cells=cells,
         )  # fmt: skip
     job.compressor.observe(layer.layer_id, stats)
+
+
+def _hidden_state_stats(job: ScoringJob, hidden_states: torch.Tensor) -> WindowStats:
+    """The span's rows of this forward's attention-input hidden states ``[N, d_model]``."""
+    spec, request = job.compressor.spec, job.request
+    first = request.q_start + spec.start - request.first_query_position
+    return WindowStats(window=job.window, hidden_states=hidden_states[first : first + spec.length], hidden_start=spec.start)
 
 
 def compressed_attention(plan: ForwardPlan, queries: torch.Tensor, layer) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,7 +28,8 @@ from typing import Optional
 
 import torch
 
-from sgl_kvevict.engine.radix_cache import compressed_path
+from sgl_kvevict.engine.paths import path_view
+from sgl_kvevict.engine.reconstruction import needs_reconstruction
 from sgl_kvevict.engine.segments import PathView, ranges_to_positions
 from sgl_kvevict.engine.state import EngineState, request_state
 from sgl_kvevict.policies.base import SegmentCompressor
@@ -168,6 +169,8 @@ class ForwardPlan:
 
     @classmethod
     def build(cls, engine: EngineState, forward_batch, req_to_token: torch.Tensor) -> "ForwardPlan":
+        if engine.reconstruction is not None:
+            return cls.for_reconstruction(engine, engine.reconstruction, req_to_token)
         mode = forward_batch.forward_mode
         if not (mode.is_decode() or mode.is_extend()):
             return cls(engine, False, [], [])
@@ -189,6 +192,17 @@ class ForwardPlan:
         plan = cls(engine, mode.is_decode(), requests, scoring)
         if plan.compressed:
             plan._describe_compressed(device, req_to_token)
+        return plan
+
+    @classmethod
+    def for_reconstruction(cls, engine: EngineState, work, req_to_token: torch.Tensor) -> "ForwardPlan":
+        """The plan of a KVzip reconstruction pass (``engine.reconstruction``): one request, the chunk's
+        queries over its temporary row, every query scoring (the window is the whole chunk)."""
+        request = RequestSlice(0, 0, work.length, work.end + work.length, work.row, work.view)
+        job = _job(request, work.collector, work.length, work.stats_request, req_to_token)
+        plan = cls(engine, False, [request], [job])
+        if plan.compressed:
+            plan._describe_compressed(req_to_token.device, req_to_token)
         return plan
 
     def _describe_compressed(self, device: torch.device, req_to_token: torch.Tensor) -> None:
@@ -214,26 +228,19 @@ def _scoring_jobs(engine: EngineState, req, request: RequestSlice, req_to_token:
     start = request.first_query_position
     if start != req.kv.cache_protected_len:
         return []  # the extend starts inside tree-owned tokens: nothing of it is the request's own
-    device = req_to_token.device
-    jobs = []
-    for compressor in engine.submit(req, start, request.seq_len):
-        if not compressor.needs_stats:
-            continue
-        setup = request_state(req).setup
-        scored = request.up_to(compressor.spec.end)
-        positions = ranges_to_positions(scored.dense_ranges(), device)
-        slots = req_to_token[request.row, positions].to(torch.int64)
-        window = min(setup.config.window, compressor.spec.length)
-        jobs.append(ScoringJob(scored, compressor, window, setup.stats_request, positions, slots))
-    return jobs
+    compressors = engine.submit(req, start, request.seq_len)
+    setup = request_state(req).setup
+    if setup is None or needs_reconstruction(setup.stats_request):
+        return []  # scored after this forward, by the reconstruction passes (engine.reconstruction)
+    return [
+        _job(request.up_to(compressor.spec.end), compressor, min(setup.config.window, compressor.spec.length),
+             setup.stats_request, req_to_token)
+        for compressor in compressors
+        if compressor.needs_stats
+    ]  # fmt: skip
 
 
-def path_view(engine: EngineState, req, device: torch.device) -> Optional[PathView]:
-    """The request's ``PathView``, memoised per ``last_node`` and arena placement (a locked path only
-    changes by the split of a compressed node, which keeps every cell, or by cell moves)."""
-    state = request_state(req)
-    if state.view_node is not req.last_node or state.view_generation != engine.arena.generation:
-        segments = compressed_path(req.last_node)
-        state.view = PathView.of(segments, device) if segments else None
-        state.view_node, state.view_generation = req.last_node, engine.arena.generation
-    return state.view
+def _job(request: RequestSlice, compressor, window: int, stats_request: StatsRequest, req_to_token) -> ScoringJob:
+    positions = ranges_to_positions(request.dense_ranges(), req_to_token.device)
+    slots = req_to_token[request.row, positions].to(torch.int64)
+    return ScoringJob(request, compressor, window, stats_request, positions, slots)

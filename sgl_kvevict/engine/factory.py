@@ -9,6 +9,7 @@ safety net for servers started another way.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 from sglang.srt.mem_cache.registry import TreeCacheBuildContext
@@ -18,11 +19,14 @@ from sglang.srt.runtime_context import get_disagg, get_exec, get_memory, get_par
 from sgl_kvevict.engine.arena import Arena, SlotSource
 from sgl_kvevict.engine.attention import SegmentAttentionBackend
 from sgl_kvevict.engine.cells import CellSpace
+from sgl_kvevict.engine.hidden_states import HiddenStateCapture
 from sgl_kvevict.engine.metrics import export_metrics
 from sgl_kvevict.engine.radix_cache import CompressedRadixCache
+from sgl_kvevict.engine.reconstruction import Reconstructor, needs_reconstruction
 from sgl_kvevict.engine.plugin import RADIX_CACHE_BACKEND
 from sgl_kvevict.engine.state import EngineState, ModelShape
 from sgl_kvevict.limits import SetupFacts, violations
+from sgl_kvevict.scoring.kvzip import ReconstructionPrompt
 from sgl_kvevict.serving import ServingConfig
 
 logger = logging.getLogger(__name__)
@@ -84,8 +88,10 @@ def create_compressed_radix_cache(ctx: TreeCacheBuildContext) -> CompressedRadix
     except ValueError as error:
         raise UnsupportedSetup(f"KV eviction cannot store compressed KV in this KV pool: {error}") from None
     arena = Arena(space, _slot_source(allocator, space))
-    engine = EngineState(serving.eviction, shape, arena, allocator, serving.scope, serving.per_request)
+    model_dir = Path(runner.model_config.model_path)
+    engine = EngineState(serving.eviction, shape, arena, allocator, serving.scope, serving.per_request, model_dir)
     cache = CompressedRadixCache(ctx.params, engine)
+    _attach_score_sources(engine, runner, cache, serving.per_request)
     runner.attn_backend.attach_engine(engine)
     logger.info(
         "sgl-kvevict: %s; %d KV slots shared by dense and compressed KV (%d cells per slot)",
@@ -95,6 +101,19 @@ def create_compressed_radix_cache(ctx: TreeCacheBuildContext) -> CompressedRadix
     if cache.metrics_collector is not None:  # SGLang's --enable-metrics: export ours with its cache labels
         export_metrics(engine.stats_snapshot, cache.metrics_collector.labels)
     return cache
+
+
+def _attach_score_sources(engine: EngineState, runner, cache: CompressedRadixCache, per_request: bool) -> None:
+    """Hidden-state capture (learned scores) and the reconstruction passes (KVzip), when the server's
+    setup needs them or requests may bring their own (``--kv-evict-per-request``)."""
+    request = engine.default_setup.stats_request
+    if request.hidden_states or per_request:
+        engine.hidden_states = HiddenStateCapture(runner.model)
+    if needs_reconstruction(request) or per_request:
+        from transformers import AutoTokenizer
+
+        prompt = ReconstructionPrompt.from_tokenizer(AutoTokenizer.from_pretrained(engine.model_dir))
+        engine.reconstructor = Reconstructor(engine, runner, cache, prompt)
 
 
 def _slot_source(allocator, space: CellSpace) -> SlotSource:

@@ -69,49 +69,26 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
+from sgl_kvevict.engine.paths import (
+    MATCH_END_ATTR,
+    SEGMENT_ATTR,
+    SERVED_ATTR,
+    compressed_nodes,
+    compressed_segment,
+    is_compressed,
+    match_may_end,
+    path_view,
+)
+from sgl_kvevict.engine.reconstruction import needs_reconstruction
 from sgl_kvevict.engine.segments import CompressedSegment, restrict_plan
 from sgl_kvevict.engine.state import EngineState, request_state
 from sgl_kvevict.engine.tree_decisions import Outcome, Walk, atomic_prefix_length, decide_compression
 from sgl_kvevict.policies.base import SegmentCompressor
 
-SEGMENT_ATTR = "kvevict_segment"
-# Distinct requests a compressed node served: its creator, then each request whose path took it.
-SERVED_ATTR = "kvevict_requests_served"
-# False on the head of a split compressed node: a match may pass through it but not end at it.
-MATCH_END_ATTR = "kvevict_match_end"
 # Eviction order state of every node (``engine.eviction``): reuses, priority, creation rank.
 REUSES_ATTR = "kvevict_reuses"
 PRIORITY_ATTR = "kvevict_priority"
 RANK_ATTR = "kvevict_rank"
-
-
-def compressed_segment(node: TreeNode) -> Optional[CompressedSegment]:
-    return getattr(node, SEGMENT_ATTR, None)
-
-
-def is_compressed(node: TreeNode) -> bool:
-    return compressed_segment(node) is not None
-
-
-def match_may_end(node: TreeNode) -> bool:
-    """A match may end at ``node``'s end: always for a dense node, not for a split head."""
-    return getattr(node, MATCH_END_ATTR, True)
-
-
-def compressed_nodes(node: TreeNode) -> list[TreeNode]:
-    """The compressed nodes from the root down to ``node``, root first."""
-    nodes = []
-    while node.parent is not None:  # the root has no parent
-        if is_compressed(node):
-            nodes.append(node)
-        node = node.parent
-    return nodes[::-1]
-
-
-def compressed_path(node: TreeNode) -> list[CompressedSegment]:
-    """The compressed segments from the root down to ``node``, root first."""
-    return [compressed_segment(path_node) for path_node in compressed_nodes(node)]
-
 
 class CompressedRadixCache(RadixCache):
     def __init__(self, params: CacheInitParams, engine: EngineState):
@@ -320,7 +297,12 @@ class CompressedRadixCache(RadixCache):
         if first_checkpoint:
             state.reuse_counted = True
             self._count_use(req.last_node)
-        created = [node for compressor in self.engine.take_pending(req) if (node := self._compress(req, compressor))]
+        pending = self.engine.take_pending(req)
+        setup = request_state(req).setup
+        if pending and needs_reconstruction(setup.stats_request):  # KVzip: score every span before any is cut
+            view = path_view(self.engine, req, self.device)
+            self.engine.reconstructor.score(req, pending, setup.stats_request, view)
+        created = [node for compressor in pending if (node := self._compress(req, compressor))]
         if created:
             self.engine.stats.count("requests_compressed")
         self._insert_dense(req, up_to, split_prompt=True)

@@ -62,8 +62,11 @@ class EvictionSetup:
     stats_request: StatsRequest
 
     @classmethod
-    def of(cls, config: EvictionConfig) -> "EvictionSetup":
+    def of(cls, config: EvictionConfig, model_dir: Optional[Path] = None) -> "EvictionSetup":
+        """``model_dir``: the served model, for policies bound to it (a learned scorer's weights)."""
         policy = build_policy(config)
+        if model_dir is not None:
+            policy = policy.for_model(model_dir)
         return cls(config, policy, policy.stats_request())
 
 
@@ -212,12 +215,25 @@ class EngineState:
     """
 
     def __init__(
-        self, eviction: EvictionConfig, shape: ModelShape, arena: Arena, allocator, scope: Scope, per_request: bool = False
+        self,
+        eviction: EvictionConfig,
+        shape: ModelShape,
+        arena: Arena,
+        allocator,
+        scope: Scope,
+        per_request: bool = False,
+        model_dir: Optional[Path] = None,
     ):
         self.eviction = eviction
         self.scope = scope
-        self.default_setup = EvictionSetup.of(eviction)
+        self.model_dir = model_dir
+        self.default_setup = EvictionSetup.of(eviction, model_dir)
         self.per_request = per_request
+        # Set by the factory when a setup needs them (engine.hidden_states, engine.reconstruction); the
+        # pass in flight is what ForwardPlan.build plans instead of a scheduled batch.
+        self.hidden_states = None
+        self.reconstructor = None
+        self.reconstruction = None
         self._request_setups: dict[str, Optional[EvictionSetup]] = {}
         self.shape = shape
         self.arena = arena
@@ -250,7 +266,7 @@ class EngineState:
     def _parse_request_options(self, text: str) -> Optional[EvictionSetup]:
         try:
             options = dict(item.split("=", 1) for item in text.split(",") if item)
-            return EvictionSetup.of(EvictionConfig.from_strings(options))
+            return EvictionSetup.of(EvictionConfig.from_strings(options), self.model_dir)
         except (ConfigError, ValueError) as error:
             logger.warning("sgl-kvevict: request eviction options %r refused (%s); the request stays dense", text, error)
             self.stats.count("request_option_errors")
