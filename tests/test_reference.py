@@ -88,7 +88,7 @@ class RecordingKeepAll(Policy):
     def __init__(self, request: StatsRequest, window: int = 8):
         super().__init__(WindowOnlyConfig(window))
         self.request = request
-        self.compressors: list[RecordingRandomKeep] = []
+        self.compressors: list[RecordingKeepAllCompressor] = []
 
     def stats_request(self) -> StatsRequest:
         return self.request

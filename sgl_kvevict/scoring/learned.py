@@ -9,6 +9,13 @@ and stored as a safetensors file (``weight [L, H_kv, d_model]``, ``bias [L, H_kv
 JSON manifest beside it (same name, ``.json``): the model's fingerprint and shape, the corpus, the
 fit metrics and the command that made them.
 
+Contract with the engines (``StatsRequest(hidden_states=True)``): during the forward that prefills
+the segment, per layer, the engine takes the input of that layer's attention (after the input
+layernorm, before the q/k/v projections) at the segment's positions and calls
+``compressor.observe(layer, WindowStats(window=w, hidden_states=[n, d_model], hidden_start=start))``
+(``w``: the segment's window, unused here; no other statistic, no extra pass). The segment must lie
+inside that forward. The scores are computed in fp32 whatever the model's dtype.
+
 Which weights: the config's ``learned_weights`` path, or else the weights bundled in
 ``scoring/weights/`` whose manifest has the served model's fingerprint (``model_fingerprint``).
 ``resolve_learned_weights(config, model_dir)`` finds and checks them before the model loads (the
@@ -26,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Optional, Union
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from sgl_kvevict.scoring.base import Reduction, Scorer
@@ -152,7 +160,7 @@ class LearnedWeights:
         path = Path(path).resolve()
         try:
             return _load(path, path.stat().st_mtime_ns)
-        except (OSError, ValueError, KeyError) as error:
+        except (OSError, ValueError, KeyError, SafetensorError) as error:
             raise ConfigError(
                 f"learned weights {path} cannot be read ({error}); expected a safetensors file with 'weight' "
                 "[layers, KV heads, hidden size] and 'bias' [layers, KV heads], and its manifest beside it (.json)"
