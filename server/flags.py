@@ -89,11 +89,11 @@ def knob_default(knob: dataclasses.Field) -> str:
     if knob.name == "budget":
         return _grouped_by_policy(lambda d: DEFAULT_BUDGET if d.takes_budget else "none (policy decides)")
     if knob.name == "score":
-        return f"{knob.default}; OBCache scores accepted by " + ", ".join(
-            p for p in registered_policies() if len(get_policy_class(p).defaults.scores) > 1
-        )
+        return _grouped_by_policy(lambda d: f"{d.scores[0]} (valid: {', '.join(d.scores)})")
     if knob.name in PER_POLICY_FIELDS:
         return _grouped_by_policy(lambda d: getattr(d, knob.name))
+    if knob.default is None:
+        return "unset"
     if isinstance(knob.default, tuple):
         return ",".join(map(str, knob.default))
     return str(knob.default)

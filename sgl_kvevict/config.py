@@ -14,15 +14,20 @@ left ``None`` here are filled from them, so adding a paper means one new policy 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Mapping, Optional, Union
 
 from sgl_kvevict.policies import Policy, PolicyDefaults, get_policy_class, registered_policies
-from sgl_kvevict.scoring import OBC_SCORES, SCORES
+from sgl_kvevict.scoring import LEARNED_SCORE, SCORE_KINDS, SCORES, ScoreKind
 from sgl_kvevict.settings import Budget, ConfigError, parse_text, setting, settings_of
 
 POOLINGS = ("max", "avg", "none")
 GQA_REDUCTIONS = ("mean", "max", "sum")
 DEFAULT_BUDGET = "0.25"
+
+
+def _first_set(*values):
+    return next(value for value in values if value is not None)
 
 
 def _policy_class(policy: str) -> type[Policy]:
@@ -63,10 +68,22 @@ class EvictionConfig:
         help="how the scores of a GQA group's query heads reduce onto their KV head (mean, max, sum); "
         "OBCache scores default to sum",
     )
-    score: str = setting(
-        "attn",
-        help="what ranks the candidates: 'attn' (attention the window pays them) or an OBCache score "
-        "(obc-value, obc-key, obc-joint)",
+    score: Optional[str] = setting(
+        None,
+        help="what ranks the candidates: 'attn' (attention the window pays them), an OBCache score "
+        "(obc-value, obc-key, obc-joint), or a question-agnostic one, safe to reuse for any later question: "
+        "'kvzip' (attention a reconstruction of the context pays them; one extra pass over the context) or "
+        "'learned' (a per-layer regressor from hidden states predicting KVzip's score; no extra pass)",
+    )
+    learned_weights: Optional[str] = setting(
+        None,
+        help="score 'learned': the regressor's weights (.safetensors, with its .json manifest beside it); "
+        "unset: the weights bundled for the served model, found by its fingerprint",
+    )
+    sink_tokens: int = setting(
+        4,
+        help="the sequence's first tokens (attention sinks, absolute positions) are never evicted by any "
+        "policy; they count in the budget like the window",
     )
     alpha: float = setting(
         0.2,
@@ -84,23 +101,23 @@ class EvictionConfig:
     dbudget_query_rows: int = setting(
         1, help="DBudgetKV k: last query rows that measure the norm drop; at most the window (dbudget)"
     )
-    dbudget_sinks: int = setting(4, help="DBudgetKV m: leading tokens always kept (dbudget)")
     dbudget_frozen_layers: tuple[int, ...] = setting(
         (0, 1), help="DBudgetKV: comma-separated layer indices never pruned (dbudget)"
-    )
-    streaming_sinks: int = setting(
-        4, help="StreamingLLM attention-sink tokens kept besides the recent window (streaming)"
     )
     min_segment_length: int = setting(0, help="prompt spans shorter than this many tokens stay dense (all policies)")
 
     def __post_init__(self):
         policy_class = _policy_class(self.policy)
         defaults = policy_class.defaults
+        score = defaults.scores[0] if self.score is None else self.score
+        # A score brings its own GQA reduction and pooling defaults (OBCache: sum; KVzip: max, none).
+        score_kind = SCORE_KINDS.get(score, ScoreKind(None))
         resolved = {
             "budget": self._resolve_budget(defaults),
             "window": defaults.window if self.window is None else self.window,
-            "pooling": defaults.pooling if self.pooling is None else self.pooling,
-            "gqa": self._resolve_gqa(defaults),
+            "score": score,
+            "pooling": _first_set(self.pooling, score_kind.pooling, defaults.pooling),
+            "gqa": _first_set(self.gqa, score_kind.gqa, defaults.gqa),
             "dbudget_frozen_layers": tuple(self.dbudget_frozen_layers),
         }
         for name, value in resolved.items():
@@ -117,11 +134,6 @@ class EvictionConfig:
                 )
             return None
         return Budget.parse(DEFAULT_BUDGET if self.budget is None else self.budget)
-
-    def _resolve_gqa(self, defaults: PolicyDefaults) -> str:
-        if self.gqa is not None:
-            return self.gqa
-        return "sum" if self.score in OBC_SCORES else defaults.gqa
 
     def _validate(self, defaults: PolicyDefaults) -> None:
         def check(ok: bool, message: str) -> None:
@@ -156,12 +168,20 @@ class EvictionConfig:
             isinstance(self.dbudget_query_rows, int) and self.dbudget_query_rows >= 1,
             f"dbudget query rows {self.dbudget_query_rows!r} must be an integer >= 1",
         )
-        check(self.dbudget_sinks >= 0, f"dbudget sinks {self.dbudget_sinks!r} must be >= 0")
         check(
             all(isinstance(layer, int) and layer >= 0 for layer in self.dbudget_frozen_layers),
             f"dbudget frozen layers {self.dbudget_frozen_layers!r} must be layer indices >= 0",
         )
-        check(self.streaming_sinks >= 0, f"streaming sinks {self.streaming_sinks!r} must be >= 0")
+        check(
+            isinstance(self.sink_tokens, int) and self.sink_tokens >= 0,
+            f"sink tokens {self.sink_tokens!r} must be an integer >= 0",
+        )
+        if self.learned_weights is not None:
+            check(
+                self.score == LEARNED_SCORE,
+                f"learned weights {self.learned_weights!r} apply to score 'learned' only (score is {self.score!r})",
+            )
+            check(Path(self.learned_weights).is_file(), f"learned weights {self.learned_weights!r} is not a file")
         check(self.min_segment_length >= 0, f"min segment length {self.min_segment_length!r} must be >= 0")
 
     # ---- constructors ----------------------------------------------------------------------------

@@ -6,14 +6,19 @@ differ enough for rankings to be meaningful.
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import torch
 
 from sgl_kvevict.config import EvictionConfig, build_policy
 from sgl_kvevict.plan import CompressionPlan
 from sgl_kvevict.policies import SegmentSpec
 from sgl_kvevict.scoring import StatsRequest, WindowStats, window_stats
+from sgl_kvevict.scoring.learned import LearnedWeights
 
 HEAD_DIM = 8
+HIDDEN_SIZE = 12  # d_model of the random attention inputs learned scorers read
 SCALING = HEAD_DIM**-0.5
 ALL_STATS = StatsRequest(attn_sum=True, tail_rows=3, obc_value=True, obc_key=True, obc_joint=True, value_l1=True)
 
@@ -30,14 +35,39 @@ def random_window_inputs(
 
 
 def random_stats(spec: SegmentSpec, window: int, request: StatsRequest, seed: int) -> list[WindowStats]:
-    """One ``WindowStats`` per layer of ``spec`` (context = ``spec.end``), from random q/k/v."""
+    """One ``WindowStats`` per layer of ``spec`` (context = ``spec.end``), from random q/k/v, plus
+    random attention inputs of positions ``[0, end)`` when the request reads hidden states."""
     stats = []
     for layer in range(spec.num_layers):
         q_window, keys, values = random_window_inputs(
             spec.num_q_heads, spec.num_kv_heads, spec.end, window, seed=seed * 1000 + layer
         )
-        stats.append(window_stats(q_window, keys, values, SCALING, request))
+        layer_stats = window_stats(q_window, keys, values, SCALING, request)
+        if request.hidden_states:
+            hidden = torch.randn(spec.end, HIDDEN_SIZE, generator=torch.Generator().manual_seed(seed * 1000 + layer))
+            layer_stats = dataclasses.replace(layer_stats, hidden_states=hidden, hidden_start=0)
+        stats.append(layer_stats)
     return stats
+
+
+def learned_weights_file(directory: Path, num_layers: int, num_kv_heads: int, seed: int = 0) -> Path:
+    """Random learned-scorer weights for a model of that shape, saved with a manifest."""
+    generator = torch.Generator().manual_seed(seed)
+    weights = LearnedWeights(
+        torch.randn(num_layers, num_kv_heads, HIDDEN_SIZE, generator=generator),
+        torch.randn(num_layers, num_kv_heads, generator=generator),
+        {"fingerprint": "random test weights"},
+    )
+    path = directory / f"learned-{num_layers}x{num_kv_heads}-{seed}.safetensors"
+    weights.save(path)
+    return path
+
+
+def policy_config(policy: str, spec: SegmentSpec, weights_dir: Path, **options) -> EvictionConfig:
+    """``EvictionConfig.for_policy``, with random learned weights of ``spec``'s shape for score learned."""
+    if options.get("score") == "learned":
+        options["learned_weights"] = str(learned_weights_file(weights_dir, spec.num_layers, spec.num_kv_heads))
+    return EvictionConfig.for_policy(policy, **options)
 
 
 def run_policy(config: EvictionConfig, spec: SegmentSpec, seed: int = 0) -> CompressionPlan:

@@ -18,6 +18,7 @@ from sgl_kvevict.budget import (
     apportion,
     entropy_layer_budgets,
     evicted_prefix_length,
+    global_top_k_layer_budgets,
     kept_offsets,
     pyramid_head_budgets,
     rank_candidates,
@@ -203,6 +204,32 @@ def test_score_entropy_matches_the_formula():
     assert score_entropy(scores) == pytest.approx(expected, rel=1e-6)
     assert score_entropy(torch.ones(2, 8)) == pytest.approx(math.log(16))
     assert score_entropy(torch.zeros(2, 8)) == 0.0
+
+
+def test_score_entropy_of_log_scores_is_the_entropy_of_their_exponential():
+    """Learned scores are logs: their distribution is exp(s) normalised (a softmax), so a log score
+    and its exponential have one entropy, and shifting log scores (scaling the scores) changes nothing."""
+    scores = random_scores(3, 40, seed=4) + 1e-3
+    probabilities = scores.double().flatten() / scores.double().sum()
+    expected = float(-(probabilities * probabilities.log()).sum())
+    assert score_entropy(scores.log(), log_scores=True) == pytest.approx(expected, rel=1e-9)
+    assert score_entropy(scores.double().log() + 30.0, log_scores=True) == pytest.approx(expected, rel=1e-9)
+    assert score_entropy(torch.full((2, 8), -50.0), log_scores=True) == pytest.approx(math.log(16))
+
+
+@pytest.mark.parametrize("seed, ties", [(0, False), (1, True), (2, True)])
+@pytest.mark.parametrize("total", [0, 1, 37, 120])
+def test_global_top_k_layer_budgets_count_the_best_entries_of_each_layer(seed, ties, total):
+    """Against a Python sort of (score, layer, head, position): ties go to the lower layer."""
+    layer_scores = [random_scores(3, 10, seed=seed * 10 + layer, ties=ties) for layer in range(4)]
+    entries = sorted(
+        (-float(scores[h, p]), layer, h, p)
+        for layer, scores in enumerate(layer_scores)
+        for h in range(3)
+        for p in range(10)
+    )
+    expected = [sum(1 for _, layer, _, _ in entries[:total] if layer == i) for i in range(4)]
+    assert global_top_k_layer_budgets(layer_scores, total).tolist() == expected
 
 
 def test_entropy_layer_budgets_are_proportional_exact_and_capped():

@@ -9,8 +9,13 @@ from sgl_kvevict.config import EvictionConfig, build_policy
 from sgl_kvevict.settings import Budget, ConfigError, RatioBudget, TokenBudget
 from sgl_kvevict.policies import get_policy_class, registered_policies
 
-BUILT_IN = {"full", "streaming", "h2o", "tova", "snapkv", "pyramidkv", "ada-snapkv", "ada-pyramidkv", "lava", "dbudget"}
-OBC_POLICIES = {"h2o", "tova", "snapkv", "ada-snapkv", "ada-pyramidkv"}
+BUILT_IN = {
+    "full", "streaming", "h2o", "tova", "snapkv", "pyramidkv", "ada-snapkv", "ada-pyramidkv", "lava", "dbudget", "topk",
+}  # fmt: skip
+OBC_POLICIES = {"h2o", "tova", "snapkv", "ada-snapkv", "ada-pyramidkv", "topk"}
+# Policies that take the question-agnostic scores (kvzip, learned): every allocator defined apart
+# from the window's queries (not h2o, tova), and KVzip's own global top-k.
+QUESTION_AGNOSTIC_POLICIES = {"snapkv", "pyramidkv", "ada-snapkv", "ada-pyramidkv", "lava", "topk"}
 BUDGETLESS = {"full", "dbudget"}
 
 
@@ -61,6 +66,7 @@ def test_every_policy_builds_with_its_defaults(policy):
         ("h2o", 32, "none", "mean"),
         ("tova", 1, "none", "mean"),
         ("dbudget", 1, "none", "mean"),
+        ("topk", 32, "none", "max"),  # its default score is kvzip, which brings GQA max and no pooling
     ],
 )
 def test_paper_defaults(policy, window, pooling, gqa):
@@ -71,9 +77,27 @@ def test_paper_defaults(policy, window, pooling, gqa):
 def test_global_paper_defaults():
     config = EvictionConfig()
     assert config.policy == "snapkv" and config.budget == RatioBudget(0.25) and config.score == "attn"
-    assert config.alpha == 0.2 and config.pyramid_beta == 20
-    assert (config.dbudget_threshold, config.dbudget_query_rows, config.dbudget_sinks) == (0.01, 1, 4)
-    assert config.dbudget_frozen_layers == (0, 1) and config.streaming_sinks == 4
+    assert config.alpha == 0.2 and config.pyramid_beta == 20 and config.sink_tokens == 4
+    assert (config.dbudget_threshold, config.dbudget_query_rows) == (0.01, 1)
+    assert config.dbudget_frozen_layers == (0, 1) and config.learned_weights is None
+
+
+@pytest.mark.parametrize("policy", sorted(BUILT_IN))
+def test_each_policy_defaults_to_its_first_score(policy):
+    expected = "kvzip" if policy == "topk" else "attn"
+    assert EvictionConfig.for_policy(policy).score == expected
+
+
+@pytest.mark.parametrize("policy", sorted(BUILT_IN - {"full", "dbudget", "streaming"}))
+@pytest.mark.parametrize("score", ["kvzip", "learned"])
+def test_question_agnostic_scores_apply_to_allocator_policies_only(policy, score):
+    if policy in QUESTION_AGNOSTIC_POLICIES:
+        config = EvictionConfig.for_policy(policy, score=score)
+        assert config.score == score and config.pooling == "none"
+        assert config.gqa == ("max" if score == "kvzip" else get_policy_class(policy).defaults.gqa)
+    else:
+        with pytest.raises(ConfigError, match=f"score '{score}' does not apply to policy '{policy}'"):
+            EvictionConfig.for_policy(policy, score=score)
 
 
 @pytest.mark.parametrize("policy", sorted(OBC_POLICIES - {"tova"}))
@@ -139,8 +163,11 @@ MISTAKES = [
     (dict(pooling_kernel=6), "pooling kernel 6 must be an odd integer >= 1"),
     (dict(pooling_kernel=0), "pooling kernel 0 must be an odd integer >= 1"),
     (dict(gqa="median"), "gqa reduction 'median' is not one of mean, max, sum"),
-    (dict(score="obc"), "score 'obc' is not one of attn, obc-value, obc-key, obc-joint"),
-    (dict(policy="lava", score="obc-value"), "score 'obc-value' does not apply to policy 'lava' (valid: attn)"),
+    (dict(score="obc"), "score 'obc' is not one of attn, obc-value, obc-key, obc-joint, kvzip, learned"),
+    (dict(policy="lava", score="obc-value"), "score 'obc-value' does not apply to policy 'lava' (valid: attn, kvzip, learned)"),
+    (dict(policy="h2o", score="kvzip"), "score 'kvzip' does not apply to policy 'h2o'"),
+    (dict(policy="snapkv", learned_weights="weights.safetensors"), "learned weights 'weights.safetensors' apply to score 'learned' only"),
+    (dict(policy="topk", score="learned", learned_weights="/nonexistent.safetensors"), "learned weights '/nonexistent.safetensors' is not a file"),
     (dict(policy="pyramidkv", score="obc-key"), "score 'obc-key' does not apply to policy 'pyramidkv'"),
     (dict(policy="tova", score="obc-joint", window=8), "use window 1 with tova (got 8)"),
     (dict(alpha=-0.1), "alpha -0.1 must be in [0, 1]"),
@@ -150,9 +177,8 @@ MISTAKES = [
     (dict(dbudget_threshold=1.0), "dbudget threshold 1.0 must be in (0, 1)"),
     (dict(dbudget_query_rows=0), "dbudget query rows 0 must be an integer >= 1"),
     (dict(policy="dbudget", dbudget_query_rows=4), "dbudget query rows (4) must not exceed the window (1)"),
-    (dict(dbudget_sinks=-1), "dbudget sinks -1 must be >= 0"),
+    (dict(sink_tokens=-1), "sink tokens -1 must be an integer >= 0"),
     (dict(dbudget_frozen_layers=(0, -1)), "dbudget frozen layers (0, -1) must be layer indices >= 0"),
-    (dict(streaming_sinks=-2), "streaming sinks -2 must be >= 0"),
     (dict(min_segment_length=-1), "min segment length -1 must be >= 0"),
 ]
 

@@ -57,14 +57,16 @@ def test_bad_flags_have_one_clear_message(argv, message):
     assert "\n" not in str(error.value)
 
 
-def test_every_eviction_config_field_has_a_flag_reaching_the_serving_config():
+def test_every_eviction_config_field_has_a_flag_reaching_the_serving_config(tmp_path):
     knobs = [f for f in dataclasses.fields(EvictionConfig) if f.name != "policy"]
     options = {option for action in build_parser()._actions for option in action.option_strings}
     assert {knob_flag(f.name) for f in knobs} <= options
+    weights = tmp_path / "weights.safetensors"
+    weights.touch()
     values = {"budget": "64t", "window": "8", "pooling": "avg", "pooling_kernel": "5", "gqa": "sum",
-              "score": "attn", "alpha": "0.3", "pyramid_beta": "10", "dbudget_threshold": "0.02",
-              "dbudget_query_rows": "2", "dbudget_sinks": "2", "dbudget_frozen_layers": "0,3",
-              "streaming_sinks": "2", "min_segment_length": "16"}  # fmt: skip
+              "score": "learned", "learned_weights": str(weights), "alpha": "0.3", "pyramid_beta": "10", "dbudget_threshold": "0.02",
+              "dbudget_query_rows": "2", "dbudget_frozen_layers": "0,3", "sink_tokens": "2",
+              "min_segment_length": "16"}  # fmt: skip
     assert set(values) == {f.name for f in knobs}, "a new EvictionConfig field needs a value in this test"
     args = [item for name, text in values.items() for item in (knob_flag(name), text)]
     config = parse("--kv-evict-policy", "ada-snapkv", *args)

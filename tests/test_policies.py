@@ -1,13 +1,13 @@
-"""Policies end to end: budgets add up, windows are kept, short segments are untouched, plans are
-deterministic, and each method keeps what its paper says (against scorer outputs ranked in Python,
-LAVa's cascade, DBudgetKV's suffix-norm form)."""
+"""Policies end to end: budgets add up, sinks and windows are kept, short segments are untouched,
+plans are deterministic, and each method keeps what its paper says (against scorer outputs ranked
+in Python, LAVa's cascade, DBudgetKV's suffix-norm form, a brute-force global top-k)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from conftest_policies import random_stats, run_policy
+from conftest_policies import policy_config, random_stats, run_policy
 from sgl_kvevict.budget import (
     adaptive_head_counts,
     entropy_layer_budgets,
@@ -27,7 +27,8 @@ SPECS = [
     pytest.param(SegmentSpec(start=11, end=130, num_layers=4, num_kv_heads=2, num_q_heads=6), id="gqa-prefix"),
 ]
 BUDGETS = ["0.3", "40t"]
-# (policy, score, window): every policy with a fixed budget, and OBCache scores where they apply.
+# (policy, score, window): every policy with a fixed budget, and OBCache and question-agnostic
+# scores where they apply.
 FIXED_BUDGET = [
     ("snapkv", "attn", WINDOW),
     ("snapkv", "obc-joint", WINDOW),
@@ -41,7 +42,16 @@ FIXED_BUDGET = [
     ("ada-pyramidkv", "attn", WINDOW),
     ("ada-pyramidkv", "obc-key", WINDOW),
     ("lava", "attn", WINDOW),
+    ("lava", "kvzip", WINDOW),
+    ("lava", "learned", WINDOW),
     ("streaming", "attn", WINDOW),
+    ("snapkv", "learned", WINDOW),
+    ("pyramidkv", "kvzip", WINDOW),
+    ("ada-snapkv", "kvzip", WINDOW),
+    ("ada-snapkv", "learned", WINDOW),
+    ("topk", "kvzip", WINDOW),
+    ("topk", "learned", WINDOW),
+    ("topk", "attn", WINDOW),
 ]
 SAME_BUDGET_EVERY_LAYER = {"snapkv", "h2o", "tova", "ada-snapkv", "streaming"}
 FIXED_IDS = [f"{policy}-{score}" for policy, score, _ in FIXED_BUDGET]
@@ -49,30 +59,76 @@ FIXED_IDS = [f"{policy}-{score}" for policy, score, _ in FIXED_BUDGET]
 
 def candidate_mask(plan: CompressionPlan, layer: int, layout: SegmentLayout) -> torch.Tensor:
     """bool ``[H_kv, n_candidates]``: which candidates ``layer`` keeps."""
-    return plan.keep_mask(layer)[:, : layout.num_candidates]
+    return plan.keep_mask(layer)[:, layout.num_sinks : layout.num_sinks + layout.num_candidates]
 
 
-def assert_window_kept(plan: CompressionPlan, window: int) -> None:
+def assert_sinks_and_window_kept(plan: CompressionPlan, sink_tokens: int, window: int) -> None:
+    """Every (layer, KV head) keeps the positions ``< sink_tokens`` of the segment and its last ``window``."""
+    sinks = max(min(sink_tokens, plan.segment_end) - plan.segment_start, 0)
     for layer in range(plan.num_layers):
-        assert torch.all(plan.keep_mask(layer)[:, plan.segment_length - window :]), layer
+        mask = plan.keep_mask(layer)
+        assert torch.all(mask[:, :sinks]) and torch.all(mask[:, plan.segment_length - window :]), layer
 
 
 @pytest.mark.parametrize("spec", SPECS)
 @pytest.mark.parametrize("budget", BUDGETS)
 @pytest.mark.parametrize("policy, score, window", FIXED_BUDGET, ids=FIXED_IDS)
-def test_budgets_add_up_and_windows_are_kept(spec, budget, policy, score, window):
-    config = EvictionConfig.for_policy(policy, budget=budget, score=score, window=window)
+def test_budgets_add_up_and_sinks_and_windows_are_kept(spec, budget, policy, score, window, tmp_path):
+    config = policy_config(policy, spec, tmp_path, budget=budget, score=score, window=window)
     plan = run_policy(config, spec)
     per_head = config.budget.per_head(spec.length)
-    assert window < per_head < spec.length  # the case under test: a real compression
+    layout = SegmentLayout.of(spec, config)
+    assert layout.compresses and window + layout.num_sinks < per_head < spec.length  # a real compression
     counts = plan.counts()
     assert counts.shape == (spec.num_layers, spec.num_kv_heads)
     assert plan.total_kept() == per_head * spec.num_layers * spec.num_kv_heads
     if policy in SAME_BUDGET_EVERY_LAYER:
         assert counts.sum(1).tolist() == [per_head * spec.num_kv_heads] * spec.num_layers
-    assert_window_kept(plan, window)
+    assert_sinks_and_window_kept(plan, config.sink_tokens, window)
     for layer in plan.layers:
         assert torch.all((layer.kept_positions >= spec.start) & (layer.kept_positions < spec.end))
+
+
+def every_policy_config(policy: str, spec: SegmentSpec, weights_dir, **options) -> EvictionConfig:
+    """The policy at its defaults (its own default score) with ``options``; no budget for budgetless ones."""
+    if policy in ("full", "dbudget"):
+        options.pop("budget", None)
+    return policy_config(policy, spec, weights_dir, **options)
+
+
+@pytest.mark.parametrize("spec", [*SPECS, pytest.param(SegmentSpec(2, 90, 2, 2, 4), id="starts-among-sinks")])
+@pytest.mark.parametrize("budget", ["0.05", "0.15", "0.3", "0.6", "0.9", "9t", "13t", "40t"])
+@pytest.mark.parametrize("sink_tokens", [4, 7])
+@pytest.mark.parametrize("policy", sorted(registered_policies()))
+def test_every_policy_keeps_the_sinks_at_every_budget(policy, budget, sink_tokens, spec, tmp_path):
+    """The sequence's first ``sink_tokens`` positions are never evicted, whatever the budget (also
+    when it leaves nothing to select: the segment is then kept whole)."""
+    config = every_policy_config(policy, spec, tmp_path, budget=budget, window=WINDOW, sink_tokens=sink_tokens)
+    plan = run_policy(config, spec, seed=2)
+    assert_sinks_and_window_kept(plan, sink_tokens, WINDOW)
+
+
+@pytest.mark.parametrize("policy", sorted(set(registered_policies()) - {"full"}))
+@pytest.mark.parametrize(
+    "length, budget, compresses",
+    [
+        (37, "0.25", False),  # SmolLM2's "What is the capital of France?" chat at the default budget
+        (100, "36t", False),  # budget = window 32 + 4 sinks: nothing left to select
+        (100, "37t", True),  # one candidate per head
+        (128, "0.25", False),  # 32 = the window alone
+        (160, "0.25", True),  # 40 > 36
+    ],
+)
+def test_a_budget_that_leaves_nothing_to_select_keeps_the_segment_whole(policy, length, budget, compresses):
+    """Short prompts: a per-head budget at most window + sinks selects nothing, so the segment stays
+    dense (it used to keep the window alone and evict the sinks)."""
+    spec = SegmentSpec(0, length, 2, 2, 4)
+    config = every_policy_config(policy, spec, None, budget=budget, window=32)
+    expected = compresses or config.budget is None  # dbudget decides per input: it has candidates
+    assert SegmentLayout.of(spec, config).compresses == expected
+    if not expected:
+        compressor = build_policy(config).start(spec)
+        assert not compressor.needs_stats and compressor.plan().total_kept() == length * 2 * 2
 
 
 @pytest.mark.parametrize("spec", SPECS)
@@ -135,13 +191,6 @@ def test_short_segments_are_kept_whole(policy, length, budget, min_segment_lengt
     assert plan.layers[0].head_positions(1).tolist() == list(range(7, 7 + length))
 
 
-def test_a_budget_below_the_window_keeps_the_window():
-    spec = SegmentSpec(0, 100, 2, 2, 2)
-    plan = run_policy(EvictionConfig.for_policy("ada-snapkv", budget="0.05", window=WINDOW), spec)
-    assert plan.counts().tolist() == [[WINDOW, WINDOW]] * 2
-    assert_window_kept(plan, WINDOW)
-
-
 def test_plan_before_every_layer_is_observed_raises():
     spec = SegmentSpec(0, 100, 3, 2, 2)
     policy = build_policy(EvictionConfig.for_policy("snapkv", budget="0.3", window=WINDOW))
@@ -162,7 +211,7 @@ def observed_scores(config: EvictionConfig, spec: SegmentSpec, seed: int = 0):
     compressor = policy.start(spec)
     for layer, layer_stats in enumerate(stats):
         compressor.observe(layer, layer_stats)
-    scores = [policy.scorer(s, layout.candidate_columns, spec.num_kv_heads) for s in stats]
+    scores = [policy.scorer(s, layout.candidate_columns, spec.num_kv_heads, layer) for layer, s in enumerate(stats)]
     return scores, layout, compressor.plan()
 
 
@@ -226,7 +275,7 @@ def lava_cascade(config: EvictionConfig, spec: SegmentSpec, seed: int) -> tuple[
     total = spec.num_layers * num_heads * layout.selected_per_head
     scores, kept, recompressions = [], [], 0
     for layer, stats in enumerate(random_stats(spec, config.window, policy.stats_request(), seed)):
-        scores.append(policy.scorer(stats, layout.candidate_columns, num_heads))
+        scores.append(policy.scorer(stats, layout.candidate_columns, num_heads, layer))
         kept.append(torch.ones(num_heads, num_candidates, dtype=torch.bool))
         budgets = entropy_layer_budgets([score_entropy(s) for s in scores], total, num_heads * num_candidates)
         for lower, budget in enumerate(budgets.tolist()):
@@ -274,9 +323,10 @@ def test_tova_keeps_what_the_last_query_attends_to():
         compressor.observe(layer, layer_stats)
     plan = compressor.plan()
     for layer, layer_stats in enumerate(stats):
-        last_row = layer_stats.tail_attn[:, -1, :79].view(2, 2, 79).mean(1)
+        last_row = layer_stats.tail_attn[:, -1, 4:79].view(2, 2, 75).mean(1)  # candidates: after the 4 sinks
         for head in range(2):
-            expected = {p for _, p in top_entries(last_row[head : head + 1], 19)} | {79}
+            best = {4 + p for _, p in top_entries(last_row[head : head + 1], 15)}  # 20 - 4 sinks - 1 window
+            expected = {0, 1, 2, 3} | best | {79}
             assert set(plan.layers[layer].head_positions(head).tolist()) == expected
 
 
@@ -321,7 +371,7 @@ def test_dbudget_keeps_sinks_and_a_suffix_per_layer(start, threshold):
             assert kept == list(range(start, 90))
         else:
             mass = reduced_attention_mass(stats[layer].tail_attn).tolist()
-            assert kept == slow_dbudget_kept(mass, start, 90, config.window, config.dbudget_sinks, threshold)
+            assert kept == slow_dbudget_kept(mass, start, 90, config.window, config.sink_tokens, threshold)
 
 
 def test_dbudget_sinks_never_reach_past_the_segment():
@@ -339,3 +389,47 @@ def test_dbudget_heads_share_one_stop_and_larger_thresholds_evict_more():
         assert counts[:2].tolist() == [[120, 120], [120, 120]]  # frozen layers 0 and 1
         kept.append(plan.total_kept())
     assert kept[0] >= kept[1] >= kept[2] and kept[0] > kept[2]
+
+
+# ---- question-agnostic scores: KVzip's global top-k, LAVa's layer budgets -------------------------
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("score", ["kvzip", "learned"])
+@pytest.mark.parametrize("budget", ["0.3", "40t"])
+def test_topk_keeps_the_global_top_k_over_every_layer_and_head(spec, score, budget, tmp_path):
+    """KVzip's allocation: the kept candidates are the best ``L * H_kv * selected`` (layer, head,
+    position) entries of the whole segment, found here by brute force over Python tuples."""
+    config = policy_config("topk", spec, tmp_path, budget=budget, score=score, window=WINDOW)
+    scores, layout, plan = observed_scores(config, spec, seed=4)
+    entries = sorted(
+        (
+            (-float(layer_scores[h, p]), layer, h, p)
+            for layer, layer_scores in enumerate(scores)
+            for h in range(spec.num_kv_heads)
+            for p in range(layout.num_candidates)
+        )
+    )
+    total = spec.num_layers * spec.num_kv_heads * layout.selected_per_head
+    expected = {(layer, h, p) for _, layer, h, p in entries[:total]}
+    kept = {(layer, h, p) for layer in range(spec.num_layers) for h, p in kept_entries(candidate_mask(plan, layer, layout))}
+    assert kept == expected
+    per_layer = plan.counts().sum(1)
+    assert len(set(per_layer.tolist())) > 1  # the budget really moved between layers
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_lava_with_learned_scores_splits_layers_by_the_entropy_of_their_exponential(spec, tmp_path):
+    """Learned scores are log KVzip scores: LAVa's layer entropy is that of ``exp(s)`` normalised,
+    the same distribution a KVzip score gives (computed here with an explicit exp)."""
+    config = policy_config("lava", spec, tmp_path, budget="0.3", score="learned", window=WINDOW)
+    scores, layout, plan = observed_scores(config, spec, seed=5)
+    entropies = []
+    for layer_scores in scores:
+        probabilities = layer_scores.double().exp().flatten()
+        probabilities = probabilities / probabilities.sum()
+        entropies.append(float(-(probabilities * probabilities.log()).sum()))
+    total = spec.num_layers * spec.num_kv_heads * layout.selected_per_head
+    expected = entropy_layer_budgets(entropies, total, spec.num_kv_heads * layout.num_candidates)
+    kept_per_layer = [int(candidate_mask(plan, layer, layout).sum()) for layer in range(spec.num_layers)]
+    assert kept_per_layer == expected.tolist()

@@ -13,7 +13,8 @@ from sgl_kvevict.config import EvictionConfig, build_policy
 from sgl_kvevict.plan import CompressionPlan, LayerPlan
 from sgl_kvevict.policies.base import Policy, SegmentCompressor, SegmentSpec
 from sgl_kvevict.reference import Mode, PrefillStep, Prompt, ReferenceEngine, Schedule, Segment
-from sgl_kvevict.scoring.window import StatsRequest, WindowStats, window_stats
+from sgl_kvevict.scoring.kvzip import ReconstructionPrompt, reconstruction_chunks
+from sgl_kvevict.scoring.window import RECONSTRUCTION_QUERIES, StatsRequest, WindowStats, window_stats
 
 DOCUMENT = (
     "the cache key value token layer head budget window prefix radix tree memory request answer question "
@@ -79,6 +80,37 @@ class RecordingRandomKeep(SegmentCompressor):
             ]
             layers.append(LayerPlan.from_heads(heads))
         return CompressionPlan(spec.start, spec.end, tuple(layers))
+
+
+class RecordingKeepAll(Policy):
+    """Test-only: keeps everything, records the statistics of ``request`` it observes per segment."""
+
+    def __init__(self, request: StatsRequest, window: int = 8):
+        super().__init__(WindowOnlyConfig(window))
+        self.request = request
+        self.compressors: list[RecordingKeepAllCompressor] = []
+
+    def stats_request(self) -> StatsRequest:
+        return self.request
+
+    def start(self, spec: SegmentSpec) -> SegmentCompressor:
+        compressor = RecordingKeepAllCompressor(spec)
+        self.compressors.append(compressor)
+        return compressor
+
+
+class RecordingKeepAllCompressor(SegmentCompressor):
+    def __init__(self, spec: SegmentSpec):
+        super().__init__(spec)
+        self.stats: dict[int, WindowStats] = {}
+
+    def observe(self, layer: int, stats: WindowStats) -> None:
+        assert layer not in self.stats, "observe runs once per layer"
+        self.stats[layer] = stats
+
+    def plan(self) -> CompressionPlan:
+        spec = self.spec
+        return CompressionPlan.keep_all(spec.start, spec.end, spec.num_layers, spec.num_kv_heads)
 
 
 @pytest.fixture(scope="module")
@@ -292,3 +324,158 @@ def test_chat_prompt_context_is_a_token_prefix(tiny_engine):
     assert prompt.token_ids[: prompt.context_end] == context_alone.token_ids[: context_alone.context_end]
     text = tiny_engine.tokenizer.decode(prompt.token_ids[prompt.context_end :])
     assert QUESTION in text and text.endswith("the number is")
+
+
+# ---- KVzip reconstruction passes and learned-score inputs -----------------------------------------
+
+RECONSTRUCTION_MAX = StatsRequest(attn_max=True, queries=RECONSTRUCTION_QUERIES)
+
+
+@pytest.fixture(scope="module")
+def tiny_eager(tiny_llama_dir):
+    """The tiny model with transformers' eager attention, which returns its attention probabilities."""
+    return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def naive_reconstruction_max(model, context_ids, prompt: ReconstructionPrompt, start: int) -> list[torch.Tensor]:
+    """Per layer fp32 ``[H_q, end]``: for each chunk of ``context_ids[start:]``, one plain HF forward of
+    ``context_ids + chunk input`` (the chunk sits right after the context, at positions from ``end``),
+    max of the eager attention probabilities of the chunk's rows over the context columns, max over chunks."""
+    end = len(context_ids)
+    per_layer = None
+    for chunk in reconstruction_chunks(context_ids[start:], start, prompt):
+        ids = torch.tensor([list(context_ids) + list(chunk.input_ids)])
+        with torch.inference_mode():
+            attentions = model(ids, output_attentions=True).attentions
+        chunk_max = [a[0, :, end:, :end].amax(1) for a in attentions]
+        per_layer = chunk_max if per_layer is None else [torch.maximum(a, b) for a, b in zip(per_layer, chunk_max)]
+    return per_layer
+
+
+@pytest.fixture
+def small_chunks(tiny_engine):
+    """Chunks of 24 tokens (overlap 8), so the tiny prompt needs several passes."""
+    original = tiny_engine.reconstruction_prompt
+    tiny_engine.reconstruction_prompt = ReconstructionPrompt(
+        original.first_instruction, original.later_instruction, original.assistant_opening, chunk_size=24, overlap=8
+    )
+    yield tiny_engine.reconstruction_prompt
+    tiny_engine.reconstruction_prompt = original
+
+
+def test_kvzip_scores_equal_a_naive_eager_forward_per_chunk(tiny_engine, tiny_eager, tiny_prompt, small_chunks):
+    """Question-aware: one segment, the whole prompt; several chunks, each one plain forward."""
+    policy = RecordingKeepAll(RECONSTRUCTION_MAX)
+    result = tiny_engine.generate(tiny_prompt, policy, Mode.QUESTION_AWARE, max_new_tokens=1)
+    (compressor,) = policy.compressors
+    chunks = reconstruction_chunks(tiny_prompt.token_ids, 0, small_chunks)
+    assert len(chunks) >= 3
+    expected = naive_reconstruction_max(tiny_eager, tiny_prompt.token_ids, small_chunks, 0)
+    for layer, stats in compressor.stats.items():
+        assert stats.window == sum(len(chunk.input_ids) for chunk in chunks)
+        torch.testing.assert_close(stats.attn_max, expected[layer], rtol=0, atol=2e-6)
+    assert result.kept_fraction() == 1.0
+
+
+def test_kvzip_blocks_of_one_forward_see_keys_up_to_their_own_end(tiny_engine, tiny_eager, tiny_prompt, small_chunks):
+    """Block scope in one forward: block k's reconstruction sees the prompt up to its end only (the
+    forward's later tokens are invisible), earlier blocks of the forward dense."""
+    block = 40
+    schedule = Schedule.for_mode(Mode.QUESTION_AWARE, len(tiny_prompt), len(tiny_prompt), block_size=block)
+    policy = RecordingKeepAll(RECONSTRUCTION_MAX)
+    tiny_engine.generate_scheduled(tiny_prompt, policy, schedule, max_new_tokens=1)
+    assert len(policy.compressors) == len(tiny_prompt) // block >= 2
+    for compressor in policy.compressors:
+        spec = compressor.spec
+        expected = naive_reconstruction_max(tiny_eager, tiny_prompt.token_ids[: spec.end], small_chunks, spec.start)
+        for layer, stats in compressor.stats.items():
+            assert stats.attn_max.shape[-1] == spec.end
+            torch.testing.assert_close(stats.attn_max, expected[layer], rtol=0, atol=2e-6)
+
+
+def test_kvzip_block_fed_later_sees_the_earlier_block_compressed(tiny_engine, tiny_eager, tiny_prompt):
+    """A block prefilled after an earlier one was compressed (a request reusing it): its
+    reconstruction attends to the kept entries only, in its statistics and in the attention that
+    feeds later layers. Oracle: a plain eager forward of the chunk over a cache that physically holds
+    only the kept entries of block 0 and the dense block 1, every layer compared."""
+    block = 48
+    ids = tiny_prompt.token_ids
+    sequence = tiny_engine.new_sequence()
+    tiny_engine.extend(sequence, ids[:block], RandomKeepPolicy(window=8, kept_per_head=10), [Segment(0, block)])
+    recorder = RecordingKeepAll(RECONSTRUCTION_MAX)
+    tiny_engine.extend(sequence, ids[block : 2 * block], recorder, [Segment(block, 2 * block)])
+    (first_plan, _) = sequence.plans
+
+    physical = gathered_cache(sequence.cache, first_plan)
+    for layer, cached in enumerate(sequence.cache.layers):
+        physical.update(cached.keys[:, :, block : 2 * block], cached.values[:, :, block : 2 * block], layer)
+    (chunk,) = reconstruction_chunks(ids[block : 2 * block], block, tiny_engine.reconstruction_prompt)
+    length = len(chunk.input_ids)
+    with torch.inference_mode():
+        attentions = tiny_eager(
+            input_ids=torch.tensor([chunk.input_ids]),
+            position_ids=torch.arange(2 * block, 2 * block + length).unsqueeze(0),
+            past_key_values=physical,
+            output_attentions=True,
+        ).attentions
+    group = tiny_engine.num_q_heads // tiny_engine.num_kv_heads
+    for layer, probs in enumerate(attentions):
+        row_max = probs[0, :, :, : -length].amax(1)  # [H_q, kept_0 + block]: the physical columns
+        expected = torch.zeros(tiny_engine.num_q_heads, 2 * block)
+        for head in range(tiny_engine.num_q_heads):
+            kept_positions = first_plan.layers[layer].head_positions(head // group)
+            expected[head, kept_positions] = row_max[head, : len(kept_positions)]
+            expected[head, block:] = row_max[head, len(kept_positions) :]
+        torch.testing.assert_close(recorder.compressors[0].stats[layer].attn_max, expected, rtol=0, atol=2e-6)
+
+
+def test_reconstruction_leaves_the_cache_as_the_prefill_left_it(tiny_engine, tiny_plain, tiny_prompt):
+    """The chunks' entries are temporary: after the passes, decoding is exactly plain HF greedy."""
+    for mode in Mode:
+        policy = RecordingKeepAll(RECONSTRUCTION_MAX)
+        result = tiny_engine.generate(tiny_prompt, policy, mode, max_new_tokens=8)
+        assert list(result.output_ids) == hf_greedy(tiny_plain, tiny_prompt.token_ids, 8)
+        assert len(policy.compressors[0].stats) == tiny_engine.num_layers
+
+
+def test_learned_scores_read_the_attention_inputs_of_the_prefill(tiny_engine, tiny_plain, tiny_prompt):
+    """Hidden states = the input layernorm of each layer's input, positions of the segment only."""
+    segment = Segment(10, tiny_prompt.context_end)
+    sequence = tiny_engine.new_sequence()
+    tiny_engine.extend(sequence, tiny_prompt.token_ids[:10])
+    policy = RecordingKeepAll(StatsRequest(hidden_states=True))
+    tiny_engine.extend(sequence, tiny_prompt.token_ids[10 : segment.end], policy, [segment])
+    (compressor,) = policy.compressors
+    ids = torch.tensor([tiny_prompt.token_ids[: segment.end]])
+    with torch.inference_mode():
+        out = tiny_plain(ids, output_hidden_states=True)
+        for layer, decoder_layer in enumerate(tiny_plain.model.layers):
+            expected = decoder_layer.input_layernorm(out.hidden_states[layer])[0, segment.start :]
+            stats = compressor.stats[layer]
+            assert stats.hidden_start == segment.start and stats.attn_max is None
+            torch.testing.assert_close(stats.hidden_states, expected, rtol=0, atol=1e-5)
+
+
+def test_learned_scores_refuse_a_segment_that_started_in_an_earlier_forward(tiny_engine, tiny_prompt):
+    sequence = tiny_engine.new_sequence()
+    tiny_engine.extend(sequence, tiny_prompt.token_ids[:40])
+    policy = RecordingKeepAll(StatsRequest(hidden_states=True), window=4)
+    with pytest.raises(ValueError, match="scored from hidden states, but this forward starts at 40"):
+        tiny_engine.extend(sequence, tiny_prompt.token_ids[40:60], policy, [Segment(0, 60)])
+
+
+@pytest.mark.smollm2
+def test_a_short_chat_stays_dense_on_smollm2(smollm2_dir):
+    """The 37-token chat "What is the capital of France?" at budget 0.25: the budget (9 per head)
+    leaves nothing to select beside the window (32) and sinks (4), so no policy compresses it, and
+    the answer is the full cache's."""
+    engine = ReferenceEngine(smollm2_dir)
+    ids = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=True
+    )["input_ids"]
+    assert len(ids) == 37
+    reference = engine.generate(ids, full_policy(), max_new_tokens=6)
+    assert "Paris" in reference.text
+    for policy in ("lava", "snapkv", "streaming", "topk"):
+        result = engine.generate(ids, build_policy(EvictionConfig.for_policy(policy, budget="0.25")), max_new_tokens=6)
+        assert result.kept_fraction() == 1.0 and result.output_ids == reference.output_ids, policy

@@ -1,4 +1,4 @@
-"""Window statistics and scorers against slow loop implementations of the papers' formulas.
+"""Window and reconstruction statistics and scorers against slow loop implementations of the formulas.
 
 Loops run in float64 over (query head, window query, key position); the library runs vectorised
 in fp32. Shapes are odd on purpose, MHA and GQA, with the window at the end of a longer context
@@ -12,18 +12,31 @@ import math
 import pytest
 import torch
 
-from conftest_policies import SCALING, random_window_inputs
+from conftest_policies import HEAD_DIM, SCALING, random_window_inputs
 from sgl_kvevict.config import EvictionConfig, build_policy
 from sgl_kvevict.scoring import (
+    KVzipScorer,
     LastQueryScorer,
     LavaScorer,
+    LearnedScorer,
     OBCacheScorer,
     Reduction,
     StatsRequest,
     WindowAttentionScorer,
+    WindowStats,
     scorer_for,
     window_stats,
 )
+from sgl_kvevict.scoring.kvzip import (
+    FIRST_INSTRUCTION,
+    LATER_INSTRUCTION,
+    ReconstructionPrompt,
+    merge_chunk_stats,
+    reconstruction_chunks,
+    reconstruction_stats,
+)
+from sgl_kvevict.scoring.learned import LearnedWeights
+from sgl_kvevict.scoring.window import RECONSTRUCTION_QUERIES
 
 ALL = StatsRequest(attn_sum=True, attn_max=True, tail_rows=2, obc_value=True, obc_key=True, obc_joint=True, value_l1=True)
 
@@ -148,7 +161,7 @@ def test_obcache_value_score_is_the_exact_output_error_of_zeroing_the_value(num_
     context, window = 15, 4
     q_window, keys, values = random_window_inputs(num_q_heads, num_kv_heads, context, window, seed=7)
     stats = window_stats(q_window, keys, values, SCALING, StatsRequest(obc_value=True))
-    scores = OBCacheScorer("obc-value", Reduction(gqa="sum", pooling="none"))(stats, slice(0, context), num_kv_heads)
+    scores = OBCacheScorer("obc-value", Reduction(gqa="sum", pooling="none"))(stats, slice(0, context), num_kv_heads, 0)
 
     _, _, outputs = slow_attention(q_window, keys, values, SCALING)
     group = num_q_heads // num_kv_heads
@@ -169,7 +182,7 @@ def test_obcache_key_and_joint_scores_are_the_second_order_output_error(score, p
     q_window, keys, values = random_window_inputs(num_q_heads, num_kv_heads, context, window, seed=5)
     keys, values = keys.double(), values.double()
     stats = window_stats(q_window, keys, values, SCALING, StatsRequest(**{score.replace("-", "_"): True}))
-    scores = OBCacheScorer(score, Reduction(gqa="sum", pooling="none"))(stats, slice(0, context), num_kv_heads)
+    scores = OBCacheScorer(score, Reduction(gqa="sum", pooling="none"))(stats, slice(0, context), num_kv_heads, 0)
 
     _, _, outputs = slow_attention(q_window, keys, values, SCALING)
     group = num_q_heads // num_kv_heads
@@ -233,7 +246,7 @@ def test_window_attention_scorer(num_q_heads, num_kv_heads, context, window, sta
     """SnapKV/H2O/Ada-KV: mean over the window queries of A[h, i, p], GQA-reduced, pooled."""
     q_window, keys, values = random_window_inputs(num_q_heads, num_kv_heads, context, window, seed=start)
     stats = window_stats(q_window, keys, values, SCALING, StatsRequest(attn_sum=True))
-    scores = WindowAttentionScorer(Reduction(gqa, pooling, kernel))(stats, slice(start, context - window), num_kv_heads)
+    scores = WindowAttentionScorer(Reduction(gqa, pooling, kernel))(stats, slice(start, context - window), num_kv_heads, 0)
 
     probs, _, _ = slow_attention(q_window, keys, values, SCALING)
     per_query_head = [
@@ -249,7 +262,7 @@ def test_last_query_scorer(num_q_heads, num_kv_heads, context, window, start):
     """TOVA: the attention of the most recent query only."""
     q_window, keys, values = random_window_inputs(num_q_heads, num_kv_heads, context, window, seed=1 + start)
     stats = window_stats(q_window, keys, values, SCALING, StatsRequest(tail_rows=1))
-    scores = LastQueryScorer(Reduction("mean", "none"))(stats, slice(start, context - window), num_kv_heads)
+    scores = LastQueryScorer(Reduction("mean", "none"))(stats, slice(start, context - window), num_kv_heads, 0)
 
     probs, _, _ = slow_attention(q_window, keys, values, SCALING)
     candidates = range(start, context - window)
@@ -264,7 +277,7 @@ def test_lava_scorer(num_q_heads, num_kv_heads, context, window, start, gqa, poo
     candidates, then GQA (pooling before GQA: with gqa=mean this order is observable)."""
     q_window, keys, values = random_window_inputs(num_q_heads, num_kv_heads, context, window, seed=2 + start)
     stats = window_stats(q_window, keys, values, SCALING, LavaScorer.request)
-    scores = LavaScorer(Reduction(gqa, pooling, 7))(stats, slice(start, context - window), num_kv_heads)
+    scores = LavaScorer(Reduction(gqa, pooling, 7))(stats, slice(start, context - window), num_kv_heads, 0)
 
     probs, _, _ = slow_attention(q_window, keys, values, SCALING)
     group = num_q_heads // num_kv_heads
@@ -286,7 +299,7 @@ def test_obcache_scorer_sums_the_group_then_pools(num_q_heads, num_kv_heads, con
     config = EvictionConfig.for_policy("snapkv", score=score)
     scorer = scorer_for(config)
     assert isinstance(scorer, OBCacheScorer) and config.gqa == "sum"
-    scores = scorer(stats, slice(start, context - window), num_kv_heads)
+    scores = scorer(stats, slice(start, context - window), num_kv_heads, 0)
 
     slow = slow_stats(q_window, keys, values, SCALING, tail_rows=1)[score.replace("-", "_")]
     per_query_head = [[float(slow[h, p]) for p in range(start, context - window)] for h in range(num_q_heads)]
@@ -300,11 +313,172 @@ def test_obcache_scorer_sums_the_group_then_pools(num_q_heads, num_kv_heads, con
         ("h2o", WindowAttentionScorer, {"attn_sum"}),
         ("tova", LastQueryScorer, {"tail_rows"}),
         ("lava", LavaScorer, {"attn_sum", "value_l1"}),
+        ("lava:kvzip", KVzipScorer, {"attn_max"}),
+        ("topk", KVzipScorer, {"attn_max"}),
+        ("ada-snapkv:learned", LearnedScorer, {"hidden_states"}),
     ],
 )
 def test_policies_request_only_the_statistics_their_scorer_reads(policy, scorer_type, request_fields):
-    built = build_policy(EvictionConfig.for_policy(policy))
+    name, _, score = policy.partition(":")
+    built = build_policy(EvictionConfig.for_policy(name, **({"score": score} if score else {})))
     assert isinstance(built.scorer, scorer_type)
     request = built.stats_request()
     assert {name for name, value in vars(request).items() if value and name != "queries"} == request_fields
-    assert request.queries == "window"
+    assert request.queries == ("reconstruction" if scorer_type is KVzipScorer else "window")
+
+
+# ---- KVzip: reconstruction input, statistics, scorer ------------------------------------------------
+
+
+class CharTokenizer:
+    """Duck-typed tokenizer: one id per character (its code point), a ChatML-like template."""
+
+    chat_template = "chatml"
+
+    def encode(self, text, add_special_tokens=True):
+        return [ord(c) for c in text]
+
+    def apply_chat_template(self, conversation, tokenize, add_generation_prompt, **kwargs):
+        rendered = "".join(f"<{m['role']}>{m['content']}</>" for m in conversation)
+        return rendered + ("<assistant>" if add_generation_prompt else "")
+
+
+def test_reconstruction_prompt_from_a_duck_typed_tokenizer():
+    prompt = ReconstructionPrompt.from_tokenizer(CharTokenizer(), chunk_size=5, overlap=2)
+    assert prompt.first_instruction == tuple(ord(c) for c in FIRST_INSTRUCTION)
+    assert prompt.later_instruction == tuple(ord(c) for c in LATER_INSTRUCTION)
+    assert prompt.assistant_opening == tuple(ord(c) for c in "</><assistant>")
+    no_template = CharTokenizer()
+    no_template.chat_template = None
+    assert ReconstructionPrompt.from_tokenizer(no_template).assistant_opening == (ord("\n"),)
+
+
+@pytest.mark.parametrize("length, chunk_size, overlap", [(12, 5, 2), (10, 5, 2), (4, 5, 2), (7, 3, 0), (6, 3, 3)])
+def test_reconstruction_chunks_cover_the_segment_with_overlapping_instructions(length, chunk_size, overlap):
+    prompt = ReconstructionPrompt((1, 1), (2, 2, 2), (9,), chunk_size, overlap)
+    start = 100
+    ids = list(range(1000, 1000 + length))
+    chunks = reconstruction_chunks(ids, start, prompt)
+    assert len(chunks) == -(-length // chunk_size)
+    for k, chunk in enumerate(chunks):
+        first, last = k * chunk_size, min((k + 1) * chunk_size, length)
+        assert (chunk.context_start, chunk.context_end) == (start + first, start + last)
+        repeated = tuple(ids[first:last])
+        if k == 0:
+            assert chunk.input_ids == (1, 1, 9) + repeated
+        else:
+            previous_tail = tuple(ids[first - overlap : first])
+            assert chunk.input_ids == (2, 2, 2) + previous_tail + (9,) + repeated
+    assert sum(chunk.context_end - chunk.context_start for chunk in chunks) == length
+
+
+def test_reconstruction_prompt_rejects_an_overlap_longer_than_a_chunk():
+    with pytest.raises(ValueError, match="overlap 9"):
+        ReconstructionPrompt((), (), (), chunk_size=8, overlap=9)
+
+
+def slow_reconstruction_attention(queries, context_keys, chunk_keys, kept, scaling):
+    """Loop form of the contract: chunk query i (position end + i) attends to the kept keys of
+    [0, end) and chunk keys 0..i; returns A over the context columns only, float64 ``[H_q, m, end]``."""
+    num_q_heads, chunk_length, _ = queries.shape
+    num_kv_heads, end, _ = context_keys.shape
+    group = num_q_heads // num_kv_heads
+    probs = torch.zeros(num_q_heads, chunk_length, end, dtype=torch.float64)
+    for h in range(num_q_heads):
+        g = h // group
+        for i in range(chunk_length):
+            q = queries[h, i].double()
+            visible = [(p, context_keys[g, p]) for p in range(end) if kept[g, p]]
+            visible += [(end + j, chunk_keys[g, j]) for j in range(i + 1)]
+            logits = [scaling * float(q @ k.double()) for _, k in visible]
+            top = max(logits)
+            total = sum(math.exp(z - top) for z in logits)
+            for (p, _), z in zip(visible, logits):
+                if p < end:
+                    probs[h, i, p] = math.exp(z - top) / total
+    return probs
+
+
+@pytest.mark.parametrize("num_q_heads, num_kv_heads", [(3, 3), (6, 2)])
+def test_reconstruction_stats_follow_the_contract(num_q_heads, num_kv_heads):
+    end, chunk_length = 14, 5
+    generator = torch.Generator().manual_seed(num_q_heads)
+    queries = 2.5 * torch.randn(num_q_heads, chunk_length, HEAD_DIM, generator=generator)
+    keys, values = (torch.randn(num_kv_heads, end + chunk_length, HEAD_DIM, generator=generator) for _ in range(2))
+    kept = torch.rand(num_kv_heads, end, generator=generator) < 0.6
+    request = StatsRequest(attn_max=True, attn_sum=True, value_l1=True, queries=RECONSTRUCTION_QUERIES)
+    stats = reconstruction_stats(
+        queries, keys[:, :end], values[:, :end], keys[:, end:], values[:, end:], SCALING, request, kept
+    )
+    probs = slow_reconstruction_attention(queries, keys[:, :end], keys[:, end:], kept, SCALING)
+    assert stats.window == chunk_length and stats.attn_max.shape == (num_q_heads, end)
+    assert_scores_close(stats.attn_max, probs.amax(1))
+    assert_scores_close(stats.attn_sum, probs.sum(1))
+    assert torch.all(stats.attn_max[kept.repeat_interleave(num_q_heads // num_kv_heads, 0).logical_not()] == 0)
+    torch.testing.assert_close(stats.value_l1, values[:, :end].abs().sum(-1) * kept)
+
+
+def test_merge_chunk_stats_takes_the_max_adds_the_sums_and_counts_the_queries():
+    a = WindowStats(window=3, attn_max=torch.tensor([[0.1, 0.5]]), attn_sum=torch.tensor([[1.0, 2.0]]),
+                    value_l1=torch.tensor([[4.0, 5.0]]))  # fmt: skip
+    b = WindowStats(window=2, attn_max=torch.tensor([[0.3, 0.2]]), attn_sum=torch.tensor([[0.5, 0.5]]),
+                    value_l1=torch.tensor([[4.0, 5.0]]))  # fmt: skip
+    assert merge_chunk_stats(None, a) is a
+    merged = merge_chunk_stats(a, b)
+    assert merged.window == 5
+    assert merged.attn_max.tolist() == [[pytest.approx(0.3), pytest.approx(0.5)]]
+    assert merged.attn_sum.tolist() == [[1.5, 2.5]] and merged.value_l1.tolist() == [[4.0, 5.0]]
+
+
+def test_reconstruction_requests_have_no_tail_rows():
+    with pytest.raises(ValueError, match="reconstruction pass has no window"):
+        StatsRequest(tail_rows=1, queries=RECONSTRUCTION_QUERIES)
+
+
+@pytest.mark.parametrize("num_q_heads, num_kv_heads, context, window, start", SEGMENTS)
+@pytest.mark.parametrize("gqa, pooling", [("max", "none"), ("max", "max"), ("mean", "avg")])
+def test_kvzip_scorer(num_q_heads, num_kv_heads, context, window, start, gqa, pooling):
+    """KVzip: max over the reconstruction queries, GQA-reduced (max by default), pooled if asked."""
+    q_window, keys, values = random_window_inputs(num_q_heads, num_kv_heads, context, window, seed=4 + start)
+    stats = window_stats(q_window, keys, values, SCALING, KVzipScorer.request)
+    scores = KVzipScorer(Reduction(gqa, pooling, 7))(stats, slice(start, context - window), num_kv_heads, 0)
+
+    probs, _, _ = slow_attention(q_window, keys, values, SCALING)
+    candidates = range(start, context - window)
+    per_query_head = [[max(float(probs[h, i, p]) for i in range(window)) for p in candidates] for h in range(num_q_heads)]
+    assert_scores_close(scores, slow_kv_scores(per_query_head, num_kv_heads, gqa, pooling, 7))
+
+
+def test_kvzip_defaults_follow_kvzip():
+    config = EvictionConfig.for_policy("ada-snapkv", score="kvzip")
+    scorer = scorer_for(config)
+    assert isinstance(scorer, KVzipScorer) and (config.gqa, config.pooling) == ("max", "none")
+    assert scorer.request == StatsRequest(attn_max=True, queries=RECONSTRUCTION_QUERIES)
+
+
+@pytest.mark.parametrize("pooling", ["none", "max"])
+def test_learned_scorer_is_a_per_layer_linear_map_of_the_hidden_states(pooling):
+    """By hand: layer 1 of a 2-layer, 2-KV-head, d_model 3 model; candidates 5..8 of positions 4..9."""
+    weight = torch.tensor(
+        [[[9.0, 9.0, 9.0], [9.0, 9.0, 9.0]], [[1.0, 0.0, -1.0], [0.0, 2.0, 0.0]]]
+    )  # layer 0 must not be used
+    bias = torch.tensor([[5.0, 5.0], [0.5, -1.0]])
+    hidden = torch.tensor(
+        [[0.0, 0.0, 0.0], [1.0, 2.0, 3.0], [4.0, 0.0, 1.0], [0.0, -1.0, 0.0], [2.0, 2.0, 2.0], [7.0, 7.0, 7.0]]
+    )  # positions 4..9
+    stats = WindowStats(window=1, hidden_states=hidden, hidden_start=4)
+    scorer = LearnedScorer(Reduction(pooling=pooling, kernel=3), LearnedWeights(weight, bias, {}))
+    scores = scorer(stats, slice(5, 9), num_kv_heads=2, layer=1)
+    # head 0: x0 - x2 + 0.5; head 1: 2 x1 - 1 (positions 5, 6, 7, 8)
+    expected = torch.tensor([[-1.5, 3.5, 0.5, 0.5], [3.0, -1.0, -3.0, 3.0]])
+    if pooling == "max":
+        expected = torch.tensor([[3.5, 3.5, 3.5, 0.5], [3.0, 3.0, 3.0, 3.0]])
+    assert scores.dtype == torch.float32
+    torch.testing.assert_close(scores, expected)
+
+
+def test_learned_scorer_without_weights_says_how_to_bind_it():
+    scorer = scorer_for(EvictionConfig.for_policy("topk", score="learned"))
+    assert isinstance(scorer, LearnedScorer) and scorer.log_scores and scorer.request == StatsRequest(hidden_states=True)
+    with pytest.raises(RuntimeError, match=r"policy.for_model\(model_dir\)"):
+        scorer(WindowStats(window=1, hidden_states=torch.zeros(3, 2)), slice(0, 3), 1, 0)

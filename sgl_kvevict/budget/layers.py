@@ -1,5 +1,5 @@
-"""How a segment's candidate budget splits over layers: PyramidKV's fixed schedule and LAVa's
-entropy-proportional dynamic budgets. Both keep the request total exact (``apportion``)."""
+"""How a segment's candidate budget splits over layers: PyramidKV's fixed schedule, LAVa's
+entropy-proportional dynamic budgets and KVzip's global top-k. All keep the request total exact."""
 
 from __future__ import annotations
 
@@ -27,14 +27,21 @@ def pyramid_head_budgets(selected_per_head: int, num_layers: int, num_candidates
     return apportion(num_layers * selected_per_head, schedule, caps)
 
 
-def score_entropy(scores: torch.Tensor) -> float:
+def score_entropy(scores: torch.Tensor, log_scores: bool = False) -> float:
     """LAVa's layer uncertainty (Eq. 6-7): entropy of the layer's scores normalised to a distribution.
 
     The paper divides by ``H N`` and the code by ``log(H_kv (N - w))``: both are the same constant
     for every layer of a segment, so budgets proportional to it are unchanged; it is left out.
+
+    log_scores: the scores are logs of non-negative scores (a learned scorer's predictions of log
+        KVzip scores): the distribution is then ``exp(scores)`` normalised, their softmax, so that
+        either form of a score gives the entropy of the same distribution.
     """
-    probabilities = scores.flatten().double()
-    probabilities = probabilities / (probabilities.sum() + 1e-16)
+    flat = scores.flatten().double()
+    if log_scores:
+        log_probabilities = torch.log_softmax(flat, dim=0)
+        return float(-(log_probabilities.exp() * log_probabilities).sum())
+    probabilities = flat / (flat.sum() + 1e-16)
     return float(-(probabilities * torch.log(probabilities + 1e-16)).sum())
 
 
@@ -48,3 +55,17 @@ def entropy_layer_budgets(entropies: list[float], total: int, candidates_per_lay
     """
     caps = torch.full((len(entropies),), candidates_per_layer, dtype=torch.int64)
     return apportion(total, torch.tensor(entropies, dtype=torch.float64), caps)
+
+
+def global_top_k_layer_budgets(layer_scores: list[torch.Tensor], total: int) -> torch.Tensor:
+    """int64 ``[L]``: how many of the ``total`` best entries over every (layer, KV head, candidate) of a
+    segment lie in each layer (KVzip's allocation: one top-k over all layers and heads, no floor).
+
+    Each layer then keeps its own top entries across heads (``adaptive_head_counts`` with
+    ``alpha = 0``), which together are the global top-k (equal scores at the threshold: any of them).
+
+    layer_scores: ``[H_kv, n]`` per layer, comparable across layers; ``total <= L * H_kv * n``.
+    """
+    flat = torch.cat([scores.flatten() for scores in layer_scores])
+    winners = torch.sort(flat, descending=True, stable=True).indices[:total]
+    return torch.bincount(winners // layer_scores[0].numel(), minlength=len(layer_scores)).cpu()

@@ -23,6 +23,7 @@ from sgl_kvevict.policies import (  # noqa: F401  (registration)
     pyramidkv,
     snapkv,
     streaming,
+    topk,
     tova,
 )
 

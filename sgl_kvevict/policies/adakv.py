@@ -2,7 +2,7 @@
 (Algorithm 1), with a uniform floor of ``alpha`` of the per-head share (the safeguard).
 
 Ada-SnapKV uses SnapKV's layer budgets, Ada-PyramidKV PyramidKV's; scores are SnapKV's (GQA mean,
-max-pool 7) or an OBCache score. See ``adaptive_head_counts`` for the exact-total safeguard.
+max-pool 7), an OBCache score or a question-agnostic one (KVzip, learned). See ``adaptive_head_counts`` for the exact-total safeguard.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable, ClassVar, TypeVar
 
 from sgl_kvevict.plan import CompressionPlan
@@ -34,7 +35,7 @@ class PolicyDefaults:
     pooling: smoothing of candidate scores along positions.
     gqa: reduction of query-head scores onto their KV head for the ``attn`` score (OBCache scores
         always default to ``sum``, the GQA-aware objective of OBCache Eq. 33-35).
-    scores: the ``score`` values the policy accepts.
+    scores: the ``score`` values the policy accepts; the first is its default.
     takes_budget: False for policies that keep everything or decide their own budget.
     """
 
@@ -101,6 +102,12 @@ class Policy(abc.ABC):
     @abc.abstractmethod
     def start(self, spec: SegmentSpec) -> SegmentCompressor:
         """A fresh compressor for one segment."""
+
+    def for_model(self, model_dir: Path) -> "Policy":
+        """This policy with what it needs from the served model loaded and checked (the learned
+        scorer's weights, found by the fingerprint of ``model_dir``, the model's HF folder); ``self``
+        when it needs nothing. Engines call it once with their model; it raises ``ConfigError``."""
+        return self
 
 
 _P = TypeVar("_P", bound=type[Policy])

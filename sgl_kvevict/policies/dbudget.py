@@ -2,7 +2,7 @@
 norm of the last query's attention row would drop by more than ``t`` (1%).
 
 Per layer the kept set is ``sinks ∪ [start_l, end)``: StreamingLLM with a window chosen per layer
-and input. Sinks are the absolute positions ``[0, m)`` (a later segment of a sequence has none);
+and input. Sinks are the config's ``sink_tokens`` (the paper's m = 4), kept by every policy; they,
 the observation window and any prefix before the segment are never evicted, which is the digest's
 guard (§6 item 4) generalised. Layers ``dbudget_frozen_layers`` (0 and 1) are never pruned. All KV
 heads of a layer keep the same positions (one stopping index per layer, heads combined "joint").
@@ -32,9 +32,8 @@ class _NormDropCompressor(SegmentCompressor):
         self.threshold = config.dbudget_threshold
         self.frozen_layers = frozenset(config.dbudget_frozen_layers)
         self.needs_stats = layout.compresses
-        # Evictable positions, least important (oldest) first: after the sinks, before the window.
-        self.first_evictable = min(max(layout.spec.start, config.dbudget_sinks), layout.window_start)
-        self.eviction_order = torch.arange(self.first_evictable, layout.window_start)
+        # Evictable positions (the candidates), least important (oldest) first.
+        self.eviction_order = torch.arange(layout.candidate_start, layout.window_start)
         self.evicted_per_layer: dict[int, int] = {}
 
     def observe(self, layer: int, stats: WindowStats) -> None:
@@ -49,11 +48,9 @@ class _NormDropCompressor(SegmentCompressor):
         missing = sorted(set(range(spec.num_layers)) - self.frozen_layers - set(self.evicted_per_layer))
         if missing:
             raise RuntimeError(f"plan() before observe() of layers {missing}")
-        sinks = torch.arange(self.first_evictable - spec.start)  # candidate offsets, like `kept` below
         layers = []
         for layer in range(spec.num_layers):
-            first_kept = self.first_evictable - spec.start + self.evicted_per_layer.get(layer, 0)
-            kept = torch.cat([sinks, torch.arange(first_kept, layout.num_candidates)])
+            kept = torch.arange(self.evicted_per_layer.get(layer, 0), layout.num_candidates)
             layers.append(layout.layer_plan([kept] * spec.num_kv_heads))
         return layout.plan(layers)
 

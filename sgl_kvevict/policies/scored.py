@@ -2,8 +2,8 @@
 
 A score-based method is three choices, each a hook with a default:
 
-* ``build_scorer``: the score hook (default: the window's mean attention, or the OBCache score the
-  config names);
+* ``build_scorer``: the score hook (default: the window's mean attention, or the score the config
+  names: OBCache, KVzip, learned);
 * ``layer_budgets``: candidates kept per layer (default: the same in every layer);
 * ``head_counts``: how a layer's budget splits over its KV heads (default: evenly).
 
@@ -14,6 +14,8 @@ are computed once after the last layer (LAVa digest §2.5: one-shot equals the c
 
 from __future__ import annotations
 
+import copy
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -49,6 +51,14 @@ class ScoredPolicy(Policy):
     def stats_request(self) -> StatsRequest:
         return self.scorer.request
 
+    def for_model(self, model_dir: Path) -> "ScoredPolicy":
+        scorer = self.scorer.for_model(model_dir)
+        if scorer is self.scorer:
+            return self
+        bound = copy.copy(self)
+        bound.scorer = scorer
+        return bound
+
     def start(self, spec: SegmentSpec) -> SegmentCompressor:
         return ScoredCompressor(self, SegmentLayout.of(spec, self.config))
 
@@ -65,7 +75,9 @@ class ScoredCompressor(SegmentCompressor):
 
     def observe(self, layer: int, stats: WindowStats) -> None:
         if self.layout.compresses:
-            self.layer_scores[layer] = self.policy.scorer(stats, self.layout.candidate_columns, self.spec.num_kv_heads)
+            self.layer_scores[layer] = self.policy.scorer(
+                stats, self.layout.candidate_columns, self.spec.num_kv_heads, layer
+            )
 
     def plan(self) -> CompressionPlan:
         layout = self.layout

@@ -2,6 +2,7 @@
 
 The window is the last query alone (OBCache digest §3: no recent window, the whole budget goes to
 the scored tokens; the last token itself is kept). OBCache scores with window 1 are their TOVA form.
+Scores are the last query's own (attention, OBCache): TOVA is defined by that query.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from sgl_kvevict.policies.base import PolicyDefaults, register_policy
 from sgl_kvevict.policies.scored import ScoredPolicy
-from sgl_kvevict.scoring import OBC_SCORES, SCORES, LastQueryScorer, Scorer, scorer_for
+from sgl_kvevict.scoring import OBC_SCORES, WINDOW_SCORES, LastQueryScorer, Scorer, scorer_for
 from sgl_kvevict.settings import ConfigError
 
 if TYPE_CHECKING:
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
 
 @register_policy("tova")
 class TOVAPolicy(ScoredPolicy):
-    defaults = PolicyDefaults(window=1, pooling="none", gqa="mean", scores=SCORES)
+    defaults = PolicyDefaults(window=1, pooling="none", gqa="mean", scores=WINDOW_SCORES)
 
     @classmethod
     def validate_config(cls, config: "EvictionConfig") -> None:

@@ -10,6 +10,10 @@ The oracle of the SGLang parity tests and the engine of offline quality runs. On
 * ``engine.new_sequence()`` + ``engine.extend(sequence, ids, policy, segments)`` is the primitive
   all of that is built from (one forward, then compression of the segments ending in it).
 
+Policies with KVzip scores get their reconstruction passes after the forward (``_reconstruct``,
+exactly the contract of ``scoring.kvzip``); learned scores read the forward's attention inputs. A
+policy is bound to this engine's model (``policy.for_model``) before it compresses anything.
+
 Supported: decoder-only Llama, Mistral, Qwen2 and Qwen3 folders (their attention dispatches through
 transformers' attention interface, which is where scoring and eviction happen: see ``attention.py``).
 """
@@ -26,9 +30,18 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from sgl_kvevict.models import resolve_model
 from sgl_kvevict.plan import CompressionPlan
 from sgl_kvevict.policies.base import Policy, SegmentSpec
-from sgl_kvevict.reference.attention import FORWARD_KWARG, ForwardContext, SegmentScoring, register_attention
+from sgl_kvevict.reference.attention import (
+    FORWARD_KWARG,
+    ForwardContext,
+    PrefillContext,
+    ReconstructionContext,
+    SegmentScoring,
+    register_attention,
+    register_hidden_state_capture,
+)
 from sgl_kvevict.reference.keep_mask import HeadwiseKeepMask
 from sgl_kvevict.reference.schedule import Mode, Schedule, Segment
+from sgl_kvevict.scoring.kvzip import ReconstructionPrompt, reconstruction_chunks
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -62,6 +75,7 @@ class ReferenceSequence:
     keep_mask: HeadwiseKeepMask
     length: int = 0
     plans: list[CompressionPlan] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -93,6 +107,8 @@ class ReferenceEngine:
                 f"{', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         self.model.set_attn_implementation(register_attention())
+        register_hidden_state_capture(self.model)
+        self.reconstruction_prompt = ReconstructionPrompt.from_tokenizer(self.tokenizer)
         self.num_layers = config.num_hidden_layers
         self.num_q_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads or config.num_attention_heads
@@ -137,34 +153,70 @@ class ReferenceEngine:
         """Feed ``token_ids`` in one forward, then compress ``segments`` with ``policy``.
 
         Each segment must end inside this forward (its observation window is scored from this
-        forward's queries). Returns fp32 ``[vocab]``: the next-token logits after the last token.
+        forward's queries; learned scores read this forward's attention inputs, so such a segment
+        must also start in it). Reconstruction passes (KVzip) run after the forward, every segment's
+        before any plan of this forward is applied. Returns fp32 ``[vocab]``: the next-token logits
+        after the last token.
         """
         start, end = sequence.length, sequence.length + len(token_ids)
         if segments and policy is None:
             raise ValueError("compressing segments needs a policy")
+        if policy is not None:
+            policy = policy.for_model(self.model_dir)
         scorings = [SegmentScoring.start(policy, self._spec(segment)) for segment in segments]
         for scoring in scorings:
-            window_start = scoring.spec.end - scoring.window
-            if not (start <= window_start and scoring.spec.end <= end):
-                raise ValueError(
-                    f"segment [{scoring.spec.start}, {scoring.spec.end}) has its window at {window_start}, "
-                    f"outside this forward [{start}, {end})"
-                )
+            self._check_inside_forward(scoring, start, end)
         sequence.keep_mask.reserve(end)
-        output = self.model(
-            input_ids=torch.tensor([list(token_ids)], dtype=torch.int64),
-            position_ids=torch.arange(start, end).unsqueeze(0),
-            past_key_values=sequence.cache,
-            use_cache=True,
-            logits_to_keep=1,
-            **{FORWARD_KWARG: ForwardContext(sequence.keep_mask, start, scorings)},
-        )
+        logits = self._forward(sequence, token_ids, start, PrefillContext(sequence.keep_mask, start, scorings))
         sequence.length = end
+        sequence.token_ids.extend(int(token) for token in token_ids)
+        for scoring in scorings:
+            if scoring.needs_reconstruction:
+                self._reconstruct(sequence, scoring)
         for scoring in scorings:
             plan = scoring.plan()
             sequence.keep_mask.apply(plan)
             sequence.plans.append(plan)
+        return logits
+
+    def _forward(
+        self, sequence: ReferenceSequence, token_ids: Sequence[int], position: int, context: ForwardContext
+    ) -> torch.Tensor:
+        """One forward of ``token_ids`` at positions from ``position``, appended to the cache; fp32 ``[vocab]``
+        logits after the last token."""
+        output = self.model(
+            input_ids=torch.tensor([list(token_ids)], dtype=torch.int64),
+            position_ids=torch.arange(position, position + len(token_ids)).unsqueeze(0),
+            past_key_values=sequence.cache,
+            use_cache=True,
+            logits_to_keep=1,
+            **{FORWARD_KWARG: context},
+        )
         return output.logits[0, -1].float()
+
+    def _reconstruct(self, sequence: ReferenceSequence, scoring: SegmentScoring) -> None:
+        """KVzip's passes for one segment (``scoring.kvzip``, contract steps 2-4): each chunk at positions
+        from the segment end, over the context ``[0, end)`` as kept now; its cache entries dropped after."""
+        spec = scoring.spec
+        segment_ids = sequence.token_ids[spec.start : spec.end]
+        for chunk in reconstruction_chunks(segment_ids, spec.start, self.reconstruction_prompt):
+            context = ReconstructionContext(sequence.keep_mask, scoring, cache_length=sequence.length)
+            self._forward(sequence, chunk.input_ids, spec.end, context)
+            sequence.cache.crop(-len(chunk.input_ids))
+        scoring.finish_reconstruction()
+
+    @staticmethod
+    def _check_inside_forward(scoring: SegmentScoring, start: int, end: int) -> None:
+        spec = scoring.spec
+        window_start = spec.end - scoring.window
+        if not (start <= window_start and spec.end <= end):
+            raise ValueError(
+                f"segment [{spec.start}, {spec.end}) has its window at {window_start}, outside this forward [{start}, {end})"
+            )
+        if scoring.needs_hidden_states and spec.start < start:
+            raise ValueError(
+                f"segment [{spec.start}, {spec.end}) is scored from hidden states, but this forward starts at {start}"
+            )
 
     # ---- generation --------------------------------------------------------------------------
 

@@ -1,47 +1,85 @@
-"""Per-layer candidate scores from the observation window's statistics (``window.py``).
+"""Per-layer candidate scores from the statistics an engine computes (``window.py``).
 
-``scorer_for(config)`` picks the scorer a config asks for; policies override the attention scorer
-(TOVA: last query; LAVa: value-norm scaled) and get OBCache scores for free.
+``SCORE_KINDS`` is the registry of the config's ``score`` values: the scorer each builds and the
+GQA reduction and pooling it brings (instead of the policy's). ``scorer_for(config)`` picks the
+scorer; policies override the attention scorer (TOVA: last query; LAVa: value-norm scaled).
+
+* ``attn``: the attention the observation window pays each candidate (the policy's own scorer);
+* ``obc-value``, ``obc-key``, ``obc-joint``: OBCache's output-error scores of that window;
+* ``kvzip``: the largest attention a reconstruction of the context pays it (question-agnostic);
+* ``learned``: a per-layer linear map from hidden states predicting the log KVzip score.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
 
 from sgl_kvevict.scoring.attention import LastQueryScorer, WindowAttentionScorer
 from sgl_kvevict.scoring.base import QueryHeadScorer, Reduction, Scorer
+from sgl_kvevict.scoring.kvzip import KVzipScorer
 from sgl_kvevict.scoring.lava import LavaScorer
+from sgl_kvevict.scoring.learned import LEARNED_SCORE, LearnedScorer, resolve_learned_weights
 from sgl_kvevict.scoring.obcache import OBCacheScorer
 from sgl_kvevict.scoring.window import StatsRequest, WindowStats, window_stats
 
 if TYPE_CHECKING:
     from sgl_kvevict.config import EvictionConfig
 
-# The values of the config's ``score``: what ranks a policy's candidates.
-SCORES = ("attn", "obc-value", "obc-key", "obc-joint")
-OBC_SCORES = SCORES[1:]
+
+@dataclass(frozen=True)
+class ScoreKind:
+    """What a ``score`` value builds. scorer: its class (``Scorer.from_config``), or ``None`` for the
+    policy's own attention scorer. gqa, pooling: the defaults it brings (``None``: the policy's)."""
+
+    scorer: Optional[type[Scorer]]
+    gqa: Optional[str] = None
+    pooling: Optional[str] = None
+
+
+SCORE_KINDS: dict[str, ScoreKind] = {
+    "attn": ScoreKind(None),
+    # OBCache Eq. 33-35: the GQA group's summed output error.
+    "obc-value": ScoreKind(OBCacheScorer, gqa="sum"),
+    "obc-key": ScoreKind(OBCacheScorer, gqa="sum"),
+    "obc-joint": ScoreKind(OBCacheScorer, gqa="sum"),
+    # KVzip keeps an entry any head of the group needs, and does not pool.
+    "kvzip": ScoreKind(KVzipScorer, gqa="max", pooling="none"),
+    LEARNED_SCORE: ScoreKind(LearnedScorer, pooling="none"),
+}
+SCORES = tuple(SCORE_KINDS)
+OBC_SCORES = ("obc-value", "obc-key", "obc-joint")
+# Scores of the observation window, and scores that do not depend on any question (safe to reuse).
+WINDOW_SCORES = ("attn", *OBC_SCORES)
+QUESTION_AGNOSTIC_SCORES = ("kvzip", LEARNED_SCORE)
 
 
 def scorer_for(config: "EvictionConfig", attention: type[Scorer] = WindowAttentionScorer) -> Scorer:
-    """The OBCache scorer if ``config.score`` names one, else ``attention``."""
+    """The scorer ``config.score`` names; ``attention`` for ``attn``."""
     reduction = Reduction.from_config(config)
-    if config.score in OBC_SCORES:
-        return OBCacheScorer(config.score, reduction)
-    return attention(reduction)
+    scorer = SCORE_KINDS[config.score].scorer
+    return attention(reduction) if scorer is None else scorer.from_config(config, reduction)
 
 
 __all__ = [
     "OBC_SCORES",
+    "QUESTION_AGNOSTIC_SCORES",
     "SCORES",
+    "SCORE_KINDS",
+    "WINDOW_SCORES",
+    "KVzipScorer",
     "LastQueryScorer",
     "LavaScorer",
+    "LearnedScorer",
     "OBCacheScorer",
     "QueryHeadScorer",
     "Reduction",
+    "ScoreKind",
     "Scorer",
     "StatsRequest",
     "WindowAttentionScorer",
     "WindowStats",
+    "resolve_learned_weights",
     "scorer_for",
     "window_stats",
 ]

@@ -1,14 +1,15 @@
 """Scorer: one layer's ``WindowStats`` -> fp32 candidate scores ``[H_kv, n_candidates]`` (higher = keep).
 
 A scorer is the single "score hook" of a score-based policy (kvpress's press style): swapping
-SnapKV's attention sum for an OBCache score is swapping the scorer, nothing else.
+SnapKV's attention sum for an OBCache, KVzip or learned score is swapping the scorer, nothing else.
 """
 
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -39,13 +40,27 @@ class Scorer(abc.ABC):
     """Turns one layer's statistics into candidate scores; ``request`` says which statistics it reads."""
 
     request: StatsRequest
+    # True when the scores are logs of a non-negative score (a learned regressor's output): an
+    # allocator that needs a distribution over them (LAVa's entropy) exponentiates them first.
+    log_scores: ClassVar[bool] = False
 
     def __init__(self, reduction: Reduction):
         self.reduction = reduction
 
+    @classmethod
+    def from_config(cls, config: "EvictionConfig", reduction: Reduction) -> "Scorer":
+        """The scorer a config's ``score`` names (``scoring.SCORE_KINDS``)."""
+        return cls(reduction)
+
+    def for_model(self, model_dir: Path) -> "Scorer":
+        """This scorer with the data it needs from the served model (``model_dir``: its HF folder)
+        loaded and checked; ``self`` for scorers that need none."""
+        return self
+
     @abc.abstractmethod
-    def __call__(self, stats: WindowStats, candidates: slice, num_kv_heads: int) -> torch.Tensor:
-        """fp32 ``[H_kv, n_candidates]`` for the ``candidates`` columns of ``stats``."""
+    def __call__(self, stats: WindowStats, candidates: slice, num_kv_heads: int, layer: int) -> torch.Tensor:
+        """fp32 ``[H_kv, n_candidates]`` for the ``candidates`` positions (a slice of absolute positions,
+        which are also the columns of ``stats``) of layer ``layer``."""
 
 
 class QueryHeadScorer(Scorer):
@@ -56,6 +71,6 @@ class QueryHeadScorer(Scorer):
     def query_head_scores(self, stats: WindowStats, candidates: slice) -> torch.Tensor:
         """fp32 ``[H_q, n_candidates]``."""
 
-    def __call__(self, stats: WindowStats, candidates: slice, num_kv_heads: int) -> torch.Tensor:
+    def __call__(self, stats: WindowStats, candidates: slice, num_kv_heads: int, layer: int) -> torch.Tensor:
         per_query_head = self.query_head_scores(stats, candidates)
         return self.reduction.pool(reduce_gqa(per_query_head, num_kv_heads, self.reduction.gqa))

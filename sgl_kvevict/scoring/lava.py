@@ -23,7 +23,7 @@ from sgl_kvevict.scoring.window import StatsRequest, WindowStats
 class LavaScorer(Scorer):
     request = StatsRequest(attn_sum=True, value_l1=True)
 
-    def __call__(self, stats: WindowStats, candidates: slice, num_kv_heads: int) -> torch.Tensor:
+    def __call__(self, stats: WindowStats, candidates: slice, num_kv_heads: int, layer: int) -> torch.Tensor:
         mean_attention = self.reduction.pool(stats.attn_sum[:, candidates] / stats.window)  # [H_q, n]
         max_value_norm = stats.value_l1[:, candidates].amax(-1)  # [H_kv]
         group = mean_attention.shape[0] // num_kv_heads

@@ -13,10 +13,15 @@ group's total output error); that is the config's default ``gqa="sum"`` for thes
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from sgl_kvevict.scoring.base import QueryHeadScorer, Reduction
 from sgl_kvevict.scoring.window import StatsRequest, WindowStats
+
+if TYPE_CHECKING:
+    from sgl_kvevict.config import EvictionConfig
 
 _FIELD_OF_SCORE = {"obc-value": "obc_value", "obc-key": "obc_key", "obc-joint": "obc_joint"}
 
@@ -28,6 +33,10 @@ class OBCacheScorer(QueryHeadScorer):
         super().__init__(reduction)
         self.field = _FIELD_OF_SCORE[score]
         self.request = StatsRequest(**{self.field: True})
+
+    @classmethod
+    def from_config(cls, config: "EvictionConfig", reduction: Reduction) -> "OBCacheScorer":
+        return cls(config.score, reduction)
 
     def query_head_scores(self, stats: WindowStats, candidates: slice) -> torch.Tensor:
         return getattr(stats, self.field)[:, candidates]

@@ -54,6 +54,12 @@ class StatsRequest:
     hidden_states: bool = False
     queries: str = WINDOW_QUERIES
 
+    def __post_init__(self):
+        if self.queries not in (WINDOW_QUERIES, RECONSTRUCTION_QUERIES):
+            raise ValueError(f"queries {self.queries!r} is neither {WINDOW_QUERIES!r} nor {RECONSTRUCTION_QUERIES!r}")
+        if self.queries == RECONSTRUCTION_QUERIES and self.tail_rows:
+            raise ValueError("tail rows are rows of the window's last queries; a reconstruction pass has no window")
+
     def union(self, other: "StatsRequest") -> "StatsRequest":
         if self.queries != other.queries:
             raise ValueError(f"statistics of {self.queries} and {other.queries} queries cannot be combined")
