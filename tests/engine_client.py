@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -42,9 +43,13 @@ def generate(
 
 
 def request_options(config) -> str:
-    """The ``extra_key`` options that make a ``--kv-evict-per-request`` server serve ``config``'s policy."""
-    overrides = {"policy": config.policy, **({"budget": str(config.budget)} if config.budget is not None else {})}
-    return ",".join(f"{name}={value}" for name, value in overrides.items())
+    """The ``extra_key`` options that make a ``--kv-evict-per-request`` server serve ``config``: every
+    field that differs from the policy's defaults, as ``--kv-evict-*`` option strings."""
+    from sgl_kvevict.config import EvictionConfig
+
+    defaults = EvictionConfig.for_policy(config.policy, score=config.score)
+    fields = [f.name for f in dataclasses.fields(config) if getattr(config, f.name) != getattr(defaults, f.name)]
+    return ",".join([f"policy={config.policy}", f"score={config.score}", *(f"{n}={getattr(config, n)}" for n in fields)])
 
 
 def abort(server: RunningServer, rid: str) -> None:

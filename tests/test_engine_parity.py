@@ -58,6 +58,28 @@ def dump_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def learned_weights(tiny_llama_dir, tmp_path_factory) -> str:
+    """A learned scorer for the tiny model, trained by the project's own command (about a second)."""
+    from sgl_kvevict.reference.train_scorer import TrainingConfig, train
+
+    config = TrainingConfig(model=str(tiny_llama_dir), out=tmp_path_factory.mktemp("weights"), document_tokens=48,
+                            max_documents=24, test_documents=4)  # fmt: skip
+    return str(train(config, "tests/test_engine_parity.py", log=lambda line: None))
+
+
+# Every registered policy at its defaults, and the question-agnostic scores with the allocators that take
+# them: KVzip's reconstruction passes and the learned scorer run inside the server.
+CASES = [(policy, ()) for policy in registered_policies()] + [
+    (policy, (("score", score),)) for score in ("kvzip", "learned") for policy in ("topk", "ada-snapkv", "lava")
+]
+
+
+def case_id(case) -> str:
+    policy, overrides = case
+    return "-".join([policy, *(value for _, value in overrides)])
+
+
+@pytest.fixture(scope="module")
 def server(tiny_llama_dir, tmp_path_factory, dump_dir):
     flags = ("--kv-evict-policy", "snapkv", "--kv-evict-per-request", "--max-total-tokens", "4096", *TINY_SERVER_FLAGS)
     with pytest.MonkeyPatch.context() as patch:
@@ -67,14 +89,16 @@ def server(tiny_llama_dir, tmp_path_factory, dump_dir):
             assert_strict_idle_check_passed(running)
 
 
-@pytest.mark.parametrize("policy", registered_policies())
-def test_server_keeps_what_the_reference_keeps(policy, server, reference, dump_dir):
-    config = EvictionConfig.for_policy(policy)
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_server_keeps_what_the_reference_keeps(case, server, reference, dump_dir, learned_weights, tiny_llama_dir):
+    policy, overrides = case
+    overrides = dict(overrides, **({"learned_weights": learned_weights} if ("score", "learned") in case[1] else {}))
+    config = EvictionConfig.for_policy(policy, **overrides)
     for index, length in enumerate(PROMPT_LENGTHS):
         prompt = random_prompt(length, seed=index)
-        rid = f"{policy}-{index}"
+        rid = f"{case_id(case)}-{index}"
         response = generate(server, prompt, MAX_NEW_TOKENS, rid=rid, options=request_options(config))
-        expected = reference.generate(prompt, build_policy(config), max_new_tokens=MAX_NEW_TOKENS)
+        expected = reference.generate(prompt, build_policy(config).for_model(tiny_llama_dir), max_new_tokens=MAX_NEW_TOKENS)
         (reference_plan,) = expected.plans
 
         assert_same_plan(torch.load(dump_dir / f"{rid}.pt"), reference_plan)

@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 
 from sgl_kvevict.engine.segments import PathView
 from sgl_kvevict.policies.base import SegmentCompressor
@@ -151,5 +151,6 @@ class Reconstructor:
             extend_seq_lens_cpu=[length],
             extend_logprob_start_lens_cpu=[length],
             return_logprob=False,
+            capture_hidden_mode=CaptureHiddenMode.NULL,
             rids=[RECONSTRUCTION_RID],
         )
