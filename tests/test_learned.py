@@ -156,3 +156,15 @@ def test_top_overlap_counts_shared_members_of_the_top_fraction():
     assert top_overlap(true, true, 0.25) == 1.0
     assert top_overlap(true, -true, 0.25) == 0.0
     assert top_overlap(true, torch.tensor([[4.0, 0.0, 2.0, 1.0, 3.0, -1.0, -2.0, -3.0]]), 0.25) == 0.5
+
+
+@pytest.mark.smollm2
+def test_the_bundled_smollm2_weights_are_found_and_fit(smollm2_dir):
+    """The committed weights belong to the bundled model (fingerprint) and rank like KVzip on
+    held-out documents better than chance (their manifest's own measurement)."""
+    path = resolve_learned_weights(EvictionConfig.for_policy("topk", score="learned"), smollm2_dir)
+    assert path.parent == learned.BUNDLED_WEIGHTS_DIR
+    manifest = LearnedWeights.load(path).manifest
+    assert manifest["fingerprint"] == model_fingerprint(smollm2_dir)
+    assert manifest["shape"] == {"num_layers": 30, "hidden_size": 576, "num_kv_heads": 3}
+    assert manifest["fit"]["test_top25_overlap_global"] > manifest["fit"]["random_top25_overlap"]

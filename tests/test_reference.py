@@ -479,3 +479,12 @@ def test_a_short_chat_stays_dense_on_smollm2(smollm2_dir):
     for policy in ("lava", "snapkv", "streaming", "topk"):
         result = engine.generate(ids, build_policy(EvictionConfig.for_policy(policy, budget="0.25")), max_new_tokens=6)
         assert result.kept_fraction() == 1.0 and result.output_ids == reference.output_ids, policy
+
+
+def test_the_reconstruction_prompt_of_a_chatml_tokenizer(tiny_engine):
+    prompt = tiny_engine.reconstruction_prompt
+    decode = tiny_engine.tokenizer.decode
+    assert decode(prompt.assistant_opening) == "<|im_end|>\n<|im_start|>assistant\n"
+    assert decode(prompt.first_instruction) == "\n\nRepeat the previous context exactly."
+    assert decode(prompt.later_instruction) == "\n\nRepeat the part of the previous context exactly, starting with"
+    assert (prompt.chunk_size, prompt.overlap) == (2048, 8)
