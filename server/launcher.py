@@ -9,16 +9,19 @@ are in, and so that bad flags and a missing model are reported before any of SGL
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
 from sgl_kvevict.limits import UnsupportedVersion, check_sglang_version
 from sgl_kvevict.models import ModelError, resolve_model
+from sgl_kvevict.scoring.learned import resolve_learned_weights
 from sgl_kvevict.server import scale_out
 from sgl_kvevict.server.flags import LaunchConfig, parse_args
 from sgl_kvevict.server.processes import ChildGroup, StartupError, StopSignals, check_port_free, log, wait_until_healthy
 from sgl_kvevict.server.refusals import FlagError
 from sgl_kvevict.server.worker import server_env, sglang_command, stats_socket_address
+from sgl_kvevict.settings import ConfigError
 
 
 def run_single(config: LaunchConfig, model_dir: Path, cpu_mode: bool, signals: StopSignals) -> int:
@@ -43,6 +46,22 @@ def run_single(config: LaunchConfig, model_dir: Path, cpu_mode: bool, signals: S
             log("stopped")
 
 
+def with_learned_weights(config: LaunchConfig, model_dir: Path) -> LaunchConfig:
+    """A learned score needs weights for this model: the bundled ones (found by the model's fingerprint)
+    or the given ones, checked against it here, before SGLang starts; the engine gets the path."""
+    eviction = config.serving.eviction
+    if eviction is None:
+        return config
+    try:
+        weights = resolve_learned_weights(eviction, model_dir)
+    except ConfigError as error:
+        raise FlagError(f"--kv-evict-score learned: {error}") from None
+    if weights is None:
+        return config
+    options = {**config.serving.eviction_options, "learned_weights": str(weights)}
+    return dataclasses.replace(config, serving=dataclasses.replace(config.serving, eviction_options=options))
+
+
 def run(config: LaunchConfig) -> int:
     from sgl_kvevict.compat import cpu_mode_needed  # imports torch
 
@@ -52,6 +71,7 @@ def run(config: LaunchConfig) -> int:
     if config.workers > 1:
         scale_out.check_prerequisites(config)
     model_dir = resolve_model(config.model, log=log)
+    config = with_learned_weights(config, model_dir)
     if config.workers > 1:
         scale_out.check_capacity(config, model_dir, cpu_mode)
     if cpu_mode:

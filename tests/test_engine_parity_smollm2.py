@@ -32,7 +32,9 @@ PASSKEY_TASKS = ((0, 0.3), (1, 0.7))
 CONTEXT_TOKENS = 560
 MAX_NEW_TOKENS = 8
 # Every registered policy at its defaults (budget 0.25 where one applies), plus an OBCache score.
-CASES = [(policy, ()) for policy in registered_policies()] + [("snapkv", (("score", "obc-joint"),))]
+CASES = [(policy, ()) for policy in registered_policies()] + [("snapkv", (("score", "obc-joint"),))] + [
+    (policy, (("score", score),)) for score in ("kvzip", "learned") for policy in ("topk", "ada-snapkv", "lava")
+]  # the question-agnostic scores with the bundled SmolLM2 weights
 # One server serves every case (--kv-evict-per-request); each case answers both prompts.
 
 
@@ -104,9 +106,9 @@ def reference_top2_gaps(reference, prompt: Prompt, policy, tokens: tuple[int, ..
     return gaps
 
 
-def mismatch_report(reference, prompt, config, served: tuple[int, ...], expected: tuple[int, ...]) -> str:
+def mismatch_report(reference, prompt, policy, served: tuple[int, ...], expected: tuple[int, ...]) -> str:
     step = next((i for i, (a, b) in enumerate(zip(served, expected)) if a != b), min(len(served), len(expected)))
-    gaps = reference_top2_gaps(reference, prompt, build_policy(config), expected[: step + 1])
+    gaps = reference_top2_gaps(reference, prompt, policy, expected[: step + 1])
     detail = f"; reference top-2 there {gaps[step]} (ids, ids, logit gap)" if step < len(gaps) else ""
     return f"server {served} != reference {expected}: first differing step {step}{detail}"
 
@@ -119,9 +121,10 @@ def test_smollm2_passkey_greedy_parity(case, server, reference, prompts, dump_di
         rid = f"{case_id(case)}-{index}"
         response = generate(server, list(prompt.token_ids), MAX_NEW_TOKENS, rid=rid, options=case_options(case))
         assert response["meta_info"]["prompt_tokens"] == len(prompt)
-        expected = reference.generate(prompt, build_policy(config), Mode.QUESTION_AWARE, MAX_NEW_TOKENS)
+        policy_object = build_policy(config).for_model(reference.model_dir)
+        expected = reference.generate(prompt, policy_object, Mode.QUESTION_AWARE, MAX_NEW_TOKENS)
         (reference_plan,) = expected.plans
         assert_same_plan(torch.load(dump_dir / f"{rid}.pt"), reference_plan)
         served = tuple(response["output_ids"])
-        assert served == expected.output_ids, mismatch_report(reference, prompt, config, served, expected.output_ids)
+        assert served == expected.output_ids, mismatch_report(reference, prompt, policy_object, served, expected.output_ids)
         assert_no_leak_after_flush(server)
