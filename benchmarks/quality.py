@@ -47,12 +47,12 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from benchmarks.numerics import numerics_environment, numerics_probe, tasks_fingerprint
+from benchmarks.quality_report import FULL, CellKey, CellResult, SampleResult, load_report, write_outputs
 from benchmarks.tasks import TASK_KINDS, Task, task_suite
 from sgl_kvevict.config import ConfigError, EvictionConfig, build_policy
 from sgl_kvevict.policies import Policy, get_policy_class, registered_policies
 from sgl_kvevict.reference import Mode, Prompt, ReferenceEngine
 
-FULL = "full"
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "docs" / "results"
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -65,22 +65,6 @@ def policy_name(spec: str) -> str:
 def eviction_config(spec: str, budget: Optional[str]) -> EvictionConfig:
     name, _, score = spec.partition(":")
     return EvictionConfig(policy=name, budget=budget, **({"score": score} if score else {}))
-
-
-@dataclass(frozen=True)
-class CellKey:
-    """One cell of the grid; ``block_size`` None is request scope (one segment)."""
-
-    length: int
-    mode: str
-    policy: str
-    budget: Optional[str]
-    block_size: Optional[int] = None
-
-    def label(self) -> str:
-        budget = f"@{self.budget}" if self.budget else ""
-        scope = "" if self.block_size is None else f" (block {self.block_size})"
-        return f"{self.policy}{budget}{scope}"
 
 
 @dataclass(frozen=True)
@@ -139,37 +123,6 @@ class GridConfig:
     def as_json(self) -> dict:
         """The grid as its JSON reads back (lists, mode names), so a checkpoint's grid compares equal."""
         return json.loads(json.dumps({**asdict(self), "modes": [m.value for m in self.modes]}))
-
-
-@dataclass(frozen=True)
-class SampleResult:
-    """One sample of one cell. Times are CPU seconds of this process (``time.process_time``: on a shared
-    machine other processes stretch wall time, not these): ``prefill`` until the compressed cache is
-    ready (the forward(s), scoring and planning), of which ``plan`` is planning; ``decode`` the tokens."""
-
-    kind: str
-    depth: float
-    answer: str
-    output: str
-    correct: bool
-    prompt_tokens: int
-    context_tokens: int
-    kept_fraction: float
-    prefill_seconds: float = 0.0
-    plan_seconds: float = 0.0
-    decode_seconds: float = 0.0
-
-
-@dataclass(frozen=True)
-class CellResult:
-    """A cell and the samples run so far (all of them once the run is complete)."""
-
-    key: CellKey
-    samples: tuple[SampleResult, ...]
-
-    @property
-    def correct(self) -> list[bool]:
-        return [s.correct for s in self.samples]
 
 
 class _TimedPolicy:
@@ -485,8 +438,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[GridConfig, argpar
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    from benchmarks.quality_report import load_report, write_outputs
-
     grid, args = parse_args(argv)
     torch.set_num_threads(args.threads)
     resume = load_report(json.loads((args.out / "quality.json").read_text())) if args.resume else None

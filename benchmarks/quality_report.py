@@ -1,4 +1,5 @@
-"""The quality grid's JSON, markdown and plot (``benchmarks/quality.py`` runs the grid).
+"""The quality grid's results (cells and samples), JSON, markdown and plot (``benchmarks/quality.py``
+runs the grid; the data model lives here so that the report never imports the runner).
 
 Every accuracy is reported with its sample count and 95% Wilson interval; the orderings section
 claims ``A > B`` only where the two intervals separate (``benchmarks/intervals.py``), for each policy
@@ -17,9 +18,56 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from benchmarks.intervals import Proportion, ordering, wilson
-from benchmarks.quality import FULL, CellKey, CellResult, SampleResult
 
+FULL = "full"
 NOISE = "within noise"
+
+
+@dataclass(frozen=True)
+class CellKey:
+    """One cell of the grid; ``block_size`` None is request scope (one segment)."""
+
+    length: int
+    mode: str
+    policy: str
+    budget: Optional[str]
+    block_size: Optional[int] = None
+
+    def label(self) -> str:
+        budget = f"@{self.budget}" if self.budget else ""
+        scope = "" if self.block_size is None else f" (block {self.block_size})"
+        return f"{self.policy}{budget}{scope}"
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    """One sample of one cell. Times are CPU seconds of this process (``time.process_time``: on a shared
+    machine other processes stretch wall time, not these): ``prefill`` until the compressed cache is
+    ready (the forward(s), scoring and planning), of which ``plan`` is planning; ``decode`` the tokens."""
+
+    kind: str
+    depth: float
+    answer: str
+    output: str
+    correct: bool
+    prompt_tokens: int
+    context_tokens: int
+    kept_fraction: float
+    prefill_seconds: float = 0.0
+    plan_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class CellResult:
+    """A cell and the samples run so far (all of them once the run is complete)."""
+
+    key: CellKey
+    samples: tuple[SampleResult, ...]
+
+    @property
+    def correct(self) -> list[bool]:
+        return [s.correct for s in self.samples]
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,17 @@ import pytest
 
 from benchmarks import quality, quality_compare, quality_merge
 from benchmarks.intervals import Z_95, ordering, wilson
-from benchmarks.quality import FULL, CellKey, CellResult, SampleResult
-from benchmarks.quality_report import load_report, markdown_report, orderings, summaries, write_outputs
+from benchmarks.quality_report import (
+    FULL,
+    CellKey,
+    CellResult,
+    SampleResult,
+    load_report,
+    markdown_report,
+    orderings,
+    summaries,
+    write_outputs,
+)
 from sgl_kvevict.config import ConfigError
 from sgl_kvevict.reference import Mode
 
@@ -254,3 +263,21 @@ def test_runs_of_one_grid_over_different_lengths_merge(tiny_llama_dir, tmp_path,
     with pytest.raises(SystemExit):
         quality_merge.main([str(tmp_path / "twice"), runs[0], runs[0]])
     assert "more than one run" in capsys.readouterr().err
+
+
+def test_the_command_writes_a_complete_report(tiny_llama_dir, tmp_path):
+    """``python -m benchmarks.quality`` as a user runs it (the module is then ``__main__``: its cells
+    must still be the report's own classes)."""
+    import subprocess
+    import sys
+
+    command = [
+        sys.executable, "-m", "benchmarks.quality", "--model", str(tiny_llama_dir), "--dtype", "float32",
+        "--policies", "snapkv", "--budgets", "0.25", "--lengths", "120", "--modes", "context-only", "--samples", "2",
+        "--max-new-tokens", "2", "--out", str(tmp_path),
+    ]  # fmt: skip
+    subprocess.run(command, check=True, capture_output=True, timeout=600)
+    payload = json.loads((tmp_path / "quality.json").read_text())
+    assert [row["kind"] for row in payload["orderings"]] == ["vs full"]
+    assert payload["meta"]["command"].startswith("python -m benchmarks.quality --model")
+    assert payload["meta"]["cells_done"] == payload["meta"]["cells_total"] == 2
