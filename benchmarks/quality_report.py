@@ -90,6 +90,7 @@ def summarize_cell(cell: CellResult, full: Optional[CellResult]) -> CellSummary:
     pairs = list(zip(samples, full.samples)) if full is not None else []
     answerable = [s.correct for s, f in pairs if f.correct]
     timed = all(s.prefill_seconds > 0 for s in samples) and bool(pairs) and len(pairs) == len(samples)
+    compressed = timed and cell.key.policy != FULL  # the full cache has no score or plan of its own
     return CellSummary(
         cell=cell,
         accuracy=wilson(sum(cell.correct), len(samples)),
@@ -97,9 +98,9 @@ def summarize_cell(cell: CellResult, full: Optional[CellResult]) -> CellSummary:
         kept_fraction=statistics.fmean(s.kept_fraction for s in samples),
         forward_seconds=statistics.fmean(f.prefill_seconds for _, f in pairs) if timed else None,
         score_seconds=statistics.fmean(s.prefill_seconds - f.prefill_seconds - s.plan_seconds for s, f in pairs)
-        if timed
+        if compressed
         else None,
-        plan_seconds=statistics.fmean(s.plan_seconds for s in samples) if timed else None,
+        plan_seconds=statistics.fmean(s.plan_seconds for s in samples) if compressed else None,
         decode_seconds=statistics.fmean(s.decode_seconds for s in samples) if timed else None,
     )
 
