@@ -275,6 +275,24 @@ def _ordering_lines(rows: Sequence[dict], lengths: Sequence[int], modes: Sequenc
     return lines
 
 
+def _reproducibility(numerics: dict) -> str:
+    if not numerics:
+        return "**Reproducibility.** This run predates the numerics record (`benchmarks/numerics.py`): its kernels are unknown."
+    return (
+        "**Reproducibility.** The greedy answers are a deterministic function of the inputs (tasks sha256 "
+        f"`{numerics['tasks_sha256']}`) and of the CPU kernels torch dispatches to, which the logits of one fixed forward "
+        f"fingerprint (probe sha256 `{numerics['probe_sha256']}`): {numerics['cpu_model']} (kernel flags "
+        f"{', '.join(numerics['cpu_kernel_flags'])}), ATen {numerics['aten_cpu_capability']}, oneDNN {numerics['onednn']}, "
+        f"torch {numerics['torch']}, transformers {numerics['transformers']}, {numerics['dtype']}, "
+        f"{numerics['intra_op_threads']} intra-op thread(s), environment {numerics['env'] or 'unset'}. Measured on these "
+        "machines: a rerun with the same command gives the same answers sample for sample with 1 or 2 threads, in any cell "
+        "order, and with other processes loading both cores; capping the kernels' instruction set (ATen AVX2 instead of "
+        "AVX512, or oneDNN without AVX512-BF16, as on a CPU that lacks it) changes the probe and flips answers of the full "
+        "cache and of the policies. That is why a rerun elsewhere can disagree: compare probes first "
+        "(`python -m benchmarks.quality_compare A.json B.json`). `quality_merge` and `--resume` refuse to mix probes."
+    )
+
+
 def markdown_report(cells: Sequence[CellSummary], ordering_rows: Sequence[dict], meta: dict) -> str:
     grid, numerics = meta["grid"], meta.get("numerics", {})
     lengths, modes = grid["lengths"], grid["modes"]
@@ -292,21 +310,7 @@ def markdown_report(cells: Sequence[CellSummary], ordering_rows: Sequence[dict],
         + ". With 20 samples an interval spans about ±20 points: most differences between policies here are "
         "within noise, and the orderings section lists only those the intervals support.",
     ]
-    if numerics:
-        lines += [
-            "",
-            "**Reproducibility.** The greedy answers are a deterministic function of the inputs (tasks sha256 "
-            f"`{numerics['tasks_sha256']}`) and of the CPU kernels torch dispatches to, which the logits of one fixed "
-            f"forward fingerprint (probe sha256 `{numerics['probe_sha256']}`): {numerics['cpu_model']} "
-            f"(kernel flags {', '.join(numerics['cpu_kernel_flags'])}), ATen {numerics['aten_cpu_capability']}, "
-            f"oneDNN {numerics['onednn']}, torch {numerics['torch']}, transformers {numerics['transformers']}, "
-            f"{numerics['intra_op_threads']} intra-op thread(s), environment {numerics['env'] or 'unset'}. On these "
-            "machines a rerun with the same command and probe gives the same answers sample for sample, with 1 or 2 "
-            "threads and with other processes loading the CPU; capping the instruction set (AVX2 instead of "
-            "AVX512-BF16) changes the probe and flips answers (full cache at 1K, question-aware: 14 instead of 16 of "
-            "20), which is how a rerun on another machine gave different numbers. `quality_merge` and `--resume` "
-            "refuse to mix runs whose probes differ.",
-        ]
+    lines += ["", _reproducibility(numerics)]
     if meta["cells_done"] < meta["cells_total"]:
         lines += ["", f"**Partial run: {meta['cells_done']} of {meta['cells_total']} cells finished.**"]
     for mode in modes:
