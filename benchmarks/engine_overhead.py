@@ -171,9 +171,16 @@ def _median(rows: list[dict], key: str) -> float:
     return statistics.median(row[key] for row in rows)
 
 
-def memory_per_conversation(memory: dict, num_layers: int, num_kv_heads: int) -> dict:
+# The /kvevict/stats fields the memory figure is computed from.
+MEMORY_FIELDS = ("compressed_tokens", "kept_cells", "dense_slots_total", "dense_slots_free", "requests_left_dense")
+
+
+def memory_per_conversation(memory: dict, num_layers: int, num_kv_heads: int) -> Optional[dict]:
     """One conversation after turn 1, from ``/kvevict/stats``: cells held vs its dense equivalent.
-    One dense slot (a token) holds ``num_layers * num_kv_heads`` cells' worth of K and V."""
+    One dense slot (a token) holds ``num_layers * num_kv_heads`` cells' worth of K and V. None when
+    the engine's stats do not report the fields it needs (``MEMORY_FIELDS``)."""
+    if any(name not in memory for name in MEMORY_FIELDS):
+        return None
     if memory["compressed_tokens"] == 0:
         raise MeasurementError(f"turn 1 was not compressed (requests left dense: {memory['requests_left_dense']})")
     cells_per_token = num_layers * num_kv_heads
@@ -314,7 +321,7 @@ def run(config: OverheadConfig, out: Path, name: str, log_dir: Path, argv: Seque
         with launched_server(config.model, variant, config.pool_tokens, log_dir, config.launcher_extra) as server:
             samples = asyncio.run(_measure(server.base_url, config, conversations, variant.label, log))
             log(f"{variant.label}: done; stopping the server")
-        memory = [memory_per_conversation(m, num_layers, num_kv_heads) for m in samples.memory]
+        memory = [m for m in (memory_per_conversation(m, num_layers, num_kv_heads) for m in samples.memory) if m]
         results[role] = {
             "label": variant.label,
             "load_average": load_average,

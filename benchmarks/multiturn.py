@@ -1,13 +1,28 @@
 """Multi-turn serving benchmark: concurrent simulated users against SGLang, vanilla vs KV eviction.
 
-    python -m benchmarks.multiturn compare --quick      # vanilla, large and tight pool, a few minutes
-    python -m benchmarks.multiturn compare --policies lava --budgets 0.25 --users 8 --turns 5
+    python -m benchmarks.multiturn compare --quick --policies lava --budgets 0.25   # large and tight pool, ~10 min
+    python -m benchmarks.multiturn compare --policies lava,snapkv --budgets 0.5,0.25  # 8 users x 6 turns
+    python -m benchmarks.multiturn sweep --policies lava --budgets 0.25            # 4 pool sizes, 6 users x 4 turns
+    python -m benchmarks.multiturn sweep --system-prompt-tokens 200 --document-tokens 1500 \
+        --policies lava --scopes request,block --block-size 128 --name block-scope   # a shared system prompt
     python -m benchmarks.multiturn run --url http://127.0.0.1:30000 --users 4 --turns 3
     python -m benchmarks.multiturn soak --seconds 300 --max-requests 3000 --pool-tokens 6500
 
-``compare`` starts the real launcher itself, one server at a time, and writes ``<name>.json``,
-``<name>.md`` and ``<name>.png`` into ``--out`` (default docs/results). ``run`` measures one server that
-is already running. ``soak`` injects faults and checks for leaks; it writes ``<name>.json`` and ``.md``.
+``compare`` and ``sweep`` start the real launcher themselves, one server at a time, every server of a
+pool with the same ``--max-total-tokens``, and write ``<name>.json``, ``<name>.md`` and ``<name>.png``
+into ``--out`` (default docs/results) after every server, so ``--resume`` carries on after an
+interruption (same workload and pools; finished servers are kept). ``compare`` runs a large pool
+(every history fits) and a tight one; ``sweep`` runs pool sizes from every history fitting
+(``1.00``) down to a quarter of them, as fractions of the workload's history tokens counted with the
+model's tokenizer (``--pool-fractions``) or given in tokens (``--pool-sizes``).
+
+Policy servers are ``name[:score]`` at each budget (``topk:kvzip`` is ``--kv-evict-policy topk
+--kv-evict-score kvzip``), in each scope of ``--scopes`` (``block`` adds ``--kv-evict-scope block``
+and ``--kv-evict-block-size``); ``--server-arg`` passes a flag to every server. In block scope a
+prefix is shared only in whole blocks: with ``--system-prompt-tokens N`` pick a block size below N.
+
+``run`` measures one server that is already running. ``soak`` injects faults and checks for leaks; it
+writes ``<name>.json`` and ``.md``.
 """
 
 from __future__ import annotations
@@ -20,49 +35,59 @@ import sys
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from benchmarks.load.conversations import ConversationError, ConversationSpec, build_conversations, model_token_counter
 from benchmarks.load.driver import (
     POOL_NAMES,
     CompareConfig,
     DriverError,
-    PoolSizes,
+    Pool,
     RunResult,
-    compare,
-    fewest_dense_slots,
+    compare_pools,
     history_tokens,
-    pool_sizes,
+    run_plan,
+    sweep_pools,
+    workload,
 )
-from benchmarks.load.report import environment, write_comparison
-from benchmarks.load.servers import VANILLA_POLICY, ServerError, ServerVariant, launched_server
+from benchmarks.load.report import environment, load_comparison, write_comparison
+from benchmarks.load.servers import VANILLA_POLICY, ServerError, ServerVariant, launched_server, server_variants
 from benchmarks.load.soak import SoakConfig, SoakError, flush_when_idle, run_soak
 from benchmarks.load.users import LoadError, LoadSettings, run_users
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "docs" / "results"
-# --quick: 4 users x 4 turns over ~1,000-token documents, every turn a fact question; two vanilla
-# servers (large and tight pool) take about 4 minutes on the 2-core CPU machines.
+# --quick: 4 users x 4 turns over ~1,000-token documents, every turn a fact question.
 QUICK = {"users": 4, "turns": 4, "document_tokens": 1000, "fact_every": 1}
 FULL = {"users": 8, "turns": 6, "document_tokens": 2000, "fact_every": 2}
+# The sweep's default: histories longer than its smallest pool (a quarter of all of them).
+SWEEP = {"users": 6, "turns": 4, "document_tokens": 1750, "fact_every": 1}
 SETTING_ERRORS = (ConversationError, DriverError, LoadError, SoakError, ValueError)
+
+
+class ResumeError(ValueError):
+    """A checkpoint of another workload or plan; the message says what differs."""
 
 
 def _csv(text: str) -> list[str]:
     return [item.strip() for item in text.split(",") if item.strip()]
 
 
-def _add_workload_flags(parser: argparse.ArgumentParser) -> None:
+def _add_workload_flags(parser: argparse.ArgumentParser, preset: dict) -> None:
     group = parser.add_argument_group("workload")
     group.add_argument("--quick", action="store_true", help=f"small workload for a run of a few minutes: {QUICK}")
-    group.add_argument("--users", type=int, help=f"concurrent simulated users (default {FULL['users']})")
-    group.add_argument("--turns", type=int, help=f"user messages per conversation (default {FULL['turns']})")
+    group.add_argument("--users", type=int, help=f"concurrent simulated users (default {preset['users']})")
+    group.add_argument("--turns", type=int, help=f"user messages per conversation (default {preset['turns']})")
     group.add_argument(
-        "--document-tokens", type=int, help=f"document length in model tokens (default {FULL['document_tokens']})"
+        "--document-tokens", type=int, help=f"document length in model tokens (default {preset['document_tokens']})"
     )
     group.add_argument(
-        "--fact-every", type=int, help=f"every N-th turn asks a fact from the document, scored (default {FULL['fact_every']})"
+        "--fact-every", type=int, help=f"every N-th turn asks a fact from the document, scored (default {preset['fact_every']})"
     )
     group.add_argument("--shared-document", action="store_true", help="one document for all users (shared prefix)")
+    group.add_argument(
+        "--system-prompt-tokens", type=int, default=0,
+        help="every conversation starts with the same system prompt of about this many tokens (default 0: none)",
+    )  # fmt: skip
     group.add_argument("--seed", type=int, default=0, help="conversation seed (default 0)")
     group.add_argument("--max-tokens", type=int, default=32, help="answer length cap per request (default 32)")
     group.add_argument(
@@ -70,10 +95,30 @@ def _add_workload_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--model", default="smollm2", help="bundled model name or HF folder (default smollm2)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
+    parser.set_defaults(preset=preset)
+
+
+def _add_server_flags(parser: argparse.ArgumentParser, name: str) -> None:
+    parser.add_argument(
+        "--policies", default="", help="comma-separated name[:score] to compare with vanilla, e.g. lava,topk:kvzip "
+        "(default: vanilla only)",
+    )  # fmt: skip
+    parser.add_argument("--budgets", default="0.25", help="comma-separated budgets for every policy (default 0.25)")
+    parser.add_argument(
+        "--scopes", default="request", help="comma-separated scopes for every policy: request, block (default request)"
+    )
+    parser.add_argument("--block-size", type=int, help="--kv-evict-block-size of block-scope servers (default: the launcher's)")
+    parser.add_argument(
+        "--server-arg", action="append", default=[], help="extra launcher/SGLang flag for every server, e.g. "
+        "--server-arg=--kv-evict-window=16 (repeatable)",
+    )  # fmt: skip
+    parser.add_argument("--name", default=name, help=f"output file stem (default {name})")
+    parser.add_argument("--log-dir", type=Path, help="server logs (default: a new temporary folder)")
+    parser.add_argument("--resume", action="store_true", help="keep the finished servers of --out/<name>.json and run the rest")
 
 
 def _workload(args: argparse.Namespace) -> tuple[ConversationSpec, LoadSettings]:
-    preset = QUICK if args.quick else FULL
+    preset = QUICK if args.quick else args.preset
 
     def pick(name: str) -> int:
         value = getattr(args, name)
@@ -86,13 +131,9 @@ def _workload(args: argparse.Namespace) -> tuple[ConversationSpec, LoadSettings]
         fact_every=pick("fact_every"),
         shared_document=args.shared_document,
         seed=args.seed,
+        system_prompt_tokens=args.system_prompt_tokens,
     )
     return spec, LoadSettings(max_tokens=args.max_tokens, request_timeout=args.request_timeout)
-
-
-def _variants(policies: str, budgets: str) -> tuple[ServerVariant, ...]:
-    chosen = [p for p in _csv(policies) if p != VANILLA_POLICY]
-    return (ServerVariant(VANILLA_POLICY),) + tuple(ServerVariant(p, b) for p in chosen for b in _csv(budgets))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -110,29 +151,30 @@ def build_parser() -> argparse.ArgumentParser:
         description="Vanilla SGLang vs each policy@budget at equal KV memory (the same --max-total-tokens), at a "
         "large pool (every history fits) and a tight pool (vanilla must evict histories).",
     )
-    _add_workload_flags(comparison)
-    comparison.add_argument(
-        "--policies", default="", help="comma-separated policies to compare with vanilla, e.g. lava,snapkv (default: vanilla only)"
-    )
-    comparison.add_argument("--budgets", default="0.25", help="comma-separated budgets for every policy (default 0.25)")
+    _add_workload_flags(comparison, FULL)
+    _add_server_flags(comparison, "multiturn")
     comparison.add_argument("--pools", default=",".join(POOL_NAMES), help="which pools to run (default large,tight)")
     comparison.add_argument("--large-pool", type=int, default=65536, help="--max-total-tokens of the large pool (default 65536)")
-    comparison.add_argument(
-        "--tight-pool", type=int, help="--max-total-tokens of the tight pool (default: --tight-fraction of all histories, raised "
-        "when a policy server's dense share, the pool minus its arena, would not hold the longest conversation)"
-    )
+    comparison.add_argument("--tight-pool", type=int, help="--max-total-tokens of the tight pool (default: --tight-fraction)")
     comparison.add_argument(
         "--tight-fraction", type=float, default=0.33, help="tight pool as a share of all final histories' tokens (default 0.33)"
     )
-    comparison.add_argument(
-        "--server-arg", action="append", default=[], help="extra launcher/SGLang flag for every server, e.g. "
-        "--server-arg=--kv-evict-arena-fraction=0.5 (repeatable)",
+
+    sweep = commands.add_parser(
+        "sweep",
+        help="one workload at several pool sizes, from every history fitting down to a quarter, vanilla vs each policy",
+        description="Vanilla SGLang vs each policy server at several --max-total-tokens, largest first.",
     )
-    comparison.add_argument("--name", default="multiturn", help="output file stem (default multiturn)")
-    comparison.add_argument("--log-dir", type=Path, help="server logs (default: a new temporary folder)")
+    _add_workload_flags(sweep, SWEEP)
+    _add_server_flags(sweep, "sweep")
+    sweep.add_argument(
+        "--pool-fractions", default="1,0.75,0.5,0.25",
+        help="pool sizes as fractions of all final histories' tokens (default 1,0.75,0.5,0.25)",
+    )  # fmt: skip
+    sweep.add_argument("--pool-sizes", default="", help="pool sizes in tokens instead, e.g. 12000,9000,6000,3000")
 
     single = commands.add_parser("run", help="measure one server that is already running (its cache is flushed first)")
-    _add_workload_flags(single)
+    _add_workload_flags(single, FULL)
     single.add_argument("--url", required=True, help="base URL of the server, e.g. http://127.0.0.1:30000")
     single.add_argument("--label", default="server", help="name of this server in the report (default server)")
     single.add_argument("--name", default="multiturn-run", help="output file stem (default multiturn-run)")
@@ -161,55 +203,87 @@ def _command_line(argv: Sequence[str]) -> str:
     return "python -m benchmarks.multiturn " + " ".join(shlex.quote(a) for a in argv)
 
 
-def _workload_meta(argv: Sequence[str], model: str, spec: ConversationSpec, settings: LoadSettings, sizes: PoolSizes) -> dict:
-    return {
-        "command": _command_line(argv),
-        "model": model,
-        "conversations": asdict(spec),
-        "load": asdict(settings),
-        "pools": asdict(sizes),
-    }
+# The meta fields a resumed run must share with its checkpoint.
+RESUME_FIELDS = ("kind", "model", "conversations", "load", "pools", "launcher_extra")
 
 
-def run_compare(args: argparse.Namespace, argv: Sequence[str]) -> int:
+def _resumed_runs(args: argparse.Namespace, meta: dict) -> list[RunResult]:
+    path = args.out / f"{args.name}.json"
+    if not args.resume:
+        return []
+    if not path.exists():
+        raise ResumeError(f"--resume: {path} does not exist")
+    runs, previous = load_comparison(path)
+    differing = [name for name in RESUME_FIELDS if json.loads(json.dumps(meta[name])) != previous.get(name)]
+    if differing:
+        raise ResumeError(f"--resume: {path} is of another run (differs in {', '.join(differing)})")
+    return runs
+
+
+def _run_servers(
+    args: argparse.Namespace, argv: Sequence[str], kind: str, choose_pools: Callable[..., list[Pool]]
+) -> int:
     spec, settings = _workload(args)
     config = CompareConfig(
         model=args.model,
-        variants=_variants(args.policies, args.budgets),
-        pools=tuple(_csv(args.pools)),
-        large_pool=args.large_pool,
-        tight_pool=args.tight_pool,
-        tight_fraction=args.tight_fraction,
+        variants=server_variants(_csv(args.policies), _csv(args.budgets), _csv(args.scopes), args.block_size),
         launcher_extra=tuple(args.server_arg),
     )
     count_tokens = model_token_counter(args.model)
     conversations = build_conversations(spec, count_tokens)
-    histories = [history_tokens(c, count_tokens, settings.max_tokens) for c in conversations]
-    sizes = pool_sizes(config, histories, settings.max_tokens, fewest_dense_slots(config))
-    if sizes.tight_raised_for_dense:
-        print(
-            f"tight pool raised to {sizes.tight} tokens ({sizes.tight / sizes.all_histories:.2f} of all histories): "
-            "a policy server's dense share must hold the longest conversation",
-            flush=True,
-        )
+    load = workload([history_tokens(c, count_tokens, settings.max_tokens) for c in conversations], settings.max_tokens)
+    pools = choose_pools(load)
+    meta = {
+        "command": _command_line(argv),
+        "kind": kind,
+        "model": args.model,
+        "conversations": asdict(spec),
+        "load": asdict(settings),
+        "workload": asdict(load),
+        "pools": [asdict(pool) for pool in pools],
+        "variants": [v.label for v in config.variants],
+        "launcher_extra": list(config.launcher_extra),
+    }
+    done = _resumed_runs(args, meta)
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="multiturn-logs-"))
     print(
-        f"{len(conversations)} users x {spec.turns} turns, ~{sizes.all_histories} history tokens in all; pools: "
-        + ", ".join(f"{p} {sizes.of(p)}" for p in config.pools)
-        + f"; variants: {', '.join(v.label for v in config.variants)}; server logs in {log_dir}",
+        f"{len(conversations)} users x {spec.turns} turns, ~{load.all_histories} history tokens in all; pools: "
+        + ", ".join(f"{p.name} {p.tokens}" for p in pools)
+        + f"; servers: {', '.join(v.label for v in config.variants)}; server logs in {log_dir}",
         flush=True,
     )
-    results = compare(config, spec, conversations, settings, sizes, log_dir, log=lambda m: print(m, flush=True))
-    paths = write_comparison(results, _workload_meta(argv, args.model, spec, settings, sizes), args.out, args.name)
+
+    def checkpoint(results: list[RunResult]) -> None:
+        write_comparison(results, meta, args.out, args.name)
+
+    results = run_plan(
+        config, pools, spec, conversations, settings, log_dir, lambda m: print(m, flush=True), done, checkpoint
+    )  # fmt: skip
+    paths = write_comparison(results, meta, args.out, args.name)
     print("wrote " + ", ".join(str(p) for p in paths))
     return 1 if any(r.error for r in results) else 0
+
+
+def run_compare(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    return _run_servers(
+        args, argv, "compare",
+        lambda load: compare_pools(_csv(args.pools), load, args.large_pool, args.tight_pool, args.tight_fraction),
+    )  # fmt: skip
+
+
+def run_sweep(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    fractions = [float(f) for f in _csv(args.pool_fractions)]
+    sizes = [int(s) for s in _csv(args.pool_sizes)]
+    if len(sizes or fractions) < 2:
+        raise DriverError("a sweep needs at least two pool sizes")
+    return _run_servers(args, argv, "sweep", lambda load: sweep_pools(load, fractions, sizes))
 
 
 def run_single(args: argparse.Namespace, argv: Sequence[str]) -> int:
     spec, settings = _workload(args)
     count_tokens = model_token_counter(args.model)
     conversations = build_conversations(spec, count_tokens)
-    histories = [history_tokens(c, count_tokens, settings.max_tokens) for c in conversations]
+    load = workload([history_tokens(c, count_tokens, settings.max_tokens) for c in conversations], settings.max_tokens)
     base_url = args.url.rstrip("/")
 
     async def measure():
@@ -221,9 +295,19 @@ def run_single(args: argparse.Namespace, argv: Sequence[str]) -> int:
         return await run_users(base_url, conversations, settings, lambda m: print(m, flush=True))
 
     outcome = asyncio.run(measure())
-    result = RunResult("external", outcome.dense_slots or 0, ServerVariant(VANILLA_POLICY), outcome, None, 0.0, (0, 0, 0))
-    sizes = PoolSizes(large=0, tight=0, all_histories=sum(histories), longest_history=max(histories))
-    meta = {**_workload_meta(argv, args.model, spec, settings, sizes), "url": base_url, "label": args.label}
+    # Named by --label: the benchmark does not know what the external server runs.
+    result = RunResult("external", outcome.dense_slots or 0, ServerVariant(args.label), outcome, None, 0.0, (0, 0, 0))
+    meta = {
+        "command": _command_line(argv),
+        "kind": "compare",
+        "model": args.model,
+        "conversations": asdict(spec),
+        "load": asdict(settings),
+        "workload": asdict(load),
+        "pools": [],
+        "url": base_url,
+        "label": args.label,
+    }
     paths = write_comparison([result], meta, args.out, args.name)
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0
@@ -309,10 +393,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
-    handler = {"compare": run_compare, "run": run_single, "soak": run_soak_command}[args.command]
+    handler = {"compare": run_compare, "sweep": run_sweep, "run": run_single, "soak": run_soak_command}[args.command]
     try:
         return handler(args, argv)
-    except SETTING_ERRORS as error:
+    except (*SETTING_ERRORS, ResumeError) as error:
         parser.error(str(error))
     except ServerError as error:
         print(f"error: {error}", file=sys.stderr)

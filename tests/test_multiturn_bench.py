@@ -10,12 +10,12 @@ import psutil
 import pytest
 
 from benchmarks import multiturn
-from benchmarks.load.client import StreamedReply, check_reply
+from benchmarks.load.client import StreamedReply, check_reply, numeric_fields
 from benchmarks.load.conversations import ConversationError, ConversationSpec, build_conversations
-from benchmarks.load.driver import CompareConfig, DriverError, fewest_dense_slots, pool_sizes
-from benchmarks.load.servers import ServerVariant
+from benchmarks.load.driver import DriverError, compare_pools, history_tokens, sweep_pools, workload
 from benchmarks.load.metrics import RequestRecord, hit_rate, percentile, summarize
-from benchmarks.load.soak import FAULT_KINDS
+from benchmarks.load.servers import ServerError, server_variants
+from benchmarks.load.soak import FAULT_KINDS, stats_leaks
 
 
 def count_words(text: str) -> int:
@@ -70,21 +70,61 @@ def test_spec_validation():
         spec(turns=200, fact_every=1)
 
 
-def test_tight_pool_leaves_a_policy_server_dense_slots_for_the_longest_conversation():
-    variants = (ServerVariant("none"), ServerVariant("lava", "0.25"))
-    config = CompareConfig("smollm2", variants, ("large", "tight"), 65536, None, 0.33)
-    histories, max_tokens = [1300, 1310, 1317, 1313], 32
-    # The launcher's default arena fraction 0.5 halves the dense slots of the policy server.
-    dense_slots_of = fewest_dense_slots(config)
-    assert dense_slots_of(2000) == 1000
-    sizes = pool_sizes(config, histories, max_tokens, dense_slots_of)
-    assert sizes.tight_raised_for_dense and dense_slots_of(sizes.tight) >= 1317 + max_tokens > dense_slots_of(sizes.tight - 2)
-    vanilla_only = CompareConfig("smollm2", variants[:1], ("large", "tight"), 65536, None, 0.33)
-    sizes = pool_sizes(vanilla_only, histories, max_tokens, fewest_dense_slots(vanilla_only))
-    assert not sizes.tight_raised_for_dense and sizes.tight == 1730
-    explicit = CompareConfig("smollm2", variants, ("tight",), 65536, 2000, 0.33)
-    with pytest.raises(DriverError, match="leaves 1000 dense slots, too few for the longest conversation"):
-        pool_sizes(explicit, histories, max_tokens, fewest_dense_slots(explicit))
+def test_shared_system_prompt_opens_every_conversation():
+    conversations = build_conversations(spec(system_prompt_tokens=200), count_words)
+    prompts = {c.system_prompt for c in conversations}
+    assert len(prompts) == 1 and len({c.document for c in conversations}) == 3
+    (prompt,) = prompts
+    assert 180 <= count_words(prompt) <= 230 and not re.search(r"\d", prompt)
+    assert conversations[0].opening_messages() == [{"role": "system", "content": prompt}]
+    assert build_conversations(spec(), count_words)[0].opening_messages() == []
+    # The system prompt counts in the history every pool is sized from.
+    with_system = history_tokens(conversations[0], count_words, 32)
+    without = history_tokens(build_conversations(spec(), count_words)[0], count_words, 32)
+    assert with_system - without == count_words(prompt) + 5
+    with pytest.raises(ConversationError, match="system_prompt_tokens"):
+        spec(system_prompt_tokens=10)
+
+
+def test_pools_hold_the_longest_request_dense_for_every_server():
+    load = workload([1300, 1310, 1317, 1313], max_tokens=32)
+    assert (load.all_histories, load.longest_request) == (5240, 1349)
+    large, tight = compare_pools(("large", "tight"), load, 65536, None, 0.33)
+    assert (large.tokens, tight.tokens) == (65536, 1730)  # a third of all histories, the same for every server
+    with pytest.raises(DriverError, match="cannot hold the longest request dense"):
+        compare_pools(("tight",), load, 65536, 1300, 0.33)
+    with pytest.raises(DriverError, match="holds every history"):
+        compare_pools(("tight",), load, 65536, 6000, 0.33)
+    sweep = sweep_pools(workload([2000] * 6, 32))
+    assert [(p.name, p.tokens) for p in sweep] == [("1.00", 12000), ("0.75", 9000), ("0.50", 6000), ("0.25", 3000)]
+    given = sweep_pools(workload([2000] * 6, 32), sizes=(3000, 12000))
+    assert [(p.name, p.tokens) for p in given] == [("1.00", 12000), ("0.25", 3000)]
+    with pytest.raises(DriverError, match="cannot hold"):
+        sweep_pools(workload([2000] * 2, 32), fractions=(1, 0.25))
+
+
+def test_server_variants_carry_score_scope_and_block_size():
+    variants = server_variants(["lava", "topk:kvzip"], ["0.25"], ["request", "block"], 128)
+    assert [v.label for v in variants] == [
+        "vanilla", "lava@0.25", "lava@0.25 block 128", "topk:kvzip@0.25", "topk:kvzip@0.25 block 128",
+    ]  # fmt: skip
+    assert variants[4].launcher_flags() == [
+        "--kv-evict-policy", "topk", "--kv-evict-score", "kvzip", "--kv-evict-budget", "0.25",
+        "--kv-evict-scope", "block", "--kv-evict-block-size", "128",
+    ]  # fmt: skip
+    assert variants[0].launcher_flags() == ["--kv-evict-policy", "none"]
+    with pytest.raises(ServerError, match="scopes"):
+        server_variants(["lava"], ["0.25"], ["tree"])
+    with pytest.raises(ServerError, match="block scope only"):
+        server_variants(["lava"], ["0.25"], ["request"], 128)
+
+
+def test_engine_stats_are_read_generically():
+    stats = {"policy": "lava", "slots_borrowed": 12, "evictions": {"dense": 3, "compressed": 1}, "ok": True, "x": [1]}
+    assert numeric_fields(stats) == {"slots_borrowed": 12, "evictions.dense": 3, "evictions.compressed": 1}
+    assert stats_leaks({"cells_used": 0, "slots_free": 10, "slots_total": 10}) == []
+    leaks = stats_leaks({"cells_used": 4, "pool": {"slots_free": 9, "slots_total": 10}})
+    assert leaks == ["cells_used 4 after flush", "pool.slots_free 9 != pool.slots_total 10"]
 
 
 def test_percentile_matches_linear_interpolation():
@@ -167,6 +207,42 @@ def test_compare_end_to_end_on_the_tiny_model(tiny_llama_dir, tmp_path):
     assert "| large | vanilla | 8192 |" in (tmp_path / "bench.md").read_text()
     assert (tmp_path / "bench.png").stat().st_size > 10_000
     _no_server_left(tmp_path / "logs")
+
+
+@pytest.mark.server
+def test_sweep_end_to_end_then_resume_keeps_every_finished_server(tiny_llama_dir, tmp_path, capsys):
+    argv = [
+        "sweep", "--model", str(tiny_llama_dir), "--users", "2", "--turns", "2", "--document-tokens", "150",
+        "--system-prompt-tokens", "100", "--max-tokens", "4", "--policies", "snapkv", "--budgets", "0.5",
+        "--scopes", "block", "--block-size", "64", "--pool-sizes", "4096,1536", "--out", str(tmp_path),
+        "--log-dir", str(tmp_path / "logs"),
+    ]  # fmt: skip
+    assert multiturn.main(argv) == 0
+    report = json.loads((tmp_path / "sweep.json").read_text())
+    assert report["meta"]["kind"] == "sweep" and report["meta"]["conversations"]["system_prompt_tokens"] == 100
+    runs = [(r["pool_tokens"], r["label"], r["error"]) for r in report["runs"]]
+    assert runs == [(4096, "vanilla", None), (4096, "snapkv@0.5 block 64", None), (1536, "vanilla", None),
+                    (1536, "snapkv@0.5 block 64", None)]  # fmt: skip
+    assert all(r["metrics"]["requests"] == 4 and r["metrics"]["failed_requests"] == 0 for r in report["runs"])
+    ratios = sorted((row["comparison"].split(" / ")[0], row["pool_tokens"]) for row in report["ratios"])
+    assert ratios == [("snapkv@0.5 block 64", 1536), ("snapkv@0.5 block 64", 4096), (f"vanilla {report['runs'][2]['pool']}", 1536)]
+    policy = report["runs"][1]
+    assert policy["kvevict_stats"]["available"] and policy["kvevict_stats"]["peaks"]
+    assert report["runs"][0]["kvevict_stats"]["peaks"] == {}  # vanilla's /kvevict/stats is {"policy": "none"}
+    text = (tmp_path / "sweep.md").read_text()
+    assert "| vanilla |" in text and "Engine stats of snapkv@0.5 block 64" in text and "facts correct [95% CI]" in text
+    assert (tmp_path / "sweep.png").stat().st_size > 10_000
+    _no_server_left(tmp_path / "logs")
+    logs = sorted((tmp_path / "logs").iterdir())
+    capsys.readouterr()
+
+    assert multiturn.main([*argv, "--resume"]) == 0
+    assert sorted((tmp_path / "logs").iterdir()) == logs  # no server started again
+    assert capsys.readouterr().out.count("done before, kept") == 4
+    assert json.loads((tmp_path / "sweep.json").read_text())["runs"] == report["runs"]
+    with pytest.raises(SystemExit):
+        multiturn.main([*argv, "--resume", "--users", "3"])
+    assert "is of another run (differs in conversations, pools)" in capsys.readouterr().err
 
 
 def test_compare_refuses_an_unknown_policy_with_the_launchers_message(tmp_path, capsys):

@@ -1,17 +1,12 @@
-"""The synthetic task generator and the quality benchmark's grid, report and end-to-end run."""
+"""The synthetic task generator (the quality benchmark itself: tests/test_quality_bench.py)."""
 
 from __future__ import annotations
 
-import json
 import re
-from pathlib import Path
 
 import pytest
 
-from benchmarks import quality
 from benchmarks.tasks import TASK_KINDS, make_task, task_suite
-from sgl_kvevict.config import ConfigError
-from sgl_kvevict.reference import Mode
 
 
 def count_words(text: str) -> int:
@@ -63,97 +58,3 @@ def test_suite_cycles_kinds_and_depths():
     assert [t.kind for t in suite] == list(TASK_KINDS) * 2
     assert len({round(t.depth, 1) for t in suite}) >= 4
     assert len({t.answer for t in suite}) == 8
-
-
-# ---- the benchmark -----------------------------------------------------------------------------------
-
-
-def test_grid_validation_and_cells():
-    grid, _, _ = quality.parse_args(["--quick", "--policies", "streaming,dbudget", "--budgets", "0.5,128t"])
-    cells = grid.cells()
-    assert cells[0][2:] == ("full", None, None)  # (policy, budget, block size): request scope
-    # dbudget takes no budget: one cell per (length, mode); streaming one per budget.
-    assert len(cells) == len(grid.lengths) * len(grid.modes) * (1 + 2 + 1)
-    blocks, _, _ = quality.parse_args(
-        ["--quick", "--policies", "streaming", "--budgets", "0.5", "--block-sizes", "none,256"]
-    )
-    # The full cache once, every policy cell in request scope and in block scope.
-    assert [cell[4] for cell in blocks.cells()[:3]] == [None, None, 256]
-    with pytest.raises(SystemExit):
-        quality.parse_args(["--quick", "--block-sizes", "0"])
-    with pytest.raises(ConfigError, match="unknown policies"):
-        quality.GridConfig(**{**grid.__dict__, "policies": ("nope",)})
-    with pytest.raises(ConfigError, match="full cache always runs"):
-        quality.GridConfig(**{**grid.__dict__, "policies": ("full",)})
-
-
-def test_quality_run_end_to_end_on_the_tiny_model(tiny_llama_dir, tmp_path):
-    grid = quality.GridConfig(
-        model=str(tiny_llama_dir),
-        dtype="float32",
-        policies=("streaming", "snapkv:obc-key"),
-        budgets=("0.5",),
-        lengths=(120, 160),
-        modes=tuple(Mode),
-        kinds=("passkey", "fact"),
-        samples=2,
-        seed=0,
-        max_new_tokens=3,
-        quick=True,
-    )
-    lines, partial_reports = [], []
-
-    def checkpoint(partial, meta):
-        quality.write_outputs(partial, meta, tmp_path)
-        partial_reports.append((tmp_path / "quality.md").read_text())
-
-    results, meta = quality.run_grid(grid, log=lambda line, **_: lines.append(line), checkpoint=checkpoint)
-    quality.write_outputs(results, meta, tmp_path)
-
-    total = len(grid.lengths) * len(grid.modes) * 3
-    assert len(lines) == len(results) == len(partial_reports) == total
-    assert lines[-1].startswith(f"[{total}/{total}]") and "ETA" in lines[-1]
-    assert f"Partial run: 1 of {total} cells" in partial_reports[0]
-    assert "Partial run" not in (tmp_path / "quality.md").read_text()
-    payload = json.loads((tmp_path / "quality.json").read_text())
-    cells = {(c["policy"], c["mode"], c["length"]): c for c in payload["cells"]}
-    assert cells[("full", "context-only", 120)]["kept_fraction"] == 1.0
-    streaming = cells[("streaming", "context-only", 120)]
-    assert 0.4 < streaming["kept_fraction"] < 0.6
-    assert all(s["prompt_tokens"] > s["context_tokens"] for s in streaming["samples"])
-    assert 0.4 < cells[("snapkv:obc-key", "question-aware", 160)]["kept_fraction"] < 0.6
-    report = (tmp_path / "quality.md").read_text()
-    assert "| streaming | request | 0.5 |" in report and "| snapkv:obc-key | request | 0.5 |" in report
-    assert "## context-only" in report
-    assert (tmp_path / "quality.png").stat().st_size > 1000
-
-
-def test_runs_of_one_grid_over_different_lengths_merge(tiny_llama_dir, tmp_path):
-    from benchmarks import quality_merge
-
-    base = dict(
-        model=str(tiny_llama_dir), dtype="float32", policies=("streaming",), budgets=("0.5",),
-        modes=(Mode.CONTEXT_ONLY,), kinds=("passkey",), samples=1, seed=0, max_new_tokens=2, quick=True,
-    )  # fmt: skip
-    runs = []
-    for length in (120, 160):
-        results, meta = quality.run_grid(quality.GridConfig(lengths=(length,), **base), log=lambda *a, **k: None)
-        quality.write_outputs(results, meta, tmp_path / str(length))
-        runs.append(str(tmp_path / str(length) / "quality.json"))
-
-    quality_merge.main([str(tmp_path / "merged"), *runs])
-    merged = json.loads((tmp_path / "merged" / "quality.json").read_text())
-    assert merged["meta"]["grid"]["lengths"] == [120, 160]
-    assert sorted((c["policy"], c["length"]) for c in merged["cells"]) == [
-        ("full", 120), ("full", 160), ("streaming", 120), ("streaming", 160),
-    ]  # fmt: skip
-    report = (tmp_path / "merged" / "quality.md").read_text()
-    assert "acc L=120" in report and "acc L=160" in report and "Partial" not in report
-
-    mismatched = json.loads(Path(runs[1]).read_text())
-    mismatched["meta"]["grid"]["samples"] = 7
-    Path(runs[1]).write_text(json.dumps(mismatched))
-    with pytest.raises(SystemExit, match="samples"):
-        quality_merge.main([str(tmp_path / "bad"), *runs])
-    with pytest.raises(SystemExit, match="more than one run"):
-        quality_merge.main([str(tmp_path / "twice"), runs[0], runs[0]])

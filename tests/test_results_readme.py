@@ -38,3 +38,65 @@ def test_missing_markers_are_refused(tmp_path):
     readme.write_text("# no markers\n")
     with pytest.raises(results_readme.ResultsError, match="marker lines"):
         results_readme.rewrite(readme, RESULTS)
+
+
+def _outcome(output_tps: float, ttft: float, hit: float, correct: int):
+    from benchmarks.load.client import StatsPeaks
+    from benchmarks.load.metrics import RunMetrics
+    from benchmarks.load.users import RunOutcome
+
+    metrics = RunMetrics(
+        requests=8, failed_requests=0, malformed_replies=0, wall_seconds=10.0, requests_per_second=0.8,
+        output_tokens_per_second=output_tps, ttft={"p50": ttft, "p90": 2 * ttft, "p99": 3 * ttft},
+        latency={"p50": 1.0, "p90": 2.0, "p99": 3.0}, fact_questions=8, fact_correct=correct, accuracy=correct / 8,
+        prompt_tokens=1000, cached_tokens=int(1000 * hit), prompt_tokens_recomputed=1000 - int(1000 * hit),
+        hit_rate=hit, hit_rate_by_turn=[0.0, hit],
+    )  # fmt: skip
+    return RunOutcome([], metrics, StatsPeaks(True, 3, {"cells_used": 5}, {"cells_used": 4}), 4000)
+
+
+def test_optional_parts_render_when_their_outputs_exist(tmp_path):
+    """A sweep, a block-scope sweep and a reuse-quality run next to the committed outputs."""
+    import shutil
+
+    from benchmarks import reuse_quality
+    from benchmarks.load.driver import RunResult
+    from benchmarks.load.report import write_comparison
+    from benchmarks.load.servers import ServerVariant
+
+    for name in ("engine_overhead", "multiturn", "soak"):
+        shutil.copy(RESULTS / f"{name}.json", tmp_path)
+    vanilla, lava = ServerVariant("none"), ServerVariant("lava", "0.25")
+    runs = [
+        RunResult("1.00", 4000, vanilla, _outcome(10.0, 1.0, 0.7, 6), None, 20.0, (1.0, 1.0, 1.0)),
+        RunResult("1.00", 4000, lava, _outcome(12.0, 0.5, 0.7, 3), None, 20.0, (1.0, 1.0, 1.0)),
+        RunResult("0.25", 1000, vanilla, _outcome(5.0, 4.0, 0.1, 6), None, 20.0, (1.0, 1.0, 1.0)),
+        RunResult("0.25", 1000, lava, None, "the launcher exited", 0.0, (1.0, 1.0, 1.0)),
+    ]
+    meta = {
+        "command": "python -m benchmarks.multiturn sweep --policies lava", "kind": "sweep", "model": "smollm2",
+        "conversations": {"users": 2, "turns": 2, "document_tokens": 1750, "fact_every": 1, "shared_document": False,
+                          "seed": 0, "system_prompt_tokens": 200},
+        "load": {"max_tokens": 32}, "workload": {"all_histories": 4000, "longest_history": 2000, "max_tokens": 32},
+        "pools": [{"name": "1.00", "tokens": 4000}, {"name": "0.25", "tokens": 1000}],
+    }  # fmt: skip
+    write_comparison(runs, meta, tmp_path, "sweep")
+    write_comparison(runs, meta, tmp_path, "block_scope")
+    summary = {"accuracy": {"successes": 9, "n": 20, "value": 0.45, "ci95": [0.258, 0.658]}, "reuse_rate": 1.0,
+               "turn1_ttft_median": 2.0, "turn2_ttft_median": 0.5, "turn2_cached_fraction": 0.9}  # fmt: skip
+    servers = [
+        {"label": "vanilla", "variant": {"policy": "none"}, "summary": {**summary, "turn2_ttft_median": 1.0}, "samples": []},
+        {"label": "lava@0.25", "variant": {"policy": "lava"}, "summary": summary, "samples": []},
+    ]
+    config = {"model": "smollm2", "samples": 20, "seed": 0, "document_tokens": 1300, "kinds": ["passkey"],
+              "summary_tokens": 48, "answer_tokens": 8, "pool_tokens": 16384}  # fmt: skip
+    reuse_quality.write_outputs(servers, {"command": "python -m benchmarks.reuse_quality", "config": config}, tmp_path, "reuse_quality")
+
+    text = results_readme.generated_part(tmp_path)
+    assert "### KV pool sweep at equal memory" in text and "### A shared system prompt: block scope vs request scope" in text
+    assert "| 1.00 (4000) | lava@0.25 | 12.00 | 0.50 | 0.70 | 3/8 (38 [14, 69]) | 1.20 | 0.50 | 1.00 |" in text
+    assert "| 0.25 | lava@0.25 | failed: the launcher exited |" in text
+    assert "after a shared ~200-token system prompt" in text and "![KV pool sweep at equal memory](docs/results/sweep.png)" in text
+    # accuracy, vs stock, reuse rate, TTFT 1 and its ratio, TTFT 2 and its ratio, net cost: (2-2) - (1-0.5)
+    assert "| lava@0.25 | 45 [26, 66] (n=20) | 1.00 | 1.00 | 2.00 | 1.00 | 0.50 | 0.50 | -0.50 |" in text
+    assert text.index("### Soak") < text.index("### KV pool sweep") < text.index("### Answers through the server")

@@ -17,8 +17,6 @@ from typing import Optional
 import aiohttp
 
 STATS_PATH = "/kvevict/stats"
-# The fields of /kvevict/stats whose peak over a run is reported.
-STATS_PEAK_FIELDS = ("arena_cells_used", "compressed_nodes", "compressed_tokens")
 
 
 @dataclass
@@ -140,15 +138,30 @@ async def stream_completion(
     return reply
 
 
+def numeric_fields(stats: dict, prefix: str = "") -> dict[str, float]:
+    """The numbers in a ``/kvevict/stats`` answer, nested objects flattened to ``outer.inner`` names
+    (the engine's fields change as it grows; the benchmark shows whatever numbers it reports)."""
+    numbers: dict[str, float] = {}
+    for name, value in stats.items():
+        if isinstance(value, dict):
+            numbers.update(numeric_fields(value, f"{prefix}{name}."))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            numbers[prefix + name] = value
+    return numbers
+
+
 @dataclass
 class StatsPeaks:
-    """Peaks of /kvevict/stats over a run; ``available`` is False when the server has no such endpoint."""
+    """``/kvevict/stats`` over a run: the last answer, and the peak of each numeric field (flattened,
+    see ``numeric_fields``); ``available`` is False when the server has no such endpoint."""
 
     available: bool = False
     samples: int = 0
     peaks: dict[str, float] = field(default_factory=dict)
-    peak_dense_slots_used: Optional[int] = None
     last: Optional[dict] = None
+
+    def last_numbers(self) -> dict[str, float]:
+        return numeric_fields(self.last or {})
 
 
 class StatsSampler:
@@ -170,12 +183,8 @@ class StatsSampler:
             return None
         result = self.result
         result.available, result.samples, result.last = True, result.samples + 1, stats
-        for name in STATS_PEAK_FIELDS:
-            if isinstance(stats.get(name), (int, float)):
-                result.peaks[name] = max(result.peaks.get(name, stats[name]), stats[name])
-        if isinstance(stats.get("dense_slots_total"), int) and isinstance(stats.get("dense_slots_free"), int):
-            used = stats["dense_slots_total"] - stats["dense_slots_free"]
-            result.peak_dense_slots_used = max(result.peak_dense_slots_used or 0, used)
+        for name, value in numeric_fields(stats).items():
+            result.peaks[name] = max(result.peaks.get(name, value), value)
         return stats
 
     async def start(self) -> None:

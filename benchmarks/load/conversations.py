@@ -8,7 +8,9 @@ for one of the embedded facts and is scored by exact match of its number; the ot
 questions that keep the conversation going and are not scored.
 
 With ``shared_document`` every user gets the same document (one long shared prefix in the radix
-tree) and asks its facts in a user-specific order.
+tree) and asks its facts in a user-specific order. With ``system_prompt_tokens`` every conversation
+starts with the same system message of about that many tokens (an instruction, then filler) before
+the user's own document: the shared prefix of block scope, as a deployment's system prompt is.
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ from typing import Callable, Optional
 from benchmarks.tasks import Needle, build_context
 
 DOCUMENT_INTRO = "Read the following document carefully. I will ask you several questions about it.\n\n"
+SYSTEM_INTRO = (
+    "You are the archive assistant of a small coastal town. Answer questions about the documents users "
+    "share with you briefly and exactly. Background notes on the town follow.\n\n"
+)
 NUMBER_ONLY = " Answer with the number only."
 
 # Each kind: the sentence stating the fact, the question asking it, the attribute lists its slots draw
@@ -110,6 +116,11 @@ class Conversation:
     document: str
     facts: tuple[Fact, ...]
     turns: tuple[Turn, ...]
+    system_prompt: Optional[str] = None  # the same for every user of a workload
+
+    def opening_messages(self) -> list[dict]:
+        """The messages before the first user message (the system prompt, if any)."""
+        return [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
 
     def user_message(self, turn_index: int) -> str:
         """The user's message at ``turn_index`` (0-based): the document travels with the first one."""
@@ -124,6 +135,7 @@ class ConversationSpec:
     document_tokens: target document length in tokens of the served model's tokenizer.
     fact_every: every ``fact_every``-th turn (1-based) asks a fact and is scored.
     shared_document: one document for all users instead of one per user.
+    system_prompt_tokens: 0, or the length of one system prompt every conversation starts with.
     """
 
     users: int
@@ -132,12 +144,15 @@ class ConversationSpec:
     fact_every: int
     shared_document: bool
     seed: int
+    system_prompt_tokens: int = 0
 
     def __post_init__(self):
         if self.users < 1 or self.turns < 1:
             raise ConversationError(f"users ({self.users}) and turns ({self.turns}) must be >= 1")
         if self.document_tokens < 64:
             raise ConversationError(f"document_tokens {self.document_tokens} must be >= 64")
+        if self.system_prompt_tokens and self.system_prompt_tokens < 64:
+            raise ConversationError(f"system_prompt_tokens {self.system_prompt_tokens} must be 0 or >= 64")
         if self.fact_every < 1:
             raise ConversationError(f"fact_every {self.fact_every} must be >= 1")
         if self.fact_turns > MAX_FACTS_PER_DOCUMENT:
@@ -182,8 +197,18 @@ def _make_document(rng: random.Random, facts: list[Fact], target_tokens: int, co
     return document
 
 
+def system_prompt(spec: ConversationSpec, count_tokens: Callable[[str], int]) -> Optional[str]:
+    """The workload's shared system prompt of about ``spec.system_prompt_tokens`` tokens, or None."""
+    if not spec.system_prompt_tokens:
+        return None
+    rng = random.Random(f"multiturn-system:{spec.seed}")
+    notes, _ = build_context(rng, [], spec.system_prompt_tokens - count_tokens(SYSTEM_INTRO), count_tokens)
+    return SYSTEM_INTRO + notes
+
+
 def build_conversations(spec: ConversationSpec, count_tokens: Callable[[str], int]) -> list[Conversation]:
     """One conversation per user; the same spec and tokenizer always give the same conversations."""
+    system = system_prompt(spec, count_tokens)
     facts_per_document = max(spec.fact_turns, 1)
     shared: Optional[tuple[str, list[Fact]]] = None
     if spec.shared_document:
@@ -208,7 +233,7 @@ def build_conversations(spec: ConversationSpec, count_tokens: Callable[[str], in
                 turns.append(Turn(fact.question, fact))
             else:
                 turns.append(Turn(open_questions[index % len(open_questions)], None))
-        conversations.append(Conversation(user, document, tuple(facts), tuple(turns)))
+        conversations.append(Conversation(user, document, tuple(facts), tuple(turns), system))
     return conversations
 
 

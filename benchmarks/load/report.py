@@ -1,5 +1,11 @@
-"""The comparison's JSON, markdown and PNG: absolute numbers per run, and ratios against vanilla at
-the same pool (these machines are shared and noisy; ratios of back-to-back runs travel better)."""
+"""The multi-turn benchmark's JSON, markdown and PNG: absolute numbers per run, ratios against vanilla
+at the same pool (these machines are shared and noisy; ratios of back-to-back runs travel better),
+fact accuracy with its 95% Wilson interval, and the numbers ``/kvevict/stats`` reported per server.
+
+Two layouts over the same runs: ``compare`` (a large and a tight pool, rows per run) and ``sweep``
+(several pool sizes, one row per (pool, server), a table of engine stats per policy server across
+the pools, and a plot of the ratios and hit rates against the pool size).
+"""
 
 from __future__ import annotations
 
@@ -13,8 +19,11 @@ from importlib import metadata
 from pathlib import Path
 from typing import Optional, Sequence
 
+from benchmarks.intervals import wilson
 from benchmarks.load.driver import RunResult
-from benchmarks.load.users import outcome_to_json
+from benchmarks.load.metrics import RunMetrics
+from benchmarks.load.servers import ServerVariant
+from benchmarks.load.users import outcome_from_json, outcome_to_json
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -73,19 +82,28 @@ def result_to_json(result: RunResult) -> dict:
     }
 
 
+def result_from_json(run: dict) -> RunResult:
+    variant = ServerVariant(**{**run["variant"], "extra": tuple(run["variant"].get("extra", ()))})
+    outcome = outcome_from_json(run) if "records" in run else None
+    return RunResult(
+        run["pool"], run["pool_tokens"], variant, outcome, run["error"], run["startup_seconds"], tuple(run["load_average"])
+    )
+
+
 def _ratio(numerator: Optional[float], denominator: Optional[float]) -> Optional[float]:
     return numerator / denominator if numerator is not None and denominator else None
 
 
 def ratios(results: Sequence[RunResult]) -> list[dict]:
-    """Each policy run against vanilla at the same pool, and vanilla tight against vanilla large
-    (what eviction costs the stock server)."""
-    vanilla = {r.pool: r for r in results if r.variant.is_vanilla and r.outcome}
-    pairs = [(f"{r.variant.label} / vanilla", r.pool, r, vanilla.get(r.pool)) for r in results if not r.variant.is_vanilla]
-    if "tight" in vanilla and "large" in vanilla:
-        pairs.append(("vanilla tight / vanilla large", "tight", vanilla["tight"], vanilla["large"]))
+    """Each policy run against vanilla at the same pool, and vanilla at each smaller pool against
+    vanilla at the largest (what eviction costs the stock server)."""
+    vanilla = {r.pool_tokens: r for r in results if r.variant.is_vanilla and r.outcome}
+    pairs = [(f"{r.variant.label} / vanilla", r, vanilla.get(r.pool_tokens)) for r in results if not r.variant.is_vanilla]
+    if vanilla:
+        largest = vanilla[max(vanilla)]
+        pairs += [(f"vanilla {r.pool} / vanilla {largest.pool}", r, largest) for r in vanilla.values() if r is not largest]
     rows = []
-    for name, pool, this, base in pairs:
+    for name, this, base in pairs:
         if this.outcome is None or base is None:
             continue
         a, b = this.outcome.metrics, base.outcome.metrics
@@ -97,11 +115,13 @@ def ratios(results: Sequence[RunResult]) -> list[dict]:
         rows.append(
             {
                 "comparison": name,
-                "pool": pool,
+                "pool": this.pool,
+                "pool_tokens": this.pool_tokens,
                 "requests_per_second": _ratio(a.requests_per_second, b.requests_per_second),
                 "output_tokens_per_second": _ratio(a.output_tokens_per_second, b.output_tokens_per_second),
                 "hit_rate": _ratio(a.hit_rate, b.hit_rate),
                 "ttft_p50": _ratio(a.ttft["p50"], b.ttft["p50"]),
+                "ttft_p90": _ratio(a.ttft["p90"], b.ttft["p90"]),
                 "latency_p50": _ratio(a.latency["p50"], b.latency["p50"]),
                 "prompt_tokens_recomputed": _ratio(a.prompt_tokens_recomputed, b.prompt_tokens_recomputed),
                 "accuracy": a.accuracy,
@@ -116,47 +136,102 @@ def _fmt(value: Optional[float], digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def _stats_columns(result: RunResult) -> str:
-    """Peak arena cells (of the total), peak compressed nodes and requests compressed, peak dense
-    slots used, from ``/kvevict/stats``: n/a without the endpoint, - without an arena (vanilla)."""
-    stats = result.outcome.stats
-    if not stats.available:
-        return "n/a | n/a | n/a"
-    last = stats.last or {}
-    if "arena_cells_total" not in last:
-        return "- | - | -"
-    arena = f"{int(stats.peaks['arena_cells_used'])} of {last['arena_cells_total']}"
-    nodes = f"{int(stats.peaks['compressed_nodes'])} / {last['requests_compressed']}"
-    return f"{arena} | {nodes} | {stats.peak_dense_slots_used} of {last['dense_slots_total']}"
+def facts(m: RunMetrics) -> str:
+    """``9/16 (56% [33, 77])``: fact answers correct with the 95% Wilson interval."""
+    if not m.fact_questions:
+        return "-"
+    return f"{m.fact_correct}/{m.fact_questions} ({wilson(m.fact_correct, m.fact_questions).percent()})"
 
 
-def markdown(payload: dict, results: Sequence[RunResult]) -> str:
+def _header(payload: dict) -> list[str]:
     env, meta = payload["environment"], payload["meta"]
-    lines = [
-        "# Multi-turn serving benchmark: vanilla SGLang vs KV eviction at equal KV memory",
-        "",
+    c = meta["conversations"]
+    system = f", a shared ~{c['system_prompt_tokens']}-token system prompt first" if c.get("system_prompt_tokens") else ""
+    return [
         f"`{meta['command']}`",
         "",
         f"Machine: {env['cpu_model']}, {env['cpu_cores']} cores, no GPU (CPU development mode). SGLang {env['sglang']}, "
         f"torch {env['torch']}, sgl-kvevict {env['git_commit']}{' (uncommitted changes)' if env['git_worktree_dirty'] else ''}, "
         f"{env['date']}. Model `{meta['model']}`.",
         "",
-        f"Workload: {meta['conversations']['users']} concurrent users x {meta['conversations']['turns']} turns, "
-        f"{'one shared document' if meta['conversations']['shared_document'] else 'one document per user'} of "
-        f"~{meta['conversations']['document_tokens']} tokens, answers up to {meta['load']['max_tokens']} tokens (greedy), "
-        f"a fact question every {meta['conversations']['fact_every']} turn(s), seed {meta['conversations']['seed']}. "
-        f"All final histories together: ~{meta['pools']['all_histories']} tokens (longest "
-        f"~{meta['pools']['longest_history']}). Pools (`--max-total-tokens`, the same for every server of a row "
-        f"group): large {meta['pools']['large']}, tight {meta['pools']['tight']}.",
+        f"Workload: {c['users']} concurrent users x {c['turns']} turns, "
+        f"{'one shared document' if c['shared_document'] else 'one document per user'} of ~{c['document_tokens']} tokens"
+        f"{system}, answers up to {meta['load']['max_tokens']} tokens (greedy), a fact question every {c['fact_every']} "
+        f"turn(s), seed {c['seed']}. All final histories together: ~{meta['workload']['all_histories']} tokens (longest "
+        f"~{meta['workload']['longest_history']}; estimates with every answer at full length). Every server of a pool "
+        "gets the same `--max-total-tokens`: a policy server keeps its compressed cells in that same pool.",
+    ]
+
+
+def _ratio_table(rows: Sequence[dict]) -> list[str]:
+    if not rows:
+        return []
+    lines = [
         "",
-        "| pool | server | KV memory (tokens) | dense slots | req/s | output tok/s | TTFT p50 / p90 / p99 (s) "
-        "| latency p50 / p90 / p99 (s) | hit rate | prompt tokens recomputed | facts correct | peak arena cells "
-        "| compressed nodes peak / requests compressed | peak dense slots used | failed |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "Ratios (first / second; throughput and hit rate: higher is better, TTFT and recomputed tokens: lower is "
+        "better). Flipped = fact answers scored differently from the baseline's answer to the same question.",
+        "",
+        "| comparison | pool | output tok/s | req/s | hit rate | TTFT p50 | TTFT p90 | latency p50 | recomputed tokens "
+        "| accuracy (vs baseline) | flipped |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['comparison']} | {row['pool']} ({row['pool_tokens']}) | {_fmt(row['output_tokens_per_second'])} "
+            f"| {_fmt(row['requests_per_second'])} | {_fmt(row['hit_rate'])} | {_fmt(row['ttft_p50'])} "
+            f"| {_fmt(row['ttft_p90'])} | {_fmt(row['latency_p50'])} | {_fmt(row['prompt_tokens_recomputed'])} "
+            f"| {_fmt(row['accuracy'])} ({_fmt(row['baseline_accuracy'])}) | {row['fact_answers_flipped']} |"
+        )
+    return lines
+
+
+def _number(value: float) -> str:
+    return f"{value:.0f}" if float(value).is_integer() else f"{value:.3g}"
+
+
+def _stats_tables(results: Sequence[RunResult]) -> list[str]:
+    """Per policy variant, every numeric ``/kvevict/stats`` field: last value (peak during the run), one
+    column per pool. The engine's fields are shown as it reports them."""
+    lines = []
+    variants = list(dict.fromkeys(r.variant.label for r in results if r.outcome and r.outcome.stats.available))
+    for label in variants:
+        runs = [r for r in results if r.variant.label == label and r.outcome and r.outcome.stats.available]
+        names = list(dict.fromkeys(name for r in runs for name in r.outcome.stats.last_numbers()))
+        if not names:
+            continue
+        lines += ["", f"Engine stats of {label} (`GET /kvevict/stats`: after the run, peak during it in brackets):", ""]
+        lines.append("| field | " + " | ".join(f"{r.pool} ({r.pool_tokens})" for r in runs) + " |")
+        lines.append("|---|" + "---|" * len(runs))
+        for name in names:
+            cells = []
+            for r in runs:
+                last, peak = r.outcome.stats.last_numbers().get(name), r.outcome.stats.peaks.get(name)
+                cells.append("-" if last is None else _number(last) + ("" if peak in (None, last) else f" ({_number(peak)})"))
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+READING = (
+    "Reading it: hit rate = cached prompt tokens / prompt tokens (`usage.prompt_tokens_details.cached_tokens`). "
+    "KV pool = the `--max-total-tokens` every server of a pool gets; SGLang's token slots = what its "
+    "`/server_info` reports. Engine stats come from `GET /kvevict/stats`, sampled twice a second (vanilla has none). "
+    "Greedy answers are not bit-identical across runs on this CPU (batch composition changes bf16 numerics), so a "
+    "couple of flipped fact answers is noise: compare the Wilson intervals. The load average before each run is in "
+    "the JSON."
+)
+
+
+def compare_markdown(payload: dict, results: Sequence[RunResult]) -> str:
+    lines = ["# Multi-turn serving benchmark: vanilla SGLang vs KV eviction at equal KV memory", "", *_header(payload)]
+    lines += [
+        "",
+        "| pool | server | KV pool (tokens) | SGLang token slots | req/s | output tok/s | TTFT p50 / p90 / p99 (s) "
+        "| latency p50 / p90 / p99 (s) | hit rate | prompt tokens recomputed | facts correct [95% CI] | failed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if r.outcome is None:
-            lines.append(f"| {r.pool} | {r.variant.label} | {r.pool_tokens} | failed: {r.error.splitlines()[0]} |" + " |" * 11)
+            lines.append(f"| {r.pool} | {r.variant.label} | {r.pool_tokens} | failed: {r.error.splitlines()[0]} |" + " |" * 8)
             continue
         m = r.outcome.metrics
         ttft = " / ".join(_fmt(m.ttft[k]) for k in ("p50", "p90", "p99"))
@@ -164,46 +239,47 @@ def markdown(payload: dict, results: Sequence[RunResult]) -> str:
         lines.append(
             f"| {r.pool} | {r.variant.label} | {r.pool_tokens} | {r.outcome.dense_slots or '?'} | {m.requests_per_second:.3f} "
             f"| {m.output_tokens_per_second:.2f} | {ttft} | {latency} | {_fmt(m.hit_rate)} | {m.prompt_tokens_recomputed} "
-            f"| {m.fact_correct}/{m.fact_questions} | {_stats_columns(r)} | {m.failed_requests} |"
+            f"| {facts(m)} | {m.failed_requests} |"
         )
-    rows = payload["ratios"]
-    if rows:
-        lines += [
-            "",
-            "Ratios (first / second; throughput and hit rate: higher is better, TTFT and recomputed tokens: lower "
-            "is better). Flipped = fact answers scored differently from the baseline's answer to the same question.",
-            "",
-            "| comparison | pool | output tok/s | req/s | hit rate | TTFT p50 | latency p50 | recomputed tokens "
-            "| accuracy (vs baseline) | flipped |",
-            "|---|---|---|---|---|---|---|---|---|---|",
-        ]
-        for row in rows:
-            lines.append(
-                f"| {row['comparison']} | {row['pool']} | {_fmt(row['output_tokens_per_second'])} "
-                f"| {_fmt(row['requests_per_second'])} | {_fmt(row['hit_rate'])} | {_fmt(row['ttft_p50'])} "
-                f"| {_fmt(row['latency_p50'])} | {_fmt(row['prompt_tokens_recomputed'])} "
-                f"| {_fmt(row['accuracy'])} ({_fmt(row['baseline_accuracy'])}) | {row['fact_answers_flipped']} |"
-            )
-    lines += [
-        "",
-        "Reading it: hit rate = cached prompt tokens / prompt tokens (`usage.prompt_tokens_details.cached_tokens`). "
-        "KV memory = the `--max-total-tokens` every server of a pool gets; a policy server gives part of it to its "
-        "arena and SGLang's dense slots are the rest. Arena cells, compressed nodes and dense slots used come from "
-        "`GET /kvevict/stats` (sampled twice a second; n/a when the server has no such endpoint, - when it reports no "
-        "arena: vanilla). Greedy answers are not bit-identical across runs on this CPU (batch composition changes "
-        "bf16 numerics), so a couple of flipped fact answers is noise; the load average before each run is in the JSON.",
-    ]
+    lines += _ratio_table(payload["ratios"]) + _stats_tables(results) + ["", READING]
     return "\n".join(lines) + "\n"
 
 
-def plot(results: Sequence[RunResult], path: Path) -> None:
+def sweep_markdown(payload: dict, results: Sequence[RunResult]) -> str:
+    meta = payload["meta"]
+    lines = ["# Pool-size sweep: vanilla SGLang vs KV eviction at several KV pool sizes", "", *_header(payload)]
+    lines += [
+        "",
+        "Pools (`--max-total-tokens`, as a fraction of all final histories): "
+        + ", ".join(f"{p['name']} = {p['tokens']}" for p in meta["pools"])
+        + ".",
+        "",
+        "| pool | server | output tok/s | req/s | TTFT p50 / p90 (s) | hit rate | facts correct [95% CI] "
+        "| tok/s vs vanilla | req/s vs vanilla | TTFT p50 vs vanilla | hit rate vs vanilla | failed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    by_run = {(row["pool_tokens"], row["comparison"].split(" / ")[0]): row for row in payload["ratios"]}
+    for r in results:
+        if r.outcome is None:
+            lines.append(f"| {r.pool} ({r.pool_tokens}) | {r.variant.label} | failed: {r.error.splitlines()[0]} |" + " |" * 9)
+            continue
+        m = r.outcome.metrics
+        row = {} if r.variant.is_vanilla else by_run.get((r.pool_tokens, r.variant.label), {})
+        lines.append(
+            f"| {r.pool} ({r.pool_tokens}) | {r.variant.label} | {m.output_tokens_per_second:.2f} | {m.requests_per_second:.3f} "
+            f"| {_fmt(m.ttft['p50'])} / {_fmt(m.ttft['p90'])} | {_fmt(m.hit_rate)} | {facts(m)} "
+            f"| {_fmt(row.get('output_tokens_per_second'))} | {_fmt(row.get('requests_per_second'))} "
+            f"| {_fmt(row.get('ttft_p50'))} | {_fmt(row.get('hit_rate'))} | {m.failed_requests} |"
+        )
+    lines += _ratio_table(payload["ratios"]) + _stats_tables(results)
+    lines += ["", "![pool-size sweep](" + meta["name"] + ".png)", "", READING]
+    return "\n".join(lines) + "\n"
+
+
+def compare_plot(results: Sequence[RunResult], path: Path) -> None:
     """Four panels: output tokens/s, TTFT p50, fact accuracy (bars per pool and server), and the hit
     rate per turn (one line per run: a tight pool shows histories falling out of the cache)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     done = [r for r in results if r.outcome is not None]
     labels = [f"{r.variant.label}\n{r.pool}" for r in done]
     colours = ["tab:grey" if r.variant.is_vanilla else "tab:blue" for r in done]
@@ -211,13 +287,13 @@ def plot(results: Sequence[RunResult], path: Path) -> None:
     bars = [
         (axes[0][0], [r.outcome.metrics.output_tokens_per_second for r in done], "output tokens / s (higher is better)"),
         (axes[0][1], [r.outcome.metrics.ttft["p50"] or 0 for r in done], "TTFT p50, s (lower is better)"),
-        (axes[1][0], [100 * (r.outcome.metrics.accuracy or 0) for r in done], "fact answers correct, %"),
     ]
     for axis, values, title in bars:
         axis.bar(range(len(done)), values, color=colours)
         axis.set_xticks(range(len(done)), labels, fontsize=8)
         axis.set_title(title, fontsize=10)
         axis.grid(axis="y", alpha=0.3)
+    _accuracy_bars(axes[1][0], done, labels, colours)
     axis = axes[1][1]
     for r in done:
         by_turn = r.outcome.metrics.hit_rate_by_turn
@@ -239,16 +315,107 @@ def plot(results: Sequence[RunResult], path: Path) -> None:
     plt.close(fig)
 
 
+def _accuracy_bars(axis, done: Sequence[RunResult], labels: Sequence[str], colours: Sequence[str]) -> None:
+    values, low, high = [], [], []
+    for r in done:
+        m = r.outcome.metrics
+        interval = wilson(m.fact_correct, m.fact_questions) if m.fact_questions else None
+        value = 100 * interval.value if interval else 0.0
+        values.append(value)
+        low.append(value - 100 * interval.low if interval else 0.0)
+        high.append(100 * interval.high - value if interval else 0.0)
+    axis.bar(range(len(done)), values, color=colours, yerr=[low, high], capsize=3)
+    axis.set_xticks(range(len(done)), labels, fontsize=8)
+    axis.set_title("fact answers correct, % (95% Wilson interval)", fontsize=10)
+    axis.set_ylim(0, 100)
+    axis.grid(axis="y", alpha=0.3)
+
+
+def sweep_plot(payload: dict, results: Sequence[RunResult], path: Path) -> None:
+    """Against the pool size (fraction of all histories): output tok/s and TTFT p50 ratios to vanilla,
+    the hit rate of every server, and fact accuracy with its interval."""
+    plt = _pyplot()
+    working_set = payload["meta"]["workload"]["all_histories"]
+    done = [r for r in results if r.outcome is not None]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
+    labels = list(dict.fromkeys(r.variant.label for r in done))
+    for label in labels:
+        runs = sorted((r for r in done if r.variant.label == label), key=lambda r: r.pool_tokens)
+        x = [r.pool_tokens / working_set for r in runs]
+        style = {"color": "tab:grey", "linestyle": "--"} if runs[0].variant.is_vanilla else {}
+        axes[1][0].plot(x, [r.outcome.metrics.hit_rate or 0 for r in runs], marker="o", label=label, **style)
+        m = [r.outcome.metrics for r in runs]
+        intervals = [wilson(k.fact_correct, k.fact_questions) if k.fact_questions else None for k in m]
+        y = [100 * i.value if i else float("nan") for i in intervals]
+        axes[1][1].errorbar(
+            x, y, yerr=[[v - 100 * i.low if i else 0 for v, i in zip(y, intervals)],
+                        [100 * i.high - v if i else 0 for v, i in zip(y, intervals)]],
+            marker="o", capsize=3, label=label, **style,
+        )  # fmt: skip
+    for label in labels:
+        rows = sorted(
+            (row for row in payload["ratios"] if row["comparison"] == f"{label} / vanilla"), key=lambda row: row["pool_tokens"]
+        )
+        if rows:
+            x = [row["pool_tokens"] / working_set for row in rows]
+            axes[0][0].plot(x, [row["output_tokens_per_second"] or float("nan") for row in rows], marker="o", label=label)
+            axes[0][1].plot(x, [row["ttft_p50"] or float("nan") for row in rows], marker="o", label=label)
+    titles = (
+        (axes[0][0], "output tok/s, policy / vanilla (higher is better)"),
+        (axes[0][1], "TTFT p50, policy / vanilla (lower is better)"),
+        (axes[1][0], "prefix-cache hit rate"),
+        (axes[1][1], "fact answers correct, % (95% Wilson interval)"),
+    )
+    for axis, title in titles:
+        axis.set_title(title, fontsize=10)
+        axis.set_xlabel("KV pool / all histories")
+        axis.grid(alpha=0.3)
+        if axis.get_legend_handles_labels()[0]:  # a checkpoint before the first policy server has no ratios yet
+            axis.legend(fontsize=8)
+    for axis in (axes[0][0], axes[0][1]):
+        axis.axhline(1.0, color="black", linewidth=0.8)
+    axes[1][0].set_ylim(-0.03, 1.03)
+    axes[1][1].set_ylim(-3, 103)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def write_comparison(results: Sequence[RunResult], meta: dict, out_dir: Path, name: str) -> list[Path]:
+    """``<name>.json``, ``.md`` and ``.png`` in the layout of ``meta["kind"]`` (compare or sweep)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     payload = {
         "environment": environment(),
-        "meta": meta,
+        "meta": {**meta, "name": name},
         "ratios": ratios(results),
         "runs": [result_to_json(r) for r in results],
     }
     paths = [out_dir / f"{name}.json", out_dir / f"{name}.md", out_dir / f"{name}.png"]
-    paths[0].write_text(json.dumps(payload, indent=1) + "\n")
-    paths[1].write_text(markdown(payload, results))
-    plot(results, paths[2])
+    sweep = meta.get("kind") == "sweep"
+    for path, text in (
+        (paths[0], json.dumps(payload, indent=1) + "\n"),
+        (paths[1], sweep_markdown(payload, results) if sweep else compare_markdown(payload, results)),
+    ):
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text(text)
+        os.replace(partial, path)  # a run killed mid-write leaves the previous checkpoint
+    if sweep:
+        sweep_plot(payload, results, paths[2])
+    else:
+        compare_plot(results, paths[2])
     return paths
+
+
+def load_comparison(path: Path) -> tuple[list[RunResult], dict]:
+    """The runs and meta of a written comparison (to resume it)."""
+    payload = json.loads(path.read_text())
+    return [result_from_json(run) for run in payload["runs"]], payload["meta"]

@@ -10,7 +10,6 @@ half-finished comparison.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import re
 import signal
@@ -20,7 +19,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 import psutil
 
@@ -38,10 +37,14 @@ class ServerError(RuntimeError):
 
 @dataclass(frozen=True)
 class ServerVariant:
-    """What the server runs: ``policy`` none is vanilla SGLang; otherwise policy at ``budget``."""
+    """What the server runs: ``policy`` none is vanilla SGLang; otherwise ``name[:score]`` at ``budget``
+    (``topk:kvzip`` is ``--kv-evict-policy topk --kv-evict-score kvzip``), plus ``extra`` launcher flags
+    of this variant only (e.g. ``--kv-evict-scope block --kv-evict-block-size 128``), named by ``tag``."""
 
     policy: str
     budget: Optional[str] = None
+    extra: tuple[str, ...] = ()
+    tag: str = ""
 
     @property
     def is_vanilla(self) -> bool:
@@ -49,11 +52,42 @@ class ServerVariant:
 
     @property
     def label(self) -> str:
-        return "vanilla" if self.is_vanilla else f"{self.policy}@{self.budget}" if self.budget else self.policy
+        base = "vanilla" if self.is_vanilla else f"{self.policy}@{self.budget}" if self.budget else self.policy
+        return f"{base} {self.tag}" if self.tag else base
 
     def launcher_flags(self) -> list[str]:
-        flags = ["--kv-evict-policy", self.policy]
-        return flags + ["--kv-evict-budget", self.budget] if self.budget is not None else flags
+        name, _, score = self.policy.partition(":")
+        flags = ["--kv-evict-policy", name] + (["--kv-evict-score", score] if score else [])
+        return flags + (["--kv-evict-budget", self.budget] if self.budget is not None else []) + list(self.extra)
+
+    @classmethod
+    def block_scope(cls, policy: str, budget: Optional[str], block_size: Optional[int]) -> "ServerVariant":
+        """``policy`` in block scope (the launcher's default block size when ``block_size`` is None)."""
+        size = [] if block_size is None else ["--kv-evict-block-size", str(block_size)]
+        tag = "block" if block_size is None else f"block {block_size}"
+        return cls(policy, budget, ("--kv-evict-scope", "block", *size), tag)
+
+
+SCOPES = ("request", "block")
+
+
+def server_variants(
+    policies: Sequence[str], budgets: Sequence[str], scopes: Sequence[str] = ("request",), block_size: Optional[int] = None
+) -> tuple[ServerVariant, ...]:
+    """Vanilla, then every policy (``name[:score]``) at every budget in every scope."""
+    unknown = [s for s in scopes if s not in SCOPES]
+    if unknown or not scopes:
+        raise ServerError(f"scopes {list(scopes)}: choose from {', '.join(SCOPES)}")
+    if block_size is not None and "block" not in scopes:
+        raise ServerError("a block size applies to block scope only: add the block scope")
+    chosen = [
+        ServerVariant(policy, budget) if scope == "request" else ServerVariant.block_scope(policy, budget, block_size)
+        for policy in policies
+        if policy != VANILLA_POLICY
+        for budget in budgets
+        for scope in scopes
+    ]
+    return (ServerVariant(VANILLA_POLICY),) + tuple(chosen)
 
 
 def launcher_argv(model: str, port: int, variant: ServerVariant, pool_tokens: int, extra: tuple[str, ...]) -> list[str]:
@@ -69,16 +103,6 @@ def check_launcher_accepts(model: str, variant: ServerVariant, pool_tokens: int,
         return parse_args(launcher_argv(model, 1, variant, pool_tokens, extra))
     except FlagError as error:
         raise ServerError(f"the launcher refuses {variant.label}: {error}") from None
-
-
-def dense_slots(model: str, variant: ServerVariant, pool_tokens: int, extra: tuple[str, ...]) -> int:
-    """SGLang's dense token slots when this variant gets ``pool_tokens`` of KV memory: all of it for
-    vanilla; with a policy, what the launcher's own split leaves beside the arena. Every prompt must
-    fit in the dense slots, because a prompt is prefilled dense before it is compressed."""
-    serving = check_launcher_accepts(model, variant, pool_tokens, extra).serving
-    if not serving.enabled:
-        return pool_tokens
-    return dataclasses.replace(serving, kv_pool_tokens=pool_tokens).dense_slots
 
 
 def free_port() -> int:
@@ -174,7 +198,7 @@ def launched_server(
     check_launcher_accepts(model, variant, pool_tokens, extra)
     port = free_port()
     log_dir.mkdir(parents=True, exist_ok=True)
-    log_path = log_dir / f"server-{variant.label}-{pool_tokens}-{port}.log"
+    log_path = log_dir / f"server-{variant.label.replace(' ', '-')}-{pool_tokens}-{port}.log"
     with open(log_path, "wb") as log_file:
         process = subprocess.Popen(
             [sys.executable, "-m", "sgl_kvevict.server", *launcher_argv(model, port, variant, pool_tokens, extra)],

@@ -28,7 +28,7 @@ from typing import Callable, Optional
 
 import aiohttp
 
-from benchmarks.load.client import STATS_PATH, check_reply, get_json, stream_completion
+from benchmarks.load.client import STATS_PATH, check_reply, get_json, numeric_fields, stream_completion
 from benchmarks.tasks import filler_sentence
 
 FAULT_KINDS = (
@@ -269,12 +269,16 @@ async def flush_when_idle(session: aiohttp.ClientSession, base_url: str, timeout
 
 
 def stats_leaks(stats: dict) -> list[str]:
-    """Why ``/kvevict/stats`` read after a flush shows a leak (empty when every cell and slot is back)."""
-    leaks = []
-    if stats.get("arena_cells_used", 0) != 0:
-        leaks.append(f"arena_cells_used {stats['arena_cells_used']} after flush")
-    if "dense_slots_free" in stats and stats.get("dense_slots_free") != stats.get("dense_slots_total"):
-        leaks.append(f"dense_slots_free {stats['dense_slots_free']} != dense_slots_total {stats.get('dense_slots_total')}")
+    """Why ``/kvevict/stats`` read after a flush shows a leak (empty when everything is back): by the
+    engine's naming convention, every ``<thing>_used`` count must be 0 and every ``<thing>_free`` must
+    equal its ``<thing>_total``, whatever things (cells, slots) the engine accounts for."""
+    numbers, leaks = numeric_fields(stats), []
+    for name, value in numbers.items():
+        if name.endswith("_used") and value != 0:
+            leaks.append(f"{name} {value:g} after flush")
+        total = name.removesuffix("_free") + "_total"
+        if name.endswith("_free") and total in numbers and value != numbers[total]:
+            leaks.append(f"{name} {value:g} != {total} {numbers[total]:g}")
     return leaks
 
 

@@ -42,7 +42,7 @@ class RunOutcome:
     records: list[RequestRecord]
     metrics: RunMetrics
     stats: StatsPeaks
-    dense_slots: Optional[int]  # SGLang's max_total_num_tokens: the KV memory minus any arena
+    dense_slots: Optional[int]  # SGLang's max_total_num_tokens: the token slots of its KV pool
 
 
 class _Progress:
@@ -86,7 +86,7 @@ async def _run_user(
     started: float,
     progress: _Progress,
 ) -> None:
-    messages: list[dict] = []
+    messages = conversation.opening_messages()
     for turn_index, turn in enumerate(conversation.turns):
         messages.append({"role": "user", "content": conversation.user_message(turn_index)})
         sent = time.perf_counter() - started
@@ -156,3 +156,9 @@ def outcome_to_json(outcome: RunOutcome) -> dict:
         "dense_slots": outcome.dense_slots,
         "records": [asdict(r) for r in outcome.records],
     }
+
+
+def outcome_from_json(run: dict) -> RunOutcome:
+    """The outcome ``outcome_to_json`` wrote (a checkpointed run being resumed)."""
+    records = [RequestRecord(**{**r, "problems": tuple(r["problems"])}) for r in run["records"]]
+    return RunOutcome(records, RunMetrics(**run["metrics"]), StatsPeaks(**run["kvevict_stats"]), run["dense_slots"])

@@ -1,0 +1,360 @@
+"""Answers through the real server after prefix reuse: context-only quality where it matters.
+
+    python -m benchmarks.reuse_quality --policies lava,snapkv --budget 0.25          # ~20 samples a server
+    python -m benchmarks.reuse_quality --policies topk:kvzip,lava:learned --samples 40 --name reuse-kvzip
+    python -m benchmarks.reuse_quality ... --resume                                   # after an interruption
+
+Per sample, one conversation of two turns, sent one request at a time (deterministic batches):
+turn 1 is a ~1.3K-token document from ``benchmarks/tasks.py`` followed by a question-agnostic
+instruction ("Summarise the text above in one sentence."), so a policy server compresses the document
+before it knows the question; turn 2 re-sends that history (turn 1 and its answer) plus the task's
+question, with the task's answer prefix as the start of the assistant's reply
+(``continue_final_message``), and its greedy answer is scored by exact match. Turn 2 must reuse turn 1:
+``usage.prompt_tokens_details.cached_tokens`` of turn 2 must cover turn 1's whole prompt (the reuse
+rate), and ``/kvevict/stats`` read before and after turn 2 shows what the engine did (its numeric
+fields that changed). The cache is flushed before each sample.
+
+Servers: stock SGLang (``--kv-evict-policy none``), then each policy ``name[:score]`` at ``--budget``,
+started by the real launcher one at a time with the same ``--max-total-tokens``. Reported per server:
+accuracy with its 95% Wilson interval, the ratio to stock, the reuse rate, and the median TTFT of both
+turns: turn 1 pays for the compression (first-turn TTFT ratio), turn 2 gains from the reuse; the net
+cost per reuse is turn 1's extra TTFT minus turn 2's saving. Writes ``<name>.json`` (every sample) and
+``<name>.md`` into ``--out`` after each server (``--resume`` keeps the finished servers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import aiohttp
+
+from benchmarks.intervals import wilson
+from benchmarks.load.client import STATS_PATH, StreamedReply, get_json, numeric_fields, stream_completion
+from benchmarks.load.conversations import model_token_counter
+from benchmarks.load.report import environment
+from benchmarks.load.servers import ServerError, ServerVariant, check_launcher_accepts, launched_server, server_variants
+from benchmarks.load.soak import flush_when_idle
+from benchmarks.tasks import TASK_KINDS, Task, task_suite
+
+DEFAULT_OUT = Path(__file__).resolve().parents[1] / "docs" / "results"
+CHAT_PATH = "/v1/chat/completions"
+SUMMARY_INSTRUCTION = "Summarise the text above in one sentence."
+
+
+class ReuseError(ValueError):
+    """A bad setting, or a checkpoint of another run; the message says which."""
+
+
+@dataclass(frozen=True)
+class ReuseConfig:
+    model: str
+    policies: tuple[str, ...]
+    budget: str
+    samples: int
+    seed: int
+    document_tokens: int
+    kinds: tuple[str, ...]
+    summary_tokens: int  # turn 1's answer cap
+    answer_tokens: int  # turn 2's answer cap
+    pool_tokens: int
+    launcher_extra: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.samples < 1 or self.summary_tokens < 1 or self.answer_tokens < 1:
+            raise ReuseError("--samples, --summary-tokens and --answer-tokens must be >= 1")
+        if self.document_tokens < 64:
+            raise ReuseError(f"--document-tokens {self.document_tokens} must be >= 64")
+        unknown = [k for k in self.kinds if k not in TASK_KINDS]
+        if unknown:
+            raise ReuseError(f"unknown task kinds {unknown}; valid: {', '.join(TASK_KINDS)}")
+
+    def variants(self) -> tuple[ServerVariant, ...]:
+        return server_variants(self.policies, (self.budget,))
+
+
+@dataclass(frozen=True)
+class SampleRecord:
+    """One two-turn conversation. TTFTs in seconds; ``stats_change``: the numeric ``/kvevict/stats``
+    fields that changed across turn 2 (after minus before)."""
+
+    index: int
+    kind: str
+    answer: str
+    turn1_prompt_tokens: int
+    turn1_ttft: float
+    summary: str
+    turn2_prompt_tokens: int
+    turn2_cached_tokens: int
+    turn2_ttft: float
+    output: str
+    correct: bool
+    reused: bool  # turn 2's cached tokens cover turn 1's whole prompt
+    stats_change: dict[str, float]
+
+
+def conversation(task: Task, summary: Optional[str] = None) -> list[dict]:
+    """Turn 1's messages, or (with turn 1's ``summary``) turn 2's, ending in the answer prefix."""
+    messages = [{"role": "user", "content": f"{task.context}\n\n{SUMMARY_INSTRUCTION}"}]
+    if summary is None:
+        return messages
+    return messages + [
+        {"role": "assistant", "content": summary},
+        {"role": "user", "content": task.question},
+        {"role": "assistant", "content": task.answer_prefix},
+    ]
+
+
+async def _ask(session: aiohttp.ClientSession, base_url: str, messages: list[dict], max_tokens: int) -> StreamedReply:
+    payload = {"model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+    if messages[-1]["role"] == "assistant":
+        payload["continue_final_message"] = True
+    reply = await stream_completion(session, base_url + CHAT_PATH, payload)
+    if reply.error or reply.problems or reply.ttft is None:
+        raise ServerError(f"request failed: {reply.error or reply.problems or 'no token streamed'}")
+    return reply
+
+
+def _changed(before: Optional[dict], after: Optional[dict]) -> dict[str, float]:
+    old, new = numeric_fields(before or {}), numeric_fields(after or {})
+    return {name: value - old.get(name, 0) for name, value in new.items() if value != old.get(name, 0)}
+
+
+async def run_samples(
+    base_url: str, config: ReuseConfig, tasks: Sequence[Task], log: Callable[[str], None]
+) -> list[SampleRecord]:
+    records: list[SampleRecord] = []
+    started = time.perf_counter()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
+        for index, task in enumerate(tasks):
+            if not await flush_when_idle(session, base_url, timeout=60):
+                raise ServerError(f"{base_url} did not flush its cache")
+            turn1 = await _ask(session, base_url, conversation(task), config.summary_tokens)
+            before = await get_json(session, base_url + STATS_PATH)
+            turn2 = await _ask(session, base_url, conversation(task, turn1.text), config.answer_tokens)
+            after = await get_json(session, base_url + STATS_PATH)
+            records.append(
+                SampleRecord(
+                    index=index, kind=task.kind, answer=task.answer,
+                    turn1_prompt_tokens=turn1.prompt_tokens, turn1_ttft=turn1.ttft, summary=turn1.text,
+                    turn2_prompt_tokens=turn2.prompt_tokens, turn2_cached_tokens=turn2.cached_tokens,
+                    turn2_ttft=turn2.ttft, output=turn2.text, correct=task.is_correct(turn2.text),
+                    reused=turn2.cached_tokens >= turn1.prompt_tokens, stats_change=_changed(before, after),
+                )
+            )  # fmt: skip
+            elapsed = time.perf_counter() - started
+            log(
+                f"  sample {index + 1}/{len(tasks)} ({task.kind}): {'right' if records[-1].correct else 'wrong'}, "
+                f"turn 2 cached {turn2.cached_tokens}/{turn2.prompt_tokens}, TTFT {turn1.ttft:.2f} / {turn2.ttft:.2f} s "
+                f"(ETA {elapsed / (index + 1) * (len(tasks) - index - 1) / 60:.1f} min)"
+            )
+    return records
+
+
+def summarize(records: Sequence[SampleRecord]) -> dict:
+    accuracy = wilson(sum(r.correct for r in records), len(records))
+    return {
+        "accuracy": accuracy.as_json(),
+        "reuse_rate": sum(r.reused for r in records) / len(records),
+        "turn1_ttft_median": statistics.median(r.turn1_ttft for r in records),
+        "turn2_ttft_median": statistics.median(r.turn2_ttft for r in records),
+        "turn2_cached_fraction": sum(r.turn2_cached_tokens for r in records) / sum(r.turn2_prompt_tokens for r in records),
+    }
+
+
+def against_stock(summary: dict, stock: dict) -> dict:
+    """Ratios to stock and the net TTFT cost of one reuse: turn 1's extra minus turn 2's saving."""
+    extra = summary["turn1_ttft_median"] - stock["turn1_ttft_median"]
+    saving = stock["turn2_ttft_median"] - summary["turn2_ttft_median"]
+    stock_accuracy = stock["accuracy"]["value"]
+    return {
+        "accuracy_ratio": summary["accuracy"]["value"] / stock_accuracy if stock_accuracy else None,
+        "turn1_ttft_ratio": summary["turn1_ttft_median"] / stock["turn1_ttft_median"],
+        "turn2_ttft_ratio": summary["turn2_ttft_median"] / stock["turn2_ttft_median"],
+        "turn1_extra_seconds": extra,
+        "turn2_saving_seconds": saving,
+        "net_cost_per_reuse_seconds": extra - saving,
+    }
+
+
+def run_server(
+    config: ReuseConfig, variant: ServerVariant, tasks: Sequence[Task], log_dir: Path, log: Callable[[str], None]
+) -> dict:
+    load_average = os.getloadavg()
+    log(f"{variant.label}: starting the server (--max-total-tokens {config.pool_tokens}; load average {load_average[0]:.2f})")
+    with launched_server(config.model, variant, config.pool_tokens, log_dir, config.launcher_extra) as server:
+        records = asyncio.run(run_samples(server.base_url, config, tasks, log))
+    summary = summarize(records)
+    log(
+        f"{variant.label}: accuracy {wilson(sum(r.correct for r in records), len(records)).percent()}, reuse rate "
+        f"{summary['reuse_rate']:.2f}, TTFT turn 1 {summary['turn1_ttft_median']:.2f} s, turn 2 {summary['turn2_ttft_median']:.2f} s"
+    )
+    return {
+        "label": variant.label,
+        "variant": asdict(variant),
+        "load_average": load_average,
+        "summary": summary,
+        "samples": [asdict(r) for r in records],
+    }
+
+
+def markdown(payload: dict) -> str:
+    meta, servers = payload["meta"], payload["servers"]
+    env, config = payload["environment"], meta["config"]
+    lines = [
+        "# Answers through the server after prefix reuse (context-only quality)",
+        "",
+        f"`{meta['command']}`",
+        "",
+        f"Machine: {env['cpu_model']}, {env['cpu_cores']} cores, no GPU (CPU development mode). SGLang {env['sglang']}, "
+        f"sgl-kvevict {env['git_commit']}{' (uncommitted changes)' if env['git_worktree_dirty'] else ''}, {env['date']}. "
+        f"Model `{config['model']}`, every server with `--max-total-tokens {config['pool_tokens']}`.",
+        "",
+        f"{config['samples']} samples (kinds {', '.join(config['kinds'])}, seed {config['seed']}), documents of "
+        f"~{config['document_tokens']} tokens. Turn 1: document + \"{SUMMARY_INSTRUCTION}\" (up to "
+        f"{config['summary_tokens']} tokens); turn 2: the history + the task's question, the reply started with its "
+        f"answer prefix (up to {config['answer_tokens']} tokens), scored by exact match. Reused = turn 2's cached tokens "
+        "cover turn 1's whole prompt. One request at a time, cache flushed before each sample.",
+        "",
+        "| server | accuracy [95% CI] | n | vs stock | reuse rate | turn-2 cached share | TTFT turn 1 (s) | vs stock "
+        "| TTFT turn 2 (s) | vs stock | net cost per reuse (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for server in servers:
+        s, r = server["summary"], server.get("vs_stock") or {}
+        acc = s["accuracy"]
+        lines.append(
+            f"| {server['label']} | {100 * acc['value']:.0f} [{100 * acc['ci95'][0]:.0f}, {100 * acc['ci95'][1]:.0f}] "
+            f"| {acc['n']} | {_fmt(r.get('accuracy_ratio'))} | {s['reuse_rate']:.2f} | {s['turn2_cached_fraction']:.2f} "
+            f"| {s['turn1_ttft_median']:.2f} | {_fmt(r.get('turn1_ttft_ratio'))} | {s['turn2_ttft_median']:.2f} "
+            f"| {_fmt(r.get('turn2_ttft_ratio'))} | {_fmt(r.get('net_cost_per_reuse_seconds'))} |"
+        )
+    lines += [
+        "",
+        "Net cost per reuse = (turn-1 TTFT − stock's) − (stock's turn-2 TTFT − turn-2 TTFT), medians: what one reuse "
+        "costs after its saving (negative: a gain). Engine counters that moved during turn 2 (`/kvevict/stats`, summed "
+        "over the samples):",
+        "",
+    ]
+    for server in servers:
+        totals: dict[str, float] = {}
+        for sample in server["samples"]:
+            for name, change in sample["stats_change"].items():
+                totals[name] = totals.get(name, 0) + change
+        shown = ", ".join(f"{name} {value:+g}" for name, value in sorted(totals.items())) or "none reported"
+        lines.append(f"* {server['label']}: {shown}")
+    lines += [
+        "",
+        "Greedy bf16 answers through a compressed cache are not bit-identical across machines; compare the intervals.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def write_outputs(servers: list[dict], meta: dict, out: Path, name: str) -> list[Path]:
+    stock = next((s["summary"] for s in servers if s["variant"]["policy"] == "none"), None)
+    for server in servers:
+        server["vs_stock"] = against_stock(server["summary"], stock) if stock and server["variant"]["policy"] != "none" else None
+    payload = {"environment": environment(), "meta": meta, "servers": servers}
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / f"{name}.json", out / f"{name}.md"]
+    for path, text in ((paths[0], json.dumps(payload, indent=1) + "\n"), (paths[1], markdown(payload))):
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text(text)
+        os.replace(partial, path)
+    return paths
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.reuse_quality",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
+    parser.add_argument("--model", default="smollm2", help="bundled model name or HF folder (default smollm2)")
+    parser.add_argument("--policies", default="lava", help="comma-separated name[:score] besides stock (default lava)")
+    parser.add_argument("--budget", default="0.25", help="--kv-evict-budget of every policy server (default 0.25)")
+    parser.add_argument("--samples", type=int, default=20, help="conversations per server (default 20)")
+    parser.add_argument("--seed", type=int, default=0, help="task seed (default 0)")
+    parser.add_argument("--document-tokens", type=int, default=1300, help="document length in model tokens (default 1300)")
+    parser.add_argument("--kinds", default="passkey,multikey,fact", help="task kinds (default passkey,multikey,fact)")
+    parser.add_argument("--summary-tokens", type=int, default=48, help="turn 1's answer cap (default 48)")
+    parser.add_argument("--answer-tokens", type=int, default=8, help="turn 2's answer cap (default 8)")
+    parser.add_argument("--pool-tokens", type=int, default=16384, help="--max-total-tokens of every server (default 16384)")
+    parser.add_argument("--server-arg", action="append", default=[], help="extra launcher flag for every server (repeatable)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
+    parser.add_argument("--name", default="reuse_quality", help="output file stem (default reuse_quality)")
+    parser.add_argument("--log-dir", type=Path, help="server logs (default: a new temporary folder)")
+    parser.add_argument("--resume", action="store_true", help="keep the finished servers of --out/<name>.json")
+    return parser
+
+
+def _resumed(args: argparse.Namespace, config: ReuseConfig) -> list[dict]:
+    if not args.resume:
+        return []
+    path = args.out / f"{args.name}.json"
+    if not path.exists():
+        raise ReuseError(f"--resume: {path} does not exist")
+    previous = json.loads(path.read_text())
+    if previous["meta"]["config"] != json.loads(json.dumps(asdict(config))):
+        raise ReuseError(f"--resume: {path} is of another configuration")
+    return previous["servers"]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    log = lambda message: print(message, flush=True)  # noqa: E731
+    try:
+        config = ReuseConfig(
+            model=args.model,
+            policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()),
+            budget=args.budget,
+            samples=args.samples,
+            seed=args.seed,
+            document_tokens=args.document_tokens,
+            kinds=tuple(k.strip() for k in args.kinds.split(",") if k.strip()),
+            summary_tokens=args.summary_tokens,
+            answer_tokens=args.answer_tokens,
+            pool_tokens=args.pool_tokens,
+            launcher_extra=tuple(args.server_arg),
+        )
+        variants = config.variants()
+        for variant in variants:  # the launcher's own refusal, before minutes of stock's samples
+            check_launcher_accepts(config.model, variant, config.pool_tokens, config.launcher_extra)
+        done = {server["label"]: server for server in _resumed(args, config)}
+    except (ReuseError, ServerError) as error:
+        parser.error(str(error))
+    tasks = task_suite(config.seed, config.samples, config.document_tokens, model_token_counter(config.model), config.kinds)
+    meta = {"command": "python -m benchmarks.reuse_quality " + " ".join(shlex.quote(a) for a in argv), "config": asdict(config)}
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="reuse-quality-logs-"))
+    servers: list[dict] = []
+    try:
+        for index, variant in enumerate(variants, 1):
+            log(f"[{index}/{len(variants)}] {variant.label}" + (": kept from the checkpoint" if variant.label in done else ""))
+            servers.append(done.get(variant.label) or run_server(config, variant, tasks, log_dir, log))
+            paths = write_outputs(servers, meta, args.out, args.name)
+    except ServerError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
