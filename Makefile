@@ -4,6 +4,7 @@
 #                (POLICY=lava BUDGET=0.25 PORT=30000; POLICY=none serves stock SGLang; WORKERS=2 starts
 #                two workers behind SGLang's cache-aware router, each with its own KV pool)
 #   make test    set up if needed, then run the whole test suite
+#   make test-fast  the suite without the tests that start a server (a few minutes)
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -12,17 +13,18 @@ PIP := $(PY) -m pip --disable-pip-version-check
 STAMP := $(VENV)/.sgl-kvevict-setup
 POLICY ?= lava
 BUDGET ?= 0.25
+# A question-agnostic score, so a reused prefix still answers later questions (README, "Choosing a
+# policy"). Passed only to the policies that accept one (`--help`, --kv-evict-score); empty = the
+# policy's own score.
+SCORE ?= learned
 PORT ?= 30000
 WORKERS ?= 1
-# Prompts shorter than this stay dense: below ~4 windows a 25% budget is smaller than the 32-token
-# observation window, so a policy would keep only the window and drop the prompt's first tokens
-# (the attention sinks), which wrecks short chats (see README, "Limits").
-MIN_SEGMENT ?= 128
 # Policies without a budget (none, full, dbudget) take no --kv-evict-budget.
 BUDGET_FLAG := $(if $(filter none full dbudget,$(POLICY)),,--kv-evict-budget $(BUDGET))
-EVICT_FLAGS := $(if $(filter none,$(POLICY)),,$(BUDGET_FLAG) --kv-evict-min-segment-length $(MIN_SEGMENT))
+SCORE_FLAG := $(if $(filter lava snapkv ada-snapkv pyramidkv ada-pyramidkv topk,$(POLICY)),$(if $(SCORE),--kv-evict-score $(SCORE)))
+EVICT_FLAGS := $(if $(filter none,$(POLICY)),,$(BUDGET_FLAG) $(SCORE_FLAG))
 
-.PHONY: setup serve test clean-venv
+.PHONY: setup serve test test-fast clean-venv
 
 setup: $(STAMP)
 
@@ -41,6 +43,9 @@ serve: setup
 
 test: setup
 	$(PY) -m pytest tests -v --durations=15
+
+test-fast: setup
+	$(PY) -m pytest tests -m "not server" -q
 
 clean-venv:
 	rm -rf $(VENV)

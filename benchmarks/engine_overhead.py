@@ -172,19 +172,20 @@ def _median(rows: list[dict], key: str) -> float:
 
 
 # The /kvevict/stats fields the memory figure is computed from.
-MEMORY_FIELDS = ("compressed_tokens", "kept_cells", "dense_slots_total", "dense_slots_free", "requests_left_dense")
+MEMORY_FIELDS = ("compressed_tokens", "kept_cells", "kv_slots_total", "kv_slots_free", "arena_slots_borrowed")
 
 
-def memory_per_conversation(memory: dict, num_layers: int, num_kv_heads: int) -> Optional[dict]:
+def memory_per_conversation(memory: dict, num_layers: int, num_kv_heads: int) -> dict:
     """One conversation after turn 1, from ``/kvevict/stats``: cells held vs its dense equivalent.
-    One dense slot (a token) holds ``num_layers * num_kv_heads`` cells' worth of K and V. None when
-    the engine's stats do not report the fields it needs (``MEMORY_FIELDS``)."""
-    if any(name not in memory for name in MEMORY_FIELDS):
-        return None
+    One dense slot (a token) holds ``num_layers * num_kv_heads`` cells' worth of K and V."""
+    missing = [name for name in MEMORY_FIELDS if name not in memory]
+    if missing:
+        raise MeasurementError(f"/kvevict/stats lacks {missing}: benchmarks/engine_overhead.py is behind the engine")
     if memory["compressed_tokens"] == 0:
-        raise MeasurementError(f"turn 1 was not compressed (requests left dense: {memory['requests_left_dense']})")
+        raise MeasurementError("turn 1 was not compressed")
     cells_per_token = num_layers * num_kv_heads
-    dense_slots_held = memory["dense_slots_total"] - memory["dense_slots_free"]
+    # SGLang's pool lends slots to the arena of compressed cells; the rest in use hold dense tokens.
+    dense_slots_held = memory["kv_slots_total"] - memory["kv_slots_free"] - memory["arena_slots_borrowed"]
     conversation_tokens = memory["turn1_prompt_tokens"] + memory["turn1_answer_tokens"]
     held = memory["kept_cells"] + dense_slots_held * cells_per_token
     return {
@@ -321,7 +322,7 @@ def run(config: OverheadConfig, out: Path, name: str, log_dir: Path, argv: Seque
         with launched_server(config.model, variant, config.pool_tokens, log_dir, config.launcher_extra) as server:
             samples = asyncio.run(_measure(server.base_url, config, conversations, variant.label, log))
             log(f"{variant.label}: done; stopping the server")
-        memory = [m for m in (memory_per_conversation(m, num_layers, num_kv_heads) for m in samples.memory) if m]
+        memory = [memory_per_conversation(m, num_layers, num_kv_heads) for m in samples.memory]
         results[role] = {
             "label": variant.label,
             "load_average": load_average,

@@ -15,7 +15,7 @@ an 8-KV-head, 32-query-head, head-dim-128 model (Llama-3-8B-like) at 25% kept KV
   (``kv_splits``' choice from the cell bound) and unsplit; an extend of 256 tokens; the merge.
 
 The "rel. diff" column is max |triton - torch| / max |torch| over finite entries (bf16 outputs:
-~1e-2 expected; statistics are fp32: ~1e-5). docs/gpu-kernels.md says what to compare.
+~1e-2 expected; statistics are fp32: ~1e-5). docs/gpu.md says what to compare.
 """
 
 from __future__ import annotations

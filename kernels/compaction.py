@@ -2,7 +2,7 @@
 
 SGLang keeps a layer's keys as ``k_buffer [slots, H_kv, D]`` (values ``[slots, H_kv, D_v]``),
 contiguous, so ``k_buffer.view(slots * H_kv, D)`` addresses one (slot, head) vector per row: row
-``slot * H_kv + head`` (sglang-0.5.23-hooks.md §2.2). An arena stores one such vector per cell:
+``slot * H_kv + head`` (docs/sglang.md#the-kv-pool). An arena stores one such vector per cell:
 ``arena_k [num_cells, D]``, ``arena_v [num_cells, D_v]``. Gather (compaction) and its inverse scatter
 are therefore one operation, a row copy ``dst[dst_rows[i]] = src[src_rows[i]]`` applied to K and V
 with the same row lists, which is what the kernel and its torch twin implement.

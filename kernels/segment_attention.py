@@ -3,7 +3,7 @@
 Every (request, KV head) is its own key/value sequence (its kept cells); its queries are the GQA
 group of that KV head for every query token of the request. Compressed keys precede every query, so
 there is no mask (``causal=False``). The result is merged with the dense part of the context by
-``merge_attention_states`` (design: sglang-0.5.23-hooks.md §8.5).
+``merge_attention_states`` (docs/design.md#segment-attention).
 
 Shapes follow FlashInfer's ragged/paged conventions (NHD, indptr arrays, page size 1):
 

@@ -5,7 +5,7 @@ defined there) for one request of one layer, reading its keys and values where t
 a gathered copy, and never writing the ``[H_q, w, L]`` attention matrix to memory. The same call
 serves KVzip's reconstruction pass, whose "window" is a chunk of up to a few thousand queries.
 
-Inputs (SGLang NHD layout, see sglang-0.5.23-hooks.md §2.2), ``L`` = ``context_length``:
+Inputs (SGLang NHD layout, see docs/sglang.md#the-kv-pool), ``L`` = ``context_length``:
 
 * ``q_window``  ``[H_q, w, D]``: post-RoPE queries at logical positions ``L - w .. L - 1``; query head
   ``h`` belongs to KV head ``h // G`` with ``G = H_q // H_kv``.
@@ -47,7 +47,7 @@ statistics themselves, whatever ``w``. Accumulation is fp32 whatever the KV dtyp
 are in the KV dtype (products exact for fp16/bf16, IEEE for fp32). No function here reads device data
 on the host. The CUDA path is untested on hardware: it is verified only in Triton interpreter mode on
 CPU (``tests/test_kernels_window.py``) and compiled for sm_90 without running
-(``tests/test_kernels_compile.py``); ``docs/gpu-kernels.md`` runs the same tests compiled on a GPU.
+(``tests/test_kernels_compile.py``); ``docs/gpu.md`` runs the same tests compiled on a GPU.
 """
 
 from __future__ import annotations

@@ -27,10 +27,9 @@ from sgl_kvevict.server.sglang_args import (
     CPU_DEFAULT_MAX_TOTAL_TOKENS,
     CPU_MEM_FRACTION_STATIC,
     CPU_MODE_DEFAULTS,
-    RADIX_CACHE_BACKEND,
     render_defaults,
 )
-from sgl_kvevict.serving import NO_EVICTION, ServingConfig
+from sgl_kvevict.serving import NO_EVICTION, RADIX_CACHE_BACKEND, ServingConfig
 from sgl_kvevict.settings import ConfigError, help_of, settings_of
 
 DEFAULT_PORT = 30000

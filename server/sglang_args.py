@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-# The radix-cache backend the engine registers (a pure module: no sglang import).
-from sgl_kvevict.engine.plugin import RADIX_CACHE_BACKEND
+from sgl_kvevict.serving import RADIX_CACHE_BACKEND
+
 # KV pool on CPU when the user sizes nothing: SGLang would otherwise take ~70% of free RAM (15 GB
 # for SmolLM2 here, 45 s just to zero it). 65,536 tokens of SmolLM2 in bf16 are 1.5 GB.
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 65536

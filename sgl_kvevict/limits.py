@@ -62,6 +62,7 @@ class SetupFacts:
     dp_size: int = 1
     attention_dp: bool = False  # --enable-dp-attention or an attention-DP size above 1
     radix_cache_disabled: bool = False
+    radix_eviction_policy: bool = False  # an eviction policy other than the default (lru), or its config
     session_radix_cache: bool = False
     speculative: bool = False
     mixed_chunk: bool = False
@@ -152,6 +153,11 @@ LIMITS = (
           "compression lives in the plugin's own radix cache (sgl_kvevict), which the launcher selects; with "
           "another backend the compressed tree is never built, so only the launcher can refuse this",
           (LimitFlag(("--radix-cache-backend",)),)),
+    Limit("radix eviction policy",
+          "the compressed tree evicts dense and compressed leaves in its own GreedyDual-Size-Frequency order "
+          "(a compressed leaf costs more to lose per slot freed); SGLang's eviction policies would be ignored",
+          (LimitFlag(("--radix-eviction-policy",)), LimitFlag(("--radix-eviction-policy-config",))),
+          lambda f: f.radix_eviction_policy),
     Limit("no radix cache", "compressed prompts are kept and reused as radix-tree nodes",
           (LimitFlag(("--disable-radix-cache",)),), lambda f: f.radix_cache_disabled),
     Limit("session radix cache",

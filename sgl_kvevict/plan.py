@@ -55,6 +55,13 @@ class LayerPlan:
         """int64 ``[total_kept]``: the KV head of every entry of ``kept_positions``."""
         return torch.repeat_interleave(torch.arange(self.num_kv_heads), self.counts())
 
+    def restricted(self, start: int, end: int) -> "LayerPlan":
+        """The entries at positions ``[start, end)``, each head's in order."""
+        inside = (self.kept_positions >= start) & (self.kept_positions < end)
+        indptr = torch.zeros(self.num_kv_heads + 1, dtype=torch.int64)
+        indptr[1:] = torch.cumsum(torch.bincount(self.head_ids()[inside], minlength=self.num_kv_heads), 0)
+        return LayerPlan(kept_positions=self.kept_positions[inside], head_indptr=indptr)
+
 
 @dataclass(frozen=True)
 class CompressionPlan:
@@ -91,9 +98,24 @@ class CompressionPlan:
         mask[lp.head_ids(), lp.kept_positions - self.segment_start] = True
         return mask
 
+    def restricted(self, start: int, end: int) -> "CompressionPlan":
+        """The plan's entries at positions ``[start, end)``, as the plan of that span."""
+        return CompressionPlan(start, end, tuple(layer.restricted(start, end) for layer in self.layers))
+
     @classmethod
     def keep_all(cls, segment_start: int, segment_end: int, num_layers: int, num_kv_heads: int) -> "CompressionPlan":
         """The identity plan: every entry kept (used for segments too short to compress)."""
         span = torch.arange(segment_start, segment_end, dtype=torch.int64)
         layer = LayerPlan.from_heads([span] * num_kv_heads)
         return cls(segment_start, segment_end, tuple([layer] * num_layers))
+
+
+def diverged(stored: CompressionPlan, own: CompressionPlan, divergence: int) -> tuple[CompressionPlan, CompressionPlan]:
+    """The tree's divergence rule: a request that shares the span of a stored plan up to
+    ``divergence`` (inside it) and then differs reads the shared head ``[stored start, divergence)``
+    with the stored selection, and its own plan's entries from ``divergence`` on. The stored node is
+    split there; a third request that shares only the head matches the head alone.
+
+    Returns ``(head, own part)``: ``stored`` restricted to the head, ``own`` to ``[divergence, own end)``.
+    """
+    return stored.restricted(stored.segment_start, divergence), own.restricted(divergence, own.segment_end)

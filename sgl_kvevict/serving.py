@@ -18,6 +18,8 @@ from sgl_kvevict.settings import ConfigError
 
 ENV_VAR = "KVEVICT_SERVING"
 NO_EVICTION = "none"
+# The name our radix cache registers under (--radix-cache-backend), passed by the launcher.
+RADIX_CACHE_BACKEND = "sgl_kvevict"
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ import torch
 from sgl_kvevict.compat import prepare_transformers
 
 prepare_transformers()
-# One thread is faster than two for these small models on the 2-core machines (measured in
-# cpu-environment.md), and leaves the other core to the server processes the tests start.
+# One thread is faster than two for these small models on the 2-core machines (measured:
+# docs/cpu-mode.md#threads), and leaves the other core to the server processes the tests start.
 torch.set_num_threads(1)
 
 
@@ -48,7 +48,7 @@ def pytest_runtest_setup(item):
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> "Path":
     """A random-weight fp32 Llama (2 layers, 4 query heads, 2 KV heads, head_dim 16) with a tokenizer."""
-    from sgl_kvevict.reference.checkpoints import build_tiny_llama
+    from sgl_kvevict.checkpoints import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 

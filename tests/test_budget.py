@@ -188,7 +188,7 @@ def test_pyramid_budgets_add_up_and_decrease(base, num_layers, num_candidates, b
     assert budgets.tolist() == sorted(budgets.tolist(), reverse=True)
     assert int(budgets.max()) <= num_candidates
     if num_layers > 1 and 2 * base - base // beta <= num_candidates:
-        assert abs(int(budgets[0]) - (2 * base - base // beta)) <= 1  # Ada-KV digest §2.4 max_num
+        assert abs(int(budgets[0]) - (2 * base - base // beta)) <= 1  # docs/methods/baselines.md#pyramidkv-schedule: max_num
         assert abs(int(budgets[-1]) - base // beta) <= 1  # min_num
 
 

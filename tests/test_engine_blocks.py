@@ -16,7 +16,6 @@ one-forward schedule over its whole prompt.
 from __future__ import annotations
 
 import random
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -26,11 +25,13 @@ from engine_client import (
     assert_no_leak_after_flush,
     assert_strict_idle_check_passed,
     generate,
+    request_options,
     stats,
 )
 from serving import running_server
 from sgl_kvevict.config import EvictionConfig, build_policy
-from sgl_kvevict.engine.segments import restrict_plan
+from sgl_kvevict.plan import diverged
+from sgl_kvevict.reference.replay import ReplayedPlans
 from sgl_kvevict.engine.state import PLAN_DUMP_ENV
 from test_engine_memory import run_concurrently
 from engine_client import assert_same_plan
@@ -42,7 +43,9 @@ DOCUMENT = 3 * BLOCK + 20  # three blocks and a dense tail
 QUESTION = 15
 MAX_NEW_TOKENS = 6
 BLOCK_FLAGS = ("--kv-evict-scope", "block", "--kv-evict-block-size", str(BLOCK), *TINY_SERVER_FLAGS)
-LAVA = EvictionConfig(policy="lava", budget="0.25")
+# Half of a block: 48 entries per (layer, KV head), 12-16 selected beside the 32-token window (and the
+# sinks of block 0). At 0.25 a block's budget would leave nothing to select and it would stay dense.
+LAVA = EvictionConfig(policy="lava", budget="0.5")
 
 
 def tokens(seed: int, length: int) -> list[int]:
@@ -64,7 +67,8 @@ def dump_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir, tmp_path_factory, dump_dir):
-    flags = ("--kv-evict-policy", "lava", "--kv-evict-budget", "0.25", "--max-total-tokens", "4096", *BLOCK_FLAGS)
+    flags = ("--kv-evict-policy", "lava", "--kv-evict-budget", "0.5", "--max-total-tokens", "4096",
+             "--kv-evict-per-request", *BLOCK_FLAGS)  # fmt: skip
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(PLAN_DUMP_ENV, str(dump_dir))
         with running_server(tiny_llama_dir, tmp_path_factory.mktemp("blocks"), *flags) as running:
@@ -72,7 +76,7 @@ def server(tiny_llama_dir, tmp_path_factory, dump_dir):
             assert_strict_idle_check_passed(running)
 
 
-def reference_run(reference, prompt_ids, context_end, *steps):
+def reference_run(reference, prompt_ids, context_end, *steps, config=LAVA):
     """The reference's greedy run of ``prompt_ids`` prefilled in forwards ending at ``steps``
     (``(end, blocks compressed after it)``), then the rest densely."""
     from sgl_kvevict.reference import Prompt, PrefillStep, Schedule, Segment
@@ -82,24 +86,7 @@ def reference_run(reference, prompt_ids, context_end, *steps):
         + ((PrefillStep(len(prompt_ids)),) if steps[-1][0] < len(prompt_ids) else ())
     )
     prompt = Prompt.from_ids(prompt_ids, context_end)
-    return reference.generate_scheduled(prompt, build_policy(LAVA), schedule, MAX_NEW_TOKENS)
-
-
-class FixedPlans:
-    """A policy stand-in for the reference engine: each segment gets the plan given for its span."""
-
-    def __init__(self, plans):
-        self.plans = {(plan.segment_start, plan.segment_end): plan for plan in plans}
-        self.config = LAVA
-
-    def stats_request(self):
-        from sgl_kvevict.scoring.window import StatsRequest
-
-        return StatsRequest()
-
-    def start(self, spec):
-        plan = self.plans[(spec.start, spec.end)]
-        return SimpleNamespace(spec=spec, needs_stats=False, observe=lambda layer, stats: None, plan=lambda: plan)
+    return reference.generate_scheduled(prompt, build_policy(config), schedule, MAX_NEW_TOKENS)
 
 
 def reference_with_plans(reference, prompt_ids, steps):
@@ -112,7 +99,7 @@ def reference_with_plans(reference, prompt_ids, steps):
         tuple(PrefillStep(end, tuple(Segment(p.segment_start, p.segment_end) for p in step_plans)) for end, step_plans in steps)
         + (PrefillStep(len(prompt_ids)),)
     )
-    return reference.generate_scheduled(Prompt.from_ids(prompt_ids), FixedPlans(plans), schedule, MAX_NEW_TOKENS)
+    return reference.generate_scheduled(Prompt.from_ids(prompt_ids), ReplayedPlans(LAVA, plans), schedule, MAX_NEW_TOKENS)
 
 
 def assert_block_plans(dump_dir, rid: str, blocks, expected_plans) -> None:
@@ -161,14 +148,29 @@ def test_different_questions_share_the_document_blocks(server, reference, dump_d
     assert diverging["meta_info"]["cached_tokens"] == BLOCK
     scored = reference_run(reference, diverging_prompt, BLOCK, (BLOCK, (0,)), (len(diverging_prompt), (1, 2)))
     assert_block_plans(dump_dir, "diverging", (1, 2), scored.plans[1:])
-    stored = (expected_first.plans[0], restrict_plan(expected_first.plans[1], BLOCK, divergence))
-    own = (restrict_plan(scored.plans[1], divergence, 2 * BLOCK), scored.plans[2])
-    expected_diverging = reference_with_plans(reference, diverging_prompt, ((BLOCK, stored[:1]), (3 * BLOCK, (*stored[1:], *own))))
+    head, own = diverged(expected_first.plans[1], scored.plans[1], divergence)
+    steps = ((BLOCK, (expected_first.plans[0],)), (3 * BLOCK, (head, own, scored.plans[2])))
+    expected_diverging = reference_with_plans(reference, diverging_prompt, steps)
     assert tuple(diverging["output_ids"]) == expected_diverging.output_ids
     after_diverging = stats(server)
     assert after_diverging["compressed_nodes"] == after_diverging["compressed_nodes_created"] == 6  # + head, own, third
     assert after_diverging["shared_node_hits"] == 4
     assert_no_leak_after_flush(server)
+
+
+def test_kvzip_reconstructs_each_block_over_the_keys_before_its_end(server, reference, dump_dir):
+    # Each block's reconstruction pass repeats the block's own tokens after its end, attending to
+    # [0, block end): the reference engine's passes for the same block schedule.
+    config = EvictionConfig.for_policy("lava", budget="0.5", score="kvzip")
+    prompt = tokens(6, DOCUMENT) + tokens(7, QUESTION)
+    response = generate(server, prompt, MAX_NEW_TOKENS, rid="kvzip", options=request_options(config))
+    expected = reference_run(reference, prompt, len(prompt), (len(prompt), (0, 1, 2)), config=config)
+    assert_block_plans(dump_dir, "kvzip", (0, 1, 2), expected.plans)
+    assert tuple(response["output_ids"]) == expected.output_ids
+    after = stats(server)
+    assert after["compressed_nodes"] == 3 and after["arena_cells_used"] == after["kept_cells"]
+    assert after["reconstructions_skipped"] == 0
+    assert_no_leak_after_flush(server)  # the passes' slots and rows went back
 
 
 def test_concurrent_requests_compress_every_shared_block_once(server):

@@ -24,7 +24,7 @@ DECODE_STEPS = 48
 
 @pytest.fixture(scope="module")
 def six_layer_llama(tmp_path_factory):
-    from sgl_kvevict.reference.checkpoints import build_tiny_llama
+    from sgl_kvevict.checkpoints import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("six-layers"), num_layers=6)
 

@@ -28,6 +28,7 @@ BROKEN_SETUPS = {
     "data parallelism": {"dp_size": 2},
     "DP attention": {"attention_dp": True},
     "no radix cache": {"radix_cache_disabled": True},
+    "radix eviction policy": {"radix_eviction_policy": True},
     "session radix cache": {"session_radix_cache": True},
     "speculative decoding": {"speculative": True},
     "mixed chunks": {"mixed_chunk": True},

@@ -32,7 +32,7 @@ def fake_gguf(tmp_path, monkeypatch):
         for name in models.CHECKED_FILES:
             (out_dir / name).write_text(json.dumps({"file": name}))
 
-    import sgl_kvevict.reference.checkpoints as checkpoints
+    import sgl_kvevict.checkpoints as checkpoints
 
     monkeypatch.setattr(checkpoints, "convert_gguf_to_safetensors", convert)
     return gguf, conversions

@@ -12,9 +12,9 @@ Each request is one kind, drawn at random after a first round that injects every
   non-5xx answer is accepted and a 200 must be well-formed.
 
 Afterwards: wait for the server to go idle, ``POST /flush_cache``, and check that the server is
-healthy and answers, that ``/kvevict/stats`` (when it exists) shows ``arena_cells_used == 0`` and
-``dense_slots_free == dense_slots_total``, and (when we started the server) that SGLang's idle
-self-check logged no leak.
+healthy and answers, that ``/kvevict/stats`` (when it exists) shows every ``*_used`` counter at 0
+and every ``*_free`` equal to its ``*_total`` (``arena_cells_used``, ``kv_slots_free``...), and (when
+we started the server) that SGLang's idle self-check logged no leak.
 """
 
 from __future__ import annotations

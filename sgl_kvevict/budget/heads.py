@@ -30,7 +30,7 @@ def uniform_head_counts(layer_budget: int, num_heads: int) -> torch.Tensor:
 
 
 def adaptive_head_counts(sorted_scores: torch.Tensor, layer_budget: int, alpha: float) -> torch.Tensor:
-    """int64 ``[H]``: Ada-KV's allocation with safeguard, exact-total variant (Ada-KV digest §2.3, §7 item 1).
+    """int64 ``[H]``: Ada-KV's allocation with safeguard, exact-total variant (docs/methods/adakv.md#exact-total-safeguard).
 
     Every head first gets its own top ``floor(alpha * layer_budget / H)`` candidates (the uniform
     floor: alpha is the guaranteed fraction of the uniform share); the rest of the layer budget goes

@@ -11,7 +11,7 @@ from sgl_kvevict.budget.apportion import apportion
 def pyramid_head_budgets(selected_per_head: int, num_layers: int, num_candidates: int, beta: int) -> torch.Tensor:
     """int64 ``[L]``: candidates kept per KV head in each layer, decreasing linearly with depth.
 
-    The Ada-KV code's PyramidKV schedule (Ada-KV digest §2.4) with ``base = selected_per_head``:
+    The Ada-KV code's PyramidKV schedule (docs/methods/baselines.md#pyramidkv-schedule) with ``base = selected_per_head``:
     the last layer gets ``base // beta``, the first ``2 base - base // beta`` (clamped to the
     candidates, the slope adjusting so the mean stays ``base``). The code's integer ``steps`` makes
     the layers sum to more than ``L * base``; here the linear schedule is apportioned exactly, so
@@ -50,7 +50,7 @@ def entropy_layer_budgets(entropies: list[float], total: int, candidates_per_lay
     (LAVa Algorithm 2 line 10), exact and capped at ``candidates_per_layer``.
 
     The code truncates and leaves a layer whose share exceeds its candidates uncompressed without
-    passing the surplus on (LAVa digest §2.2, §8 item 8); here the surplus goes to the other layers
+    passing the surplus on (docs/methods/lava.md#a-full-layer-passes-its-surplus-on); here the surplus goes to the other layers
     so the request keeps exactly its budget.
     """
     caps = torch.full((len(entropies),), candidates_per_layer, dtype=torch.int64)

@@ -23,13 +23,13 @@ from sgl_kvevict.engine.hidden_states import HiddenStateCapture
 from sgl_kvevict.engine.metrics import export_metrics
 from sgl_kvevict.engine.radix_cache import CompressedRadixCache
 from sgl_kvevict.engine.reconstruction import Reconstructor, needs_reconstruction
-from sgl_kvevict.engine.plugin import RADIX_CACHE_BACKEND
 from sgl_kvevict.engine.state import EngineState, ModelShape
 from sgl_kvevict.limits import SetupFacts, violations
 from sgl_kvevict.scoring.kvzip import ReconstructionPrompt
-from sgl_kvevict.serving import ServingConfig
+from sgl_kvevict.serving import RADIX_CACHE_BACKEND, ServingConfig
 
 logger = logging.getLogger(__name__)
+
 
 class UnsupportedSetup(ValueError):
     """A SGLang feature that cannot work with compressed radix nodes yet."""
@@ -40,7 +40,8 @@ def unsupported_features(ctx: TreeCacheBuildContext, attn_backend) -> list[str]:
     from SGLang's resolved configuration and the graphs the model runner captured. The tree is built
     after the attention backends and graph capture (scheduler.py: init_model_worker, then
     build_kv_cache), so both are final here."""
-    schedule, parallel, graphs = get_schedule(), get_parallel(), get_exec().graph.cuda_graph_config
+    schedule, parallel, memory = get_schedule(), get_parallel(), get_memory()
+    graphs = get_exec().graph.cuda_graph_config
     # graphs is never None once SGLang resolved its arguments (cuda_graph_config.py builds the default).
     runner = ctx.tp_worker.model_runner
     facts = SetupFacts(
@@ -55,7 +56,8 @@ def unsupported_features(ctx: TreeCacheBuildContext, attn_backend) -> list[str]:
         dp_size=parallel.dp_size,
         attention_dp=parallel.attn_dp_size > 1,
         radix_cache_disabled=ctx.disable_radix_cache,
-        session_radix_cache=get_memory().enable_session_radix_cache,
+        session_radix_cache=memory.enable_session_radix_cache,
+        radix_eviction_policy=memory.radix_eviction_policy != "lru" or memory.radix_eviction_policy_config is not None,
         speculative=get_spec().speculative_algorithm is not None,
         mixed_chunk=schedule.enable_mixed_chunk,
         overlap_schedule=not schedule.disable_overlap_schedule,

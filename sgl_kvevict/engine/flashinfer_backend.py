@@ -22,8 +22,8 @@ runs every request of the batch as
   head), GQA group as its query heads (shared with the CPU backend through ``compressed_attention``).
 * **merge**: ``flashinfer.cascade.merge_state`` of the two, compressed requests' rows only.
 
-Why Triton and not FlashInfer for the compressed part (the alternative of sglang-0.5.23-hooks.md
-§8.5, a paged prefill wrapper planned with ``num_kv_heads=1`` over the (request, head)
+Why Triton and not FlashInfer for the compressed part (the alternative in docs/design.md#segment-attention,
+a paged prefill wrapper planned with ``num_kv_heads=1`` over the (request, head)
 pseudo-sequences): the per-(layer, head) cell counts of Ada-KV/PyramidKV/LAVa differ by layer, so
 FlashInfer would need one ``plan`` per layer per forward (host-side scheduling and H2D copies on
 every decode step) and one wrapper with its own int workspace per layer, plus a permutation of ``q``

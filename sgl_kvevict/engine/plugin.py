@@ -1,7 +1,7 @@
 """Entry point of the ``sglang.srt.plugins`` group: runs in every SGLang process (scheduler included).
 
 SGLang spawns its processes, so registries filled in the launcher do not reach the scheduler; this
-entry point is how ours get there (sglang-0.5.23-hooks.md §5.4). With a policy set (the launcher's
+entry point is how ours get there (docs/sglang.md#processes-and-plugin-loading). With a policy set (the launcher's
 ``KVEVICT_SERVING``) it registers:
 
 * the ``sgl_kvevict`` radix-cache backend (the launcher passes ``--radix-cache-backend sgl_kvevict``);
@@ -18,9 +18,7 @@ from __future__ import annotations
 
 from sgl_kvevict.engine import sync_probe
 from sgl_kvevict.limits import check_sglang_version
-from sgl_kvevict.serving import ServingConfig
-
-RADIX_CACHE_BACKEND = "sgl_kvevict"
+from sgl_kvevict.serving import RADIX_CACHE_BACKEND, ServingConfig
 
 
 def register() -> None:

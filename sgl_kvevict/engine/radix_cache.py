@@ -79,8 +79,8 @@ from sgl_kvevict.engine.paths import (
     match_may_end,
     path_view,
 )
-from sgl_kvevict.engine.reconstruction import needs_reconstruction
-from sgl_kvevict.engine.segments import CompressedSegment, restrict_plan
+from sgl_kvevict.engine.reconstruction import NoRoomForReconstruction, needs_reconstruction
+from sgl_kvevict.engine.segments import CompressedSegment
 from sgl_kvevict.engine.state import EngineState, request_state
 from sgl_kvevict.engine.tree_decisions import Outcome, Walk, atomic_prefix_length, decide_compression
 from sgl_kvevict.policies.base import SegmentCompressor
@@ -301,7 +301,11 @@ class CompressedRadixCache(RadixCache):
         setup = request_state(req).setup
         if pending and needs_reconstruction(setup.stats_request):  # KVzip: score every span before any is cut
             view = path_view(self.engine, req, self.device)
-            self.engine.reconstructor.score(req, pending, setup.stats_request, view)
+            try:
+                self.engine.reconstructor.score(req, pending, setup.stats_request, view)
+            except NoRoomForReconstruction:
+                self.engine.stats.count("reconstructions_skipped")
+                pending = []
         created = [node for compressor in pending if (node := self._compress(req, compressor))]
         if created:
             self.engine.stats.count("requests_compressed")
@@ -362,7 +366,7 @@ class CompressedRadixCache(RadixCache):
         window = request_state(req).setup.config.window
         window_kept_dense = min(window, spec.length) if self.engine.scope.window_stays_dense else 0
         end = spec.end - window_kept_dense
-        kept = restrict_plan(plan, start, end)
+        kept = plan.restricted(start, end)
         if kept.total_kept() == kept.segment_length * kept.num_layers * kept.layers[0].num_kv_heads:
             return None  # nothing evicted: the policy kept the span whole
         key = RadixKey(req.full_untruncated_fill_ids[:end], req.extra_key, cache_salt=req.cache_salt)
@@ -375,7 +379,7 @@ class CompressedRadixCache(RadixCache):
         # Hanging the node may split a compressed node: lock what it hangs on while cells are taken.
         anchor = self.lock(decision.split_node or decision.parent)
         try:
-            segment = self._store(req, restrict_plan(kept, decision.own_start, end), start, end)
+            segment = self._store(req, kept.restricted(decision.own_start, end), start, end)
             parent = decision.parent
             if decision.split_node is not None:
                 parent = self._split_compressed_node(decision.split_node, decision.split_offset)

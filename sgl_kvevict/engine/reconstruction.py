@@ -39,6 +39,11 @@ from sgl_kvevict.scoring.window import RECONSTRUCTION_QUERIES, StatsRequest, Win
 RECONSTRUCTION_RID = "kvevict-reconstruction"
 
 
+class NoRoomForReconstruction(Exception):
+    """The pool (or the request table) has no room for a pass even after evicting the tree: every
+    other slot is held by running requests. The request's spans then stay dense."""
+
+
 def needs_reconstruction(request: StatsRequest) -> bool:
     return request.queries == RECONSTRUCTION_QUERIES
 
@@ -101,7 +106,7 @@ class Reconstructor:
         pool, allocator = self.tree.req_to_token_pool, self.tree.token_to_kv_pool_allocator
         rows = pool.alloc_rows(1)
         if rows is None:
-            raise MemoryError("no free req_to_token row for a reconstruction pass")
+            raise NoRoomForReconstruction("no free req_to_token row for a reconstruction pass")
         (row,) = rows
         slots = None
         try:
@@ -125,7 +130,7 @@ class Reconstructor:
             self.tree.evict(EvictParams(num_tokens=shortfall))
         slots = allocator.alloc(count)
         if slots is None:
-            raise MemoryError(f"no {count} free KV slots for a reconstruction pass")
+            raise NoRoomForReconstruction(f"no {count} free KV slots for a reconstruction pass")
         return slots
 
     def _forward_batch(self, work: ReconstructionPass, slots: torch.Tensor) -> ForwardBatch:

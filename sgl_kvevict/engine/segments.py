@@ -20,26 +20,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from sgl_kvevict.plan import CompressionPlan, LayerPlan
+from sgl_kvevict.plan import CompressionPlan
 
 UNASSIGNED = -1
-
-
-def restrict_plan(plan: CompressionPlan, start: int, end: int) -> CompressionPlan:
-    """The plan's entries at positions ``[start, end)``, as the plan of that span."""
-    layers = []
-    for layer in plan.layers:
-        inside = (layer.kept_positions >= start) & (layer.kept_positions < end)
-        indptr = _head_indptr(layer.head_ids()[inside], layer.num_kv_heads)
-        layers.append(LayerPlan(kept_positions=layer.kept_positions[inside], head_indptr=indptr))
-    return CompressionPlan(start, end, tuple(layers))
-
-
-def _head_indptr(heads: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """int64 ``[H_kv + 1]``: the CSR offsets of head-major entries whose KV heads are ``heads``."""
-    indptr = torch.zeros(num_kv_heads + 1, dtype=torch.int64)
-    indptr[1:] = torch.cumsum(torch.bincount(heads, minlength=num_kv_heads), 0)
-    return indptr
 
 
 class CompressedSegment:

@@ -14,20 +14,19 @@ address (a socket file in a private temporary directory it removes at shutdown) 
   no answer comes in time (the REQ socket is then replaced: a REQ socket that sent without receiving
   cannot send again).
 
-The provider returns a JSON-serialisable dict with at least these fields:
+The provider returns a JSON-serialisable dict (``EngineState.stats_snapshot``; the README lists every
+field). The ones monitoring needs most:
 
-    policy               policy name (``lava``, ...)
-    budget               the configured budget as given (``0.25``, ``128t``) or null for policies
-                         that decide their own
-    compressed_nodes     compressed radix-tree nodes currently cached
-    compressed_tokens    logical tokens those nodes cover
-    kept_cells           arena cells they hold (one cell = one head's K and V of one layer and token)
-    arena_cells_total    arena capacity in cells
-    arena_cells_used     cells allocated now (0 after /flush_cache)
-    dense_slots_total    SGLang's dense token-slot pool size
-    dense_slots_free     dense slots free now (the initial count after /flush_cache)
-    reuse_hits           prefix matches that reused at least one compressed node
-    requests_left_dense  requests not compressed because the arena was full
+    policy, budget, score, scope  the server's configuration (budget null for policies that decide it)
+    compressed_nodes         compressed radix-tree nodes currently cached
+    compressed_tokens        logical tokens those nodes cover
+    kept_cells               cells they hold (one cell = one (layer, KV head) K and V of one token)
+    kv_slots_total           SGLang's token-slot pool, the only KV memory there is
+    kv_slots_free            slots free now (back to the total after /flush_cache)
+    arena_slots_borrowed     slots the compressed cells live in (0 after /flush_cache)
+    arena_cells_used/free    cells used and free inside those slots
+    reuse_hits               prefix matches that reused at least one compressed node
+    *_evicted                evictions by kind (dense and compressed nodes, slots, cells)
 
 With ``--kv-evict-policy none`` there is no compressed tree and nobody serves the channel; the route
 answers ``{"policy": "none"}`` without contacting the scheduler (SGLang's own ``/metrics`` and

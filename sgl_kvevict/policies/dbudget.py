@@ -3,8 +3,8 @@ norm of the last query's attention row would drop by more than ``t`` (1%).
 
 Per layer the kept set is ``sinks ∪ [start_l, end)``: StreamingLLM with a window chosen per layer
 and input. Sinks are the config's ``sink_tokens`` (the paper's m = 4), kept by every policy; they,
-the observation window and any prefix before the segment are never evicted, which is the digest's
-guard (§6 item 4) generalised. Layers ``dbudget_frozen_layers`` (0 and 1) are never pruned. All KV
+the observation window and any prefix before the segment are never evicted, see
+docs/methods/dbudgetkv.md#never-evicted-sinks-window-and-prefix. Layers ``dbudget_frozen_layers`` (0 and 1) are never pruned. All KV
 heads of a layer keep the same positions (one stopping index per layer, heads combined "joint").
 """
 

@@ -1,4 +1,4 @@
-"""H2O, prefill version (OBCache digest §3): attention accumulated over the observation window only
+"""H2O, prefill version (docs/methods/baselines.md#h2o-prefill-version): attention accumulated over the observation window only
 (full-history accumulation is incompatible with a fused prefill), no pooling; the window tokens are
 the "recent" tokens and the rest of the budget goes to the heavy hitters. SnapKV without pooling.
 Its scores are the window's own (attention, OBCache); with a question-agnostic score it would be

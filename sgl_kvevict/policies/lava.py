@@ -8,10 +8,10 @@ and layer budgets proportional to the entropy of each layer's scores.
 * Heads: the layer's budget goes to its best entries across heads with the same alpha floor as
   Ada-KV (the LAVa code's ``floor_alpha = 0.2``, absent from the paper; ``alpha = 0`` is the paper's
   pure layer-wise top-k). The floor is ``alpha`` of the layer's own per-head average, the code's
-  intended variant (LAVa digest §8 item 7; its typo uses the configured budget instead).
+  intended variant (docs/methods/lava.md#head-floor-from-the-layer-budget; its typo uses the configured budget instead).
 * Layers: ``B_l = e_l / sum(e) * total`` over every layer at once, after the last layer. The paper
   re-splits the budget after each prefilled layer and shrinks lower layers (a cascade); budgets
-  only shrink and selections are nested, so the final cache is this one-shot one (digest §2.5;
+  only shrink and selections are nested, so the final cache is this one-shot one (docs/methods/lava.md#one-shot-equals-the-cascade;
   tested in ``test_policies.py``). ``e_l`` is the entropy of the layer's scores normalised to a
   distribution; log scores (learned) are exponentiated first (a softmax), so both question-agnostic
   scores give the entropy of the same quantity, the KVzip score (``score_entropy``).

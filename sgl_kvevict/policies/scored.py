@@ -9,7 +9,7 @@ A score-based method is three choices, each a hook with a default:
 
 The compressor stores one ``[H_kv, n_candidates]`` score tensor per layer during the forward pass
 and decides everything in ``plan()``: layer budgets that depend on every layer (LAVa, PyramidKV)
-are computed once after the last layer (LAVa digest §2.5: one-shot equals the cascade).
+are computed once after the last layer (docs/methods/lava.md#one-shot-equals-the-cascade).
 """
 
 from __future__ import annotations

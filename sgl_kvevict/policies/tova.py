@@ -1,6 +1,6 @@
 """TOVA (Oren et al. 2024), prefill version: keep the tokens the last query attends to most.
 
-The window is the last query alone (OBCache digest §3: no recent window, the whole budget goes to
+The window is the last query alone (docs/methods/baselines.md#tova-prefill-version: no recent window, the whole budget goes to
 the scored tokens; the last token itself is kept). OBCache scores with window 1 are their TOVA form.
 Scores are the last query's own (attention, OBCache): TOVA is defined by that query.
 """

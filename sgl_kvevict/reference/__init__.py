@@ -1,6 +1,6 @@
 """HF-transformers reference engine: prefill, compression with the project's policies, greedy decode.
 
-The only package besides ``checkpoints`` that imports transformers models; importing it prepares
+The only package besides ``sgl_kvevict.checkpoints`` that imports transformers models; importing it prepares
 transformers for this machine first (``sgl_kvevict.compat.prepare_transformers``).
 """
 

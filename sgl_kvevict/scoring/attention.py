@@ -2,7 +2,7 @@
 query's attention (TOVA).
 
 Softmax runs over every key the query sees (prefix, segment, causal window) and the window columns
-are then dropped without renormalising, as the SnapKV and Ada-KV code do (Ada-KV digest §7 item 2):
+are then dropped without renormalising, as the SnapKV and Ada-KV code do (docs/methods/adakv.md#softmax-over-every-visible-key):
 a head that attends mostly to its window has little mass to place elsewhere, so it gets less budget.
 """
 

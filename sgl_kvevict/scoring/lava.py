@@ -5,7 +5,7 @@
 comparable across the heads of a layer (the bound of Theorem 1 sums ``A * Vbar`` over heads), which
 is what justifies LAVa's layer-wise top-k.
 
-Order (LAVa digest §1.5, §8 item 5): pooling per query head first, then scaling, then GQA. With
+Order (docs/methods/lava.md#order-of-pooling-value-scaling-and-gqa): pooling per query head first, then scaling, then GQA. With
 max-pooling and GQA max (the defaults) every order gives the same result; with other choices this
 is the code's order. ``Vbar`` is taken over the candidates only, as the code does (it excludes the
 window; here it also excludes a prefix before the segment, which is not evictable either).

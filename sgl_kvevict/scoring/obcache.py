@@ -5,7 +5,7 @@ statistics are defined in ``window.py``):
 
 * value: ``sum_i A^2 ||v_p||^2``, the exact ``||dO||_F^2`` of zeroing ``v_p`` (O is linear in V);
 * key:   ``sum_i A^2 Z^2 ||v_p - o_i||^2``, second order in zeroing ``k_p``;
-* joint: ``sum_i A^2 ||(1 + Z) v_p - Z o_i||^2``, both (the digest's compact form of Eq. 6).
+* joint: ``sum_i A^2 ||(1 + Z) v_p - Z o_i||^2``, both (the compact form of Eq. 6, docs/methods/obcache.md#compact-joint-form).
 
 Under GQA the scores are summed over the query heads of a KV group (Eq. 33-35: the objective is the
 group's total output error); that is the config's default ``gqa="sum"`` for these scores.

@@ -1,6 +1,8 @@
 """Build model folders that SGLang and HF both load: the GGUF conversion and a tiny random Llama.
 
 Both produce a plain HF folder (config.json, model.safetensors, tokenizer files with a chat template).
+Outside ``reference/`` because the model resolver (``models.py``) needs the conversion and the reference
+engine needs the resolver; like ``reference/``, it prepares transformers before importing its models.
 """
 
 from __future__ import annotations
@@ -8,6 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+
+from sgl_kvevict.compat import prepare_transformers
+
+prepare_transformers()
 
 # A ChatML template like SmolLM2's, so chat requests render the same way on both models.
 CHATML_TEMPLATE = (
