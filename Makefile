@@ -1,8 +1,9 @@
 # sgl-kvevict: one-command set-up and the two jobs of the README.
 #   make setup   create .venv with the pinned CPU environment (idempotent)
-#   make serve   set up if needed, then serve SmolLM2 on 127.0.0.1:30000 with LAVa at budget 0.25
-#                (POLICY=lava BUDGET=0.25 PORT=30000; POLICY=none serves stock SGLang; WORKERS=2 starts
-#                two workers behind SGLang's cache-aware router, each with its own KV pool)
+#   make serve   set up if needed, then serve SmolLM2 on 127.0.0.1:30000, 25% of each prompt kept,
+#                ranked by the learned question-agnostic score (POLICY=topk SCORE=learned BUDGET=0.25
+#                PORT=30000; POLICY=none serves stock SGLang; WORKERS=2 starts two workers behind
+#                SGLang's cache-aware router, each with its own KV pool)
 #   make test    set up if needed, then run the whole test suite
 #   make test-fast  the suite without the tests that start a server (a few minutes)
 
@@ -11,10 +12,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 STAMP := $(VENV)/.sgl-kvevict-setup
-POLICY ?= lava
+POLICY ?= topk
 BUDGET ?= 0.25
-# A question-agnostic score, so a reused prefix still answers later questions (README, "Choosing a
-# policy"). Passed only to the policies that accept one (`--help`, --kv-evict-score); empty = the
+# A question-agnostic score, so a reused prefix still answers later questions; topk + learned is the
+# default because it answered as often as stock after reuse (README, "Choosing a policy"). Passed only to the policies that accept one (`--help`, --kv-evict-score); empty = the
 # policy's own score.
 SCORE ?= learned
 PORT ?= 30000

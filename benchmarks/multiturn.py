@@ -4,7 +4,7 @@
     python -m benchmarks.multiturn compare --policies lava,snapkv --budgets 0.5,0.25  # 8 users x 6 turns
     python -m benchmarks.multiturn sweep --policies lava --budgets 0.25            # 4 pool sizes, 6 users x 4 turns
     python -m benchmarks.multiturn sweep --system-prompt-tokens 200 --document-tokens 1500 \
-        --policies lava --scopes request,block --block-size 128 --name block-scope   # a shared system prompt
+        --policies lava --scopes request,block --block-size 256 --name block_scope   # a shared system prompt
     python -m benchmarks.multiturn run --url http://127.0.0.1:30000 --users 4 --turns 3
     python -m benchmarks.multiturn soak --seconds 300 --max-requests 3000 --pool-tokens 6500
 
@@ -19,7 +19,8 @@ model's tokenizer (``--pool-fractions``) or given in tokens (``--pool-sizes``).
 Policy servers are ``name[:score]`` at each budget (``topk:kvzip`` is ``--kv-evict-policy topk
 --kv-evict-score kvzip``), in each scope of ``--scopes`` (``block`` adds ``--kv-evict-scope block``
 and ``--kv-evict-block-size``); ``--server-arg`` passes a flag to every server. In block scope a
-prefix is shared only in whole blocks: with ``--system-prompt-tokens N`` pick a block size below N.
+shared prefix that ends inside a block is reused through the split of that block at the divergence;
+the launcher refuses a block size whose budget keeps no more than the window (nothing would compress).
 
 ``run`` measures one server that is already running. ``soak`` injects faults and checks for leaks; it
 writes ``<name>.json`` and ``.md``.

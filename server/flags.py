@@ -205,7 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-evict-block-size",
         type=int,
         metavar="TOKENS",
-        help=f"tokens per block in block scope; must exceed the observation window (default {DEFAULT_BLOCK_SIZE})",
+        help=f"tokens per block in block scope; a block's budget must keep more than the observation window, "
+        f"or no block would compress: refused at start-up (default {DEFAULT_BLOCK_SIZE})",
     )
     evict.add_argument(
         "--kv-evict-per-request",

@@ -46,11 +46,8 @@ class ServingConfig:
                 f"--kv-evict-policy is {NO_EVICTION!r}"
             )
         eviction = self.eviction  # validates the options now, in the process that parsed them
-        if eviction is not None and isinstance(self.scope, BlockScope) and self.scope.block_size <= eviction.window:
-            # A block keeps its window whole: it must hold more than that to compress anything.
-            raise ConfigError(
-                f"block size {self.scope.block_size} must exceed the observation window ({eviction.window})"
-            )
+        if eviction is not None and isinstance(self.scope, BlockScope):
+            _check_blocks_compress(self.scope.block_size, eviction)
 
     @property
     def enabled(self) -> bool:
@@ -88,3 +85,22 @@ class ServingConfig:
         values = json.loads(text)
         values["scope"] = Scope.parse(values.pop("scope"), values.pop("block_size"))
         return cls(**values)
+
+
+def _check_blocks_compress(block_size: int, eviction: EvictionConfig) -> None:
+    """A block keeps its window whole and its budget counts the window, so a block compresses only if
+    its per-head budget exceeds the window; otherwise every block would silently stay dense
+    (``SegmentLayout``: nothing left to select)."""
+    window = eviction.window
+    if block_size <= window:
+        raise ConfigError(f"block size {block_size} must exceed the observation window ({window})")
+    if eviction.budget is None or eviction.budget.per_head(block_size) > window:
+        return
+    kept = eviction.budget.per_head(block_size)
+    larger = range(block_size + 1, 64 * block_size)
+    smallest = next((size for size in larger if eviction.budget.per_head(size) > window), None)
+    fix = f"use --kv-evict-block-size {smallest} or more" if smallest else "raise the budget"
+    raise ConfigError(
+        f"block size {block_size} at budget {eviction.budget} keeps {kept} entries per (layer, KV head), no more than "
+        f"the {window}-token window every block keeps whole: no block would be compressed; {fix}"
+    )

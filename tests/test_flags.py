@@ -47,6 +47,15 @@ def test_unknown_flags_pass_through_to_sglang():
         (["--kv-evict-policy", "lava", "--kv-evict-bugdet", "0.3"], "--kv-evict-bugdet is not a flag of ours"),
         (["--kv-evict-budget", "0.3", "--kv-evict-window", "8"], "--kv-evict-budget, --kv-evict-window: only with"),
         (["--kv-evict-scope", "block"], "--kv-evict-scope: only with a --kv-evict-policy"),
+        (
+            ["--kv-evict-policy", "lava", "--kv-evict-scope", "block", "--kv-evict-block-size", "128"],
+            r"block size 128 at budget 0.25 keeps 32 entries .* no more than the 32-token window .* "
+            r"use --kv-evict-block-size 130 or more",
+        ),
+        (
+            ["--kv-evict-policy", "lava", "--kv-evict-scope", "block", "--kv-evict-budget", "32t"],
+            r"block size 512 at budget 32t keeps 32 entries .* raise the budget",
+        ),
         (["--tp", "2"], "--tp abbreviates --tp-size; spell it in full"),
         (["--max-total=100"], "--max-total abbreviates --max-total-tokens"),
     ],

@@ -214,23 +214,24 @@ def test_sweep_end_to_end_then_resume_keeps_every_finished_server(tiny_llama_dir
     argv = [
         "sweep", "--model", str(tiny_llama_dir), "--users", "2", "--turns", "2", "--document-tokens", "150",
         "--system-prompt-tokens", "100", "--max-tokens", "4", "--policies", "snapkv", "--budgets", "0.5",
-        "--scopes", "block", "--block-size", "64", "--pool-sizes", "4096,1536", "--out", str(tmp_path),
+        "--scopes", "block", "--block-size", "80", "--pool-sizes", "4096,1536", "--out", str(tmp_path),
         "--log-dir", str(tmp_path / "logs"),
     ]  # fmt: skip
     assert multiturn.main(argv) == 0
     report = json.loads((tmp_path / "sweep.json").read_text())
     assert report["meta"]["kind"] == "sweep" and report["meta"]["conversations"]["system_prompt_tokens"] == 100
     runs = [(r["pool_tokens"], r["label"], r["error"]) for r in report["runs"]]
-    assert runs == [(4096, "vanilla", None), (4096, "snapkv@0.5 block 64", None), (1536, "vanilla", None),
-                    (1536, "snapkv@0.5 block 64", None)]  # fmt: skip
+    assert runs == [(4096, "vanilla", None), (4096, "snapkv@0.5 block 80", None), (1536, "vanilla", None),
+                    (1536, "snapkv@0.5 block 80", None)]  # fmt: skip
     assert all(r["metrics"]["requests"] == 4 and r["metrics"]["failed_requests"] == 0 for r in report["runs"])
     ratios = sorted((row["comparison"].split(" / ")[0], row["pool_tokens"]) for row in report["ratios"])
-    assert ratios == [("snapkv@0.5 block 64", 1536), ("snapkv@0.5 block 64", 4096), (f"vanilla {report['runs'][2]['pool']}", 1536)]
+    assert ratios == [("snapkv@0.5 block 80", 1536), ("snapkv@0.5 block 80", 4096), (f"vanilla {report['runs'][2]['pool']}", 1536)]
     policy = report["runs"][1]
     assert policy["kvevict_stats"]["available"] and policy["kvevict_stats"]["peaks"]
+    assert policy["kvevict_stats"]["peaks"]["compressed_nodes"] > 0  # the blocks were compressed, not left dense
     assert report["runs"][0]["kvevict_stats"]["peaks"] == {}  # vanilla's /kvevict/stats is {"policy": "none"}
     text = (tmp_path / "sweep.md").read_text()
-    assert "| vanilla |" in text and "Engine stats of snapkv@0.5 block 64" in text and "facts correct [95% CI]" in text
+    assert "| vanilla |" in text and "Engine stats of snapkv@0.5 block 80" in text and "facts correct [95% CI]" in text
     assert (tmp_path / "sweep.png").stat().st_size > 10_000
     _no_server_left(tmp_path / "logs")
     logs = sorted((tmp_path / "logs").iterdir())

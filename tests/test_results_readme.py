@@ -92,7 +92,16 @@ def test_optional_parts_render_when_their_outputs_exist(tmp_path):
               "summary_tokens": 48, "answer_tokens": 8, "pool_tokens": 16384}  # fmt: skip
     reuse_quality.write_outputs(servers, {"command": "python -m benchmarks.reuse_quality", "config": config}, tmp_path, "reuse_quality")
 
+    worker = {"url": "http://127.0.0.1:41000", "requests": 8, "hit_rate": 0.9, "output_tokens_per_second": 5.0, "ttft_mean": 0.4}
+    router_run = {"variant": "lava@0.25", "total": {"requests": 16, "hit_rate": 0.75, "output_tokens_per_second": 9.5,
+                                                   "ttft": {"p50": 0.3}}, "workers": [worker, {**worker, "requests": 8}]}
+    router_meta = {"command": "python -m benchmarks.load.router --quick", "environment": {"git_commit": "abc1234", "date": "d"}}
+    (tmp_path / "router.json").write_text(json.dumps({"meta": router_meta, "runs": [router_run]}))
+
     text = results_readme.generated_part(tmp_path)
+    assert "### Scale-out: workers behind SGLang's cache-aware router" in text
+    assert "| lava@0.25 | all (clients) | 16 | 0.75 | 9.50 | p50 0.30 |" in text
+    assert "| lava@0.25 | http://127.0.0.1:41000 | 8 | 0.90 | 5.00 | mean 0.40 |" in text
     assert "### KV pool sweep at equal memory" in text and "### A shared system prompt: block scope vs request scope" in text
     assert "| 1.00 (4000) | lava@0.25 | 12.00 | 0.50 | 0.70 | 3/8 (38 [14, 69]) | 1.20 | 0.50 | 1.00 |" in text
     assert "| 0.25 | lava@0.25 | failed: the launcher exited |" in text

@@ -39,7 +39,7 @@ class ServerError(RuntimeError):
 class ServerVariant:
     """What the server runs: ``policy`` none is vanilla SGLang; otherwise ``name[:score]`` at ``budget``
     (``topk:kvzip`` is ``--kv-evict-policy topk --kv-evict-score kvzip``), plus ``extra`` launcher flags
-    of this variant only (e.g. ``--kv-evict-scope block --kv-evict-block-size 128``), named by ``tag``."""
+    of this variant only (e.g. ``--kv-evict-scope block --kv-evict-block-size 256``), named by ``tag``."""
 
     policy: str
     budget: Optional[str] = None
