@@ -246,8 +246,8 @@ def markdown(report: dict) -> str:
         f"Machine: {env['cpu_model']}, {env['cpu_cores']} cores, GPU: {env['gpu']}. SGLang {env['sglang']}, torch "
         f"{env['torch']}, sgl-kvevict {env['git_commit']}{' (uncommitted changes)' if env['git_worktree_dirty'] else ''}, "
         f"{env['date']}. Model `{cfg['model']}` (bf16, {meta['num_layers']} layers x {meta['num_kv_heads']} KV heads). "
-        f"Both servers: `--max-total-tokens {cfg['pool_tokens']}` (the policy server splits it between dense slots "
-        f"and its arena). One request at a time, greedy, streamed; load average before each server: "
+        f"Both servers: `--max-total-tokens {cfg['pool_tokens']}` (the policy server keeps its compressed cells in "
+        f"that same pool). One request at a time, greedy, streamed; load average before each server: "
         f"vanilla {report['vanilla']['load_average'][0]:.2f}, {label} {report['policy']['load_average'][0]:.2f}.",
         "",
         f"| measure (median) | vanilla | {label} | {label} / vanilla |",
@@ -361,7 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--budget", default="0.25", help="--kv-evict-budget of the compressing server (default 0.25)")
     parser.add_argument(
         "--pool-tokens", type=int, default=16384,
-        help="--max-total-tokens of both servers; the policy server's dense share must hold one prompt (default 16384)",
+        help="--max-total-tokens of both servers, which must hold one prompt dense (default 16384)",
     )  # fmt: skip
     parser.add_argument("--prompt-tokens", type=int, default=2000, help="document length in model tokens (default 2000)")
     parser.add_argument("--prompts", type=int, default=5, help="fresh prompts timed for prefill (default 5)")

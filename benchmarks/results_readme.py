@@ -87,25 +87,14 @@ def engine_overhead_part(report: dict) -> list[str]:
 def multiturn_part(report: dict) -> list[str]:
     meta, env = report["meta"], report["environment"]
     c = meta["conversations"]
-    # SGLang's own token slots below the KV pool: the first engine's separate arena took the rest.
-    policy_runs = [
-        run for run in report["runs"]
-        if run["variant"]["policy"] != "none" and run.get("dense_slots") and run["dense_slots"] < run["pool_tokens"]
-    ]  # fmt: skip
-    arena_share = (
-        f"; a policy server gives {1 - policy_runs[0]['dense_slots'] / policy_runs[0]['pool_tokens']:.0%} of it to its arena"
-        if policy_runs
-        else ""
-    )
     lines = [
         "### Concurrent multi-turn load at equal KV memory",
         "",
         f"`{meta['command']}` ({_provenance(env)}; full report with p90/p99 and every request: "
         "[docs/results/multiturn.md](docs/results/multiturn.md))",
         "",
-        f"{c['users']} users x {c['turns']} turns over ~{c['document_tokens']}-token documents, ~{_all_histories(meta)} "
-        f"history tokens in all; every server of a pool gets the same `--max-total-tokens` ({_pool_sizes(meta)}"
-        f"{arena_share}).",
+        f"{c['users']} users x {c['turns']} turns over ~{c['document_tokens']}-token documents, ~{meta['workload']['all_histories']} "
+        f"history tokens in all; every server of a pool gets the same `--max-total-tokens` ({_pool_sizes(meta)}).",
         "",
         "| pool | server | req/s | output tok/s | TTFT p50 (s) | hit rate | facts correct | compressed nodes peak / requests compressed |",
         "|---|---|---|---|---|---|---|---|",
@@ -138,14 +127,7 @@ def multiturn_part(report: dict) -> list[str]:
     return lines + ["", "![multi-turn benchmark](docs/results/multiturn.png)"]
 
 
-def _all_histories(meta: dict) -> int:
-    # Reports written before pools became a list kept the workload's sizes in the pools dict.
-    return meta["workload"]["all_histories"] if "workload" in meta else meta["pools"]["all_histories"]
-
-
 def _pool_sizes(meta: dict) -> str:
-    if isinstance(meta["pools"], dict):
-        return f"large {meta['pools']['large']}, tight {meta['pools']['tight']}"
     return ", ".join(f"{pool['name']} {pool['tokens']}" for pool in meta["pools"])
 
 
