@@ -28,7 +28,7 @@ class ServingConfig:
     eviction_options: the ``--kv-evict-<field>`` strings given besides the policy (``EvictionConfig``
         field names, dashes allowed).
     per_request: requests may name their own eviction options in SGLang's ``extra_key`` request field
-        (``"kvevict:policy=snapkv,budget=0.5"``; ``engine.state.EngineState``).
+        (``"kvevict:policy=snapkv,budget=0.5"``; ``engine.setups.Setups``).
     scope: which spans become compressed radix nodes (``sgl_kvevict.scope``). One scope per server:
         block scope does not also compress the tail after the last block in request scope. A block
         must hold more than the policy's window.

@@ -12,7 +12,7 @@ import urllib.request
 import torch
 
 from serving import RunningServer
-from sgl_kvevict.engine.state import REQUEST_OPTIONS_PREFIX
+from sgl_kvevict.engine.setups import REQUEST_OPTIONS_PREFIX
 
 # With a policy the launcher passes SGLang a shrunk --max-total-tokens, from which SGLang's CPU memory
 # profiling derives a negative --mem-fraction-static and refuses to start; an explicit one avoids it.

@@ -28,7 +28,7 @@ activate_cpu_mode()
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 
 from sgl_kvevict.engine.attention import KVEvictTorchBackend  # noqa: E402
-from sgl_kvevict.engine.batch import ForwardPlan, RequestSlice  # noqa: E402
+from sgl_kvevict.engine.batch import CellBatchCache, ForwardRequests, RequestSlice, SegmentMetadata  # noqa: E402
 from sgl_kvevict.engine.cells import CellSpace  # noqa: E402
 from sgl_kvevict.engine.segments import CompressedSegment, PathView, ranges_to_positions  # noqa: E402
 
@@ -95,7 +95,7 @@ class KVPool:
 
 @dataclass
 class Scenario:
-    plan: ForwardPlan
+    segments: SegmentMetadata
     forward_batch: SimpleNamespace
     pool: KVPool
     space: CellSpace
@@ -157,11 +157,10 @@ def build_scenario(specs, mode: ForwardMode, num_kv_heads: int, group: int, dtyp
         extend_prefix_lens=seq_lens - extend_lens,
         extend_seq_lens=extend_lens,
     )
-    engine = SimpleNamespace(arena=SimpleNamespace(space=space), cell_batch_cache=((), None))
-    plan = ForwardPlan(engine, mode.is_decode(), requests, [])
-    plan._describe_compressed(torch.device("cpu"), req_to_token)
+    forward = ForwardRequests(mode.is_decode(), tuple(requests))
+    segments = SegmentMetadata.of(forward, torch.device("cpu"), CellBatchCache())
     q, k, v = tokens(num_q_heads), tokens(num_kv_heads), tokens(num_kv_heads)
-    return Scenario(plan, forward_batch, pool, space, req_to_token, specs, q, k, v)
+    return Scenario(segments, forward_batch, pool, space, req_to_token, specs, q, k, v)
 
 
 def layer_of(layer_id: int, num_kv_heads: int, group: int):
@@ -183,11 +182,13 @@ def make_flashinfer_backend(module, scenario: Scenario, num_kv_heads: int = 2, g
     backend._shape = module.backend.AttentionShape(
         layer.tp_q_head_num, num_kv_heads, HEAD_DIM, HEAD_DIM, layer.scaling, scenario.pool.dtype, scenario.pool.dtype
     )
+    backend.cell_rows = (scenario.space.k_rows, scenario.space.v_rows)
+    backend._init_segment_metadata(scenario.forward_batch, scenario.segments)
     return backend
 
 
 def run_backend(backend, scenario: Scenario, layer) -> torch.Tensor:
-    backend.forward_plan = scenario.plan
+    backend.segments = scenario.segments
     forward = backend.forward_decode if scenario.forward_batch.forward_mode.is_decode() else backend.forward_extend
     return forward(scenario.q, scenario.k, scenario.v, layer, scenario.forward_batch)
 
@@ -201,7 +202,7 @@ def naive_attention(scenario: Scenario, layer) -> torch.Tensor:
     k_cache, v_cache = (buffer.double() for buffer in scenario.pool.get_kv_buffer(layer.layer_id))
     cells_k, cells_v = scenario.space.k_rows.double(), scenario.space.v_rows.double()
     out = torch.zeros_like(queries)
-    for request in scenario.plan.requests:
+    for request in scenario.segments.forward.requests:
         positions = ranges_to_positions(request.dense_ranges(), torch.device("cpu"))
         slots = scenario.req_to_token[request.row, positions].long()
         query_positions = torch.arange(request.first_query_position, request.seq_len)
@@ -227,7 +228,10 @@ def torch_backend(scenario: Scenario) -> KVEvictTorchBackend:
         req_to_token_pool=SimpleNamespace(req_to_token=scenario.req_to_token),
         token_to_kv_pool=scenario.pool,
     )
-    return KVEvictTorchBackend(runner)
+    backend = KVEvictTorchBackend(runner)
+    backend.cell_rows = (scenario.space.k_rows, scenario.space.v_rows)
+    backend._init_segment_metadata(scenario.forward_batch, scenario.segments)
+    return backend
 
 
 GQA = [pytest.param(2, 2, id="kv2-g2"), pytest.param(1, 3, id="kv1-g3"), pytest.param(4, 1, id="kv4-g1")]
@@ -241,7 +245,6 @@ def test_mixed_batch_matches_cpu_backend_and_naive_attention(flashinfer_module, 
     flash = build_scenario(specs, mode, num_kv_heads, group)
     cpu = build_scenario(specs, mode, num_kv_heads, group)
     backend = make_flashinfer_backend(flashinfer_module, flash, num_kv_heads, group)
-    backend._init_segment_metadata(flash.forward_batch, flash.plan)
     cpu_backend = torch_backend(cpu)
     for layer_id in range(NUM_LAYERS):  # the layers keep different cells per head
         layer = layer_of(layer_id, num_kv_heads, group)
@@ -258,7 +261,6 @@ def test_mixed_batch_matches_cpu_backend_and_naive_attention(flashinfer_module, 
 def test_bf16_batch_matches_naive_attention(flashinfer_module):
     scenario = build_scenario(EXTEND, ForwardMode.EXTEND, 2, 2, dtype=torch.bfloat16)
     backend = make_flashinfer_backend(flashinfer_module, scenario)
-    backend._init_segment_metadata(scenario.forward_batch, scenario.plan)
     layer = layer_of(1, 2, 2)
     out = run_backend(backend, scenario, layer)
     assert out.dtype == torch.bfloat16
@@ -268,7 +270,6 @@ def test_bf16_batch_matches_naive_attention(flashinfer_module):
 def test_flashinfer_arguments_have_the_documented_types(flashinfer_module):
     scenario = build_scenario(EXTEND, ForwardMode.EXTEND, 2, 2)
     backend = make_flashinfer_backend(flashinfer_module, scenario)
-    backend._init_segment_metadata(scenario.forward_batch, scenario.plan)
     layer = layer_of(0, 2, 2)
     run_backend(backend, scenario, layer)
     wrapper = backend.prefill_wrappers_paged[0]

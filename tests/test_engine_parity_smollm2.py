@@ -21,7 +21,7 @@ from benchmarks.tasks import make_task
 from engine_client import TINY_SERVER_FLAGS, assert_no_leak_after_flush, assert_same_plan, assert_strict_idle_check_passed, generate
 from serving import running_server
 from sgl_kvevict.config import EvictionConfig, build_policy
-from sgl_kvevict.engine.state import PLAN_DUMP_ENV
+from sgl_kvevict.engine.coordinator import PLAN_DUMP_ENV
 from sgl_kvevict.policies import registered_policies
 from sgl_kvevict.reference.engine import Mode, Prompt
 

@@ -8,7 +8,9 @@ import itertools
 import pytest
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
-from sgl_kvevict.engine.paths import compressed_segment, match_may_end
+from sgl_kvevict.engine.eviction import CompressedTreeOrder, NodeCost
+from sgl_kvevict.engine.radix_cache import match_may_end
+from sgl_kvevict.engine.records import NodeRecord, node_record
 from sgl_kvevict.scope import BlockScope
 from tree_harness import WINDOW, KeepEvery, TreeHarness, tokens
 
@@ -35,8 +37,8 @@ def test_the_next_turn_reuses_the_compressed_prompt_and_a_divergent_prompt_does_
     first = harness.prefill(tokens(1, 100, first=1))
     harness.assert_ledger()
     (node,) = harness.compressed_nodes()
-    assert (compressed_segment(node).start, compressed_segment(node).length) == (0, 100 - WINDOW)
-    assert harness.arena.cells_used == compressed_segment(node).num_cells
+    assert (node_record(node).segment.start, node_record(node).segment.length) == (0, 100 - WINDOW)
+    assert harness.arena.cells_used == node_record(node).segment.num_cells
     harness.decode(first, [7, 8, 9])
     harness.finish(first)
     harness.assert_ledger()
@@ -50,7 +52,7 @@ def test_the_next_turn_reuses_the_compressed_prompt_and_a_divergent_prompt_does_
     harness.finish(divergent)
     harness.assert_ledger()
     harness.assert_cells_hold_their_entries()
-    stats = harness.engine.stats_snapshot()
+    stats = harness.stats_snapshot()
     assert stats["reuse_hits"] == 1 and stats["reused_tokens"] == 100 - WINDOW
 
 
@@ -88,7 +90,7 @@ def test_requests_racing_for_the_same_span_store_it_once():
         harness.checkpoint(racer)
         harness.assert_ledger()
     assert len(harness.compressed_nodes()) == 1
-    assert harness.engine.stats.compression_races_lost == 1
+    assert harness.stats.compression_races_lost == 1
     for racer in racers:
         harness.finish(racer)
     harness.assert_ledger()
@@ -109,7 +111,7 @@ def test_block_scope_compresses_every_document_after_a_shared_system_prompt():
     # end: the first block was split there, and every document hangs its own part below the head.
     heads = [node for node in harness.compressed_nodes() if not match_may_end(node)]
     assert len(heads) == 1 and len(heads[0].key) == 20 and len(heads[0].children) == 3
-    assert harness.engine.stats.compressed_nodes_created == 3 * 4 + 1  # 4 blocks each (139 tokens), one head
+    assert harness.stats.compressed_nodes_created == 3 * 4 + 1  # 4 blocks each (139 tokens), one head
     for document in documents:  # each later question reuses every block of its own document
         req = harness.prefill(document + tokens(30, 8))
         assert harness.last_match >= 4 * 32
@@ -127,7 +129,7 @@ def test_block_scope_a_document_that_extends_another_reuses_its_blocks():
     harness.finish(longer)
     # A block starting before the request's own tokens holds tokens the tree already has: [64, 96) stays
     # dense (the tail, then the longer one's own tokens); the next full block is compressed.
-    blocks = sorted((compressed_segment(n).start, compressed_segment(n).end) for n in harness.compressed_nodes())
+    blocks = sorted((node_record(n).segment.start, node_record(n).segment.end) for n in harness.compressed_nodes())
     assert blocks == [(0, 32), (32, 64), (96, 128)]
     harness.assert_ledger()
     harness.assert_cells_hold_their_entries()
@@ -167,10 +169,10 @@ def test_a_prefill_that_needs_room_evicts_compressed_and_dense_nodes():
     for seed in range(6):
         harness.finish(harness.prefill(tokens(80 + seed, 100, first=80 + seed)))
         harness.assert_ledger()
-    before = harness.engine.stats_snapshot()
+    before = harness.stats_snapshot()
     big = harness.prefill(tokens(90, 260, first=90))  # needs nearly the whole pool dense
     harness.assert_ledger()
-    after = harness.engine.stats_snapshot()
+    after = harness.stats_snapshot()
     assert after["compressed_nodes_evicted"] > before["compressed_nodes_evicted"]
     assert after["dense_nodes_evicted"] > before["dense_nodes_evicted"]
     harness.finish(big)
@@ -182,7 +184,7 @@ def test_locked_compressed_nodes_are_protected_and_never_evicted():
     harness = TreeHarness(pool_slots=300)
     running = harness.prefill(tokens(100, 100, first=100))  # not finished: it locks its nodes
     (node,) = harness.compressed_nodes()
-    cells = compressed_segment(node).num_cells
+    cells = node_record(node).segment.num_cells
     assert harness.arena.cells_locked == cells
     assert harness.tree.protected_size() >= -(-cells // harness.arena.cells_per_slot)
     harness.tree.evict(EvictParams(num_tokens=10_000))
@@ -210,9 +212,9 @@ def test_eviction_moves_cells_to_give_slots_back_before_evicting_anything():
     reclaimable = harness.arena.slots_reclaimable_by_moves
     assert reclaimable >= 1
     survivors = harness.compressed_nodes()
-    evicted_before = harness.engine.stats.compressed_nodes_evicted
+    evicted_before = harness.stats.compressed_nodes_evicted
     harness.tree.evict(EvictParams(num_tokens=reclaimable))
-    assert harness.engine.stats.compressed_nodes_evicted == evicted_before  # moves were enough
+    assert harness.stats.compressed_nodes_evicted == evicted_before  # moves were enough
     assert harness.arena.slots_reclaimable_by_moves == 0 and harness.compressed_nodes() == survivors
     harness.assert_cells_hold_their_entries()  # every cell followed its move
     harness.assert_ledger()
@@ -231,17 +233,19 @@ def run_cycling_conversations(harness: TreeHarness, users: int, turns: int) -> f
     return served / prompted
 
 
-class LeastRecentlyUsed:
-    """SGLang's default order, for comparison: the priority is the time of the last use."""
+class LeastRecentlyUsed(CompressedTreeOrder):
+    """SGLang's default order, for comparison (another order is one class): the last use goes last."""
 
     def __init__(self):
         self.counter = itertools.count()
 
-    def priority(self, reuses, cost_tokens, size_slots) -> float:
-        return float(next(self.counter))
+    def get_priority(self, node) -> tuple:
+        return node_record(node).priority, node.id
 
-    def creation_rank(self) -> int:
-        return 0
+    def created(self, record: NodeRecord, cost: NodeCost) -> None:
+        record.priority = float(next(self.counter))
+
+    reused = created
 
     def evicted(self, priority) -> None:
         pass
@@ -255,9 +259,7 @@ def test_conversations_cycling_through_a_slightly_too_small_pool_keep_a_stable_s
     every turn misses; the GDSF order keeps most histories and their turns hit."""
     pool = 3 * 32 + 100 + 20  # three conversations' compressed histories (~32 slots each) and one prefill
     ours = run_cycling_conversations(TreeHarness(pool_slots=pool), users=5, turns=6)
-    lru_harness = TreeHarness(pool_slots=pool)
-    lru_harness.engine.order = LeastRecentlyUsed()
-    lru = run_cycling_conversations(lru_harness, users=5, turns=6)
+    lru = run_cycling_conversations(TreeHarness(pool_slots=pool, order=LeastRecentlyUsed()), users=5, turns=6)
     assert lru < 0.05, lru
     assert ours > 0.35, ours
 

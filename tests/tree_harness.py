@@ -5,7 +5,8 @@ engine's patch, as in the server) and ``TokenToKVPoolAllocator`` on the CPU, our
 over them, and real ``Req`` objects. ``prefill`` does what the scheduler and the model do for one
 request (match, lock, allocate and evict, write the row, fill the new slots' K/V, the engine's submit,
 the tree's checkpoint), with a deterministic stand-in policy so that the tests control what is kept;
-``finish`` releases the request as ``release_kv_cache`` does. Every K/V value encodes (layer, position,
+``finish`` releases the request as ``release_kv_cache`` does. The coordinator sees each prefill through
+its ``forward_begin``, as the attention backend calls it. Every K/V value encodes (layer, position,
 KV head, conversation), so a test can check any cell's content after compression, splits and moves.
 
 No server, no model: each test takes seconds (SGLang's own radix-cache unit tests work the same way,
@@ -16,25 +17,31 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Callable, Optional
 
 import torch
-from sglang.srt.managers.schedule_batch import Req
+from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixKey
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.sampling.sampling_params import SamplingParams
 
 from sgl_kvevict.config import EvictionConfig
 from sgl_kvevict.engine.arena import Arena
 from sgl_kvevict.engine.cells import CellSpace
+from sgl_kvevict.engine.compression import ScoringCapture
+from sgl_kvevict.engine.coordinator import CompressionCoordinator
+from sgl_kvevict.engine.eviction import CompressedTreeOrder
 from sgl_kvevict.engine.factory import _slot_source
 from sgl_kvevict.engine.pool import install_contiguous_kv_buffers
-from sgl_kvevict.engine.paths import compressed_segment
 from sgl_kvevict.engine.radix_cache import CompressedRadixCache
-from sgl_kvevict.engine.state import EngineState, EvictionSetup, ModelShape
+from sgl_kvevict.engine.records import node_record
+from sgl_kvevict.engine.setups import EvictionSetup, ModelShape, Setups
+from sgl_kvevict.engine.stats import EngineStats
 from sgl_kvevict.plan import CompressionPlan, LayerPlan
 from sgl_kvevict.policies.base import Policy, SegmentCompressor, SegmentSpec
 from sgl_kvevict.scope import RequestScope, Scope
@@ -107,6 +114,7 @@ class TreeHarness:
         rule: KeepEvery = KeepEvery(),
         max_requests: int = 16,
         max_context: int = 1024,
+        order: Optional[CompressedTreeOrder] = None,
     ):
         install_contiguous_kv_buffers()
         self.shape = ModelShape(num_layers, 2 * num_kv_heads, num_kv_heads)
@@ -121,13 +129,15 @@ class TreeHarness:
         self.space = CellSpace.of_buffers(self.pool.k_buffer, self.pool.v_buffer)
         self.arena = Arena(self.space, _slot_source(self.allocator, self.space))
         config = EvictionConfig(policy="snapkv", window=WINDOW)
-        self.engine = EngineState(config, self.shape, self.arena, self.allocator, scope)
         policy = RulePolicy(config, rule)
-        self.engine.default_setup = EvictionSetup(config, policy, policy.stats_request())
+        self.stats = EngineStats()
+        capture = ScoringCapture(self.space, self.pool, hidden_states=None)
+        setups = Setups(EvictionSetup(config, policy, policy.stats_request()))
+        self.coordinator = CompressionCoordinator(setups, scope, self.shape, capture, self.stats)
         params = CacheInitParams(
             disable=False, req_to_token_pool=self.req_to_token_pool, token_to_kv_pool_allocator=self.allocator, page_size=1
         )
-        self.tree = CompressedRadixCache(params, self.engine)
+        self.tree = CompressedRadixCache(params, self.coordinator, self.arena, self.stats, order)
         self.running: list[Req] = []
         self.last_match = 0  # the prefix length of the last match (SGLang's cached tokens)
         self._next_rid = 0
@@ -164,7 +174,7 @@ class TreeHarness:
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
         row[:prefix] = self.tree.path_device_indices(req.last_node)[:prefix].to(row.dtype)
         self._extend(req, prefix, len(tokens))
-        self.engine.submit(req, prefix, len(tokens))
+        self._forward(req, prefix, len(tokens))
         self.running.append(req)
         if checkpoint:
             self.checkpoint(req)
@@ -181,12 +191,15 @@ class TreeHarness:
         self._extend(req, start, start + len(tokens))
 
     def finish(self, req: Req) -> None:
-        """``release_kv_cache(checkpoint=True)``: the tree keeps what it can, the rest of the row is freed."""
+        """The request finished: ``release_kv_cache(checkpoint=True)``, the tree keeps what it can, the rest
+        of the row is freed."""
+        req.finished_reason = FINISH_LENGTH(len(req.output_ids))
         committed = req.kv.kv_committed_len
         self.tree.checkpoint(req, up_to=committed)
         self.tree.free_kv_row(req.kv, [(req.kv.cache_protected_len, committed)])
         self.tree.unlock(req.lock)
         req.lock = None
+        self.tree.on_release(req, checkpointed=True)
         self.req_to_token_pool.free(req)
         self.running.remove(req)
 
@@ -202,6 +215,17 @@ class TreeHarness:
                     self.pool.k_buffer[layer][slot, head] = value
                     self.pool.v_buffer[layer][slot, head] = -value
         req.kv.kv_committed_len = req.kv.kv_allocated_len = end
+
+    def _forward(self, req: Req, start: int, end: int) -> None:
+        """The attention backend's ``init_forward_metadata`` of the extend of ``[start, end)``."""
+        forward_batch = SimpleNamespace(
+            forward_mode=ForwardMode.EXTEND, rids=[req.rid], seq_lens_cpu=torch.tensor([end]),
+            extend_seq_lens_cpu=[end - start], req_pool_indices=torch.tensor([req.kv.req_pool_idx]),
+        )  # fmt: skip
+        self.coordinator.forward_begin(forward_batch, self.req_to_token_pool.req_to_token)
+
+    def stats_snapshot(self) -> dict:
+        return self.stats.snapshot()
 
     def alloc(self, count: int) -> torch.Tensor:
         """``alloc_token_slots``: evict from the tree when the allocator is short, then allocate."""
@@ -234,7 +258,7 @@ class TreeHarness:
     def assert_cells_hold_their_entries(self) -> None:
         """Every compressed node's cells hold exactly the K/V of the entries its segment lists."""
         for node in self.compressed_nodes():
-            segment = compressed_segment(node)
+            segment = node_record(node).segment
             node_tokens = node.key.token_ids
             expected = torch.tensor(
                 [
@@ -252,7 +276,7 @@ class TreeHarness:
         while stack:
             node = stack.pop()
             stack.extend(node.children.values())
-            if compressed_segment(node) is not None:
+            if node_record(node).is_compressed:
                 nodes.append(node)
         return nodes
 

@@ -1,15 +1,15 @@
 """The attention backend: SGLang's ``TorchNativeAttnBackend`` plus scoring capture and segment attention.
 
 Registered in place of the stock ``torch_native`` factory (``plugin.py``), so the backend name and
-every stock gate keyed on it stay the same. Until the factory attaches an ``EngineState``
-(``attach_engine``), and for every request without compressed nodes on its path, it is the stock
-backend, call for call.
+every stock gate keyed on it stay the same. Until the factory attaches the coordinator
+(``attach_coordinator``), and for every forward without compressed requests, it is the stock backend,
+call for call.
 
-* **Scoring capture** (extend): after a layer's attention, for each span compressed after this
-  forward (the request's own span, or each block ending in it), the span's last ``w`` post-RoPE query
-  rows and the keys and values up to its end (dense slots, plus the cells of spans reused compressed)
-  give the policy's ``WindowStats``, passed to ``compressor.observe(layer, stats)``. The plans are built
-  by the tree's checkpoint after the forward.
+A plan/run reader of per-forward metadata it builds itself: ``init_forward_metadata`` asks the
+coordinator for the forward's requests (``forward_begin``) and builds the ``SegmentMetadata`` of the
+compressed ones; each layer runs on it, then tells the coordinator the layer is done
+(``attention_end``: the scoring capture of spans compressed after this forward,
+``engine.compression``).
 * **Segment attention** (extend and decode): for a request whose path holds compressed nodes, the
   output is the log-sum-exp merge of (a) attention over the cells of those nodes, one pseudo-sequence
   per (request, KV head) with the GQA group as its query heads (``kernels.segment_attention``, reading
@@ -18,9 +18,8 @@ backend, call for call.
   their original positions and queries stay at logical positions.
 
 The dispatch lives in ``SegmentAttentionBackend`` and is shared with the CUDA backend
-(``flashinfer_backend.py``), as are ``observe_window`` and ``compressed_attention``. Everything a layer
-runs indexes tensors ``ForwardPlan.build`` made once per forward (``engine.batch``). On CPU the kernels
-dispatch to their torch twins.
+(``flashinfer_backend.py``), as is ``compressed_attention``. Everything a layer runs indexes tensors
+built once per forward (``engine.batch``). On CPU the kernels dispatch to their torch twins.
 """
 
 from __future__ import annotations
@@ -29,10 +28,9 @@ import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-from sgl_kvevict.engine.batch import DenseBatch, ForwardPlan, RequestSlice, ScoringJob
-from sgl_kvevict.engine.state import EngineState
-from sgl_kvevict.kernels import CompressedCells, merge_attention_states, segment_attention, window_stats_paged
-from sgl_kvevict.scoring.window import WindowStats
+from sgl_kvevict.engine.batch import CellBatchCache, DenseBatch, RequestSlice, SegmentMetadata
+from sgl_kvevict.engine.coordinator import CompressionCoordinator
+from sgl_kvevict.kernels import merge_attention_states, segment_attention
 
 _QUERY_CHUNK = 512  # bounds the [chunk, H_q, L] fp32 logits of an extend's dense part
 
@@ -72,102 +70,76 @@ def dense_attention(
     return out, lse
 
 
-def observe_window(job: ScoringJob, q: torch.Tensor, layer, engine: EngineState, kv_pool) -> None:
-    """Scoring capture of one request and layer: the span's statistics to its compressor.
-
-    q ``[N, H_q * D]`` (this forward's post-RoPE queries); the KV of the request (prefix and this extend)
-    must already be in ``kv_pool``. A learned scorer gets the layer's attention-input hidden states of the
-    span instead (``engine.hidden_states``).
-    """
-    if job.stats_request.hidden_states:
-        job.compressor.observe(layer.layer_id, _hidden_state_stats(job, engine.hidden_states.by_layer[layer.layer_id]))
-        return
-    request = job.request
-    queries = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
-    q_window = queries[request.q_end - job.window : request.q_end].transpose(0, 1)  # [H_q, w, D]
-    k_buffer, v_buffer = kv_pool.get_key_buffer(layer.layer_id), kv_pool.get_value_buffer(layer.layer_id)
-    if request.view is None:
-        stats = window_stats_paged(q_window, k_buffer, v_buffer, job.dense_slots, layer.scaling, job.stats_request)
-    else:
-        view, space = request.view, engine.arena.space
-        start, end = view.layer_offsets[layer.layer_id], view.layer_offsets[layer.layer_id + 1]
-        cells = CompressedCells(
-            space.k_rows, space.v_rows, view.cells[start:end], view.positions[start:end], view.head_indptr[layer.layer_id]
-        )
-        stats = window_stats_paged(
-            q_window, k_buffer, v_buffer, job.dense_slots, layer.scaling, job.stats_request,
-            key_positions=job.dense_positions, context_length=request.seq_len, cells=cells,
-        )  # fmt: skip
-    job.compressor.observe(layer.layer_id, stats)
-
-
-def _hidden_state_stats(job: ScoringJob, hidden_states: torch.Tensor) -> WindowStats:
-    """The span's rows of this forward's attention-input hidden states ``[N, d_model]``."""
-    spec, request = job.compressor.spec, job.request
-    first = request.q_start + spec.start - request.first_query_position
-    return WindowStats(window=job.window, hidden_states=hidden_states[first : first + spec.length], hidden_start=spec.start)
-
-
-def compressed_attention(plan: ForwardPlan, queries: torch.Tensor, layer) -> tuple[torch.Tensor, torch.Tensor]:
+def compressed_attention(
+    segments: SegmentMetadata, queries: torch.Tensor, layer, k_rows: torch.Tensor, v_rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of the compressed requests' queries over their cells (``kernels.segment_attention``).
 
-    queries ``[N, H_q, D]`` (every query of the forward). Returns out ``[N_c, H_q, D_v]`` and natural-log
-    lse fp32 ``[N_c, H_q]`` for ``plan.query_rows`` (``-inf`` and out 0 for a KV head without cells).
+    queries ``[N, H_q, D]`` (every query of the forward); k_rows, v_rows: the pool's cells
+    (``CellSpace``). Returns out ``[N_c, H_q, D_v]`` and natural-log lse fp32 ``[N_c, H_q]`` for
+    ``segments.query_rows`` (``-inf`` and out 0 for a KV head without cells).
     """
-    space, cells = plan.engine.arena.space, plan.cells
+    cells = segments.cells
     return segment_attention(
-        queries[plan.query_rows], space.k_rows, space.v_rows, plan.qo_indptr, cells.kv_indptr[layer.layer_id],
-        cells.kv_indices, layer.tp_k_head_num, layer.scaling, plan.max_queries, cells.max_cells,
+        queries[segments.query_rows], k_rows, v_rows, segments.qo_indptr, cells.kv_indptr[layer.layer_id],
+        cells.kv_indices, layer.tp_k_head_num, layer.scaling, segments.max_queries, cells.max_cells,
     )  # fmt: skip
 
 
 class SegmentAttentionBackend:
-    """Mixin over a stock SGLang attention backend: the per-forward plan and the dispatch.
+    """Mixin over a stock SGLang attention backend: the per-forward metadata and the dispatch.
 
     A forward without compressed requests is the stock backend's, call for call; with some, every
     request of the batch goes through ``_forward_with_segments`` (stock metadata would read the
-    placeholder slots of compressed spans). Extends then feed the scoring jobs. Subclasses provide
-    ``_init_segment_metadata`` and ``_forward_with_segments``; the stock base provides
-    ``req_to_token_pool`` and ``token_to_kv_pool``.
+    placeholder slots of compressed spans). Subclasses provide ``_init_segment_metadata`` and
+    ``_forward_with_segments``; the stock base provides ``req_to_token_pool`` and ``token_to_kv_pool``.
     """
 
-    engine: EngineState | None = None
-    forward_plan: ForwardPlan | None = None
+    coordinator: CompressionCoordinator | None = None
+    segments: SegmentMetadata | None = None
 
-    def attach_engine(self, engine: EngineState) -> None:
-        """Called by the factory once the tree exists; until then the backend is stock."""
-        self.engine = engine
+    def attach_coordinator(self, coordinator: CompressionCoordinator, k_rows: torch.Tensor, v_rows: torch.Tensor) -> None:
+        """Called by the factory once the tree exists; until then the backend is stock. k_rows, v_rows:
+        the pool's flat cell views (``CellSpace``), where compressed entries are read."""
+        self.coordinator = coordinator
+        self.cell_rows = (k_rows, v_rows)
+        self._cell_batches = CellBatchCache()
 
     def init_forward_metadata(self, forward_batch):
-        engine = self.engine
-        plan = None if engine is None else ForwardPlan.build(engine, forward_batch, self.req_to_token_pool.req_to_token)
-        self.forward_plan = plan
-        if plan is None or not plan.compressed:
+        coordinator, self.segments = self.coordinator, None
+        if coordinator is not None:
+            forward = coordinator.forward_begin(forward_batch, self.req_to_token_pool.req_to_token)
+            if forward.compressed:
+                device = self.req_to_token_pool.req_to_token.device
+                self.segments = SegmentMetadata.of(forward, device, self._cell_batches)
+        if self.segments is None:
             super().init_forward_metadata(forward_batch)
         else:
-            self._init_segment_metadata(forward_batch, plan)
+            self._init_segment_metadata(forward_batch, self.segments)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
-        plan = self.forward_plan
-        if plan is None or not plan.compressed:
+        segments = self.segments
+        if segments is None:
             out = super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
         else:
-            out = self._forward_with_segments(q, k, v, layer, forward_batch, save_kv_cache, plan)
-        if plan is not None:
-            for job in plan.scoring:
-                observe_window(job, q, layer, plan.engine, self.token_to_kv_pool)
+            out = self._forward_with_segments(q, k, v, layer, forward_batch, save_kv_cache, segments)
+        if self.coordinator is not None:
+            self.coordinator.attention_end(q, layer)
         return out
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
-        plan = self.forward_plan
-        if plan is None or not plan.compressed:
+        segments = self.segments
+        if segments is None:
             return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
-        return self._forward_with_segments(q, k, v, layer, forward_batch, save_kv_cache, plan)
+        return self._forward_with_segments(q, k, v, layer, forward_batch, save_kv_cache, segments)
 
-    def _init_segment_metadata(self, forward_batch, plan: ForwardPlan) -> None:
+    def _compressed_attention(self, segments: SegmentMetadata, queries: torch.Tensor, layer):
+        return compressed_attention(segments, queries, layer, *self.cell_rows)
+
+    def _init_segment_metadata(self, forward_batch, segments: SegmentMetadata) -> None:
         raise NotImplementedError
 
-    def _forward_with_segments(self, q, k, v, layer, forward_batch, save_kv_cache, plan: ForwardPlan):
+    def _forward_with_segments(self, q, k, v, layer, forward_batch, save_kv_cache, segments: SegmentMetadata):
         """Attention output ``[N, H_q * D_v]`` of every request of a forward that has compressed ones."""
         raise NotImplementedError
 
@@ -175,10 +147,13 @@ class SegmentAttentionBackend:
 class KVEvictTorchBackend(SegmentAttentionBackend, TorchNativeAttnBackend):
     """``TorchNativeAttnBackend`` that scores prompts for eviction and attends over compressed nodes."""
 
-    def _init_segment_metadata(self, forward_batch, plan: ForwardPlan) -> None:
-        TorchNativeAttnBackend.init_forward_metadata(self, forward_batch)  # per-request SDPA needs nothing planned
+    dense: DenseBatch | None = None
 
-    def _forward_with_segments(self, q, k, v, layer, forward_batch, save_kv_cache, plan: ForwardPlan):
+    def _init_segment_metadata(self, forward_batch, segments: SegmentMetadata) -> None:
+        TorchNativeAttnBackend.init_forward_metadata(self, forward_batch)  # per-request SDPA needs nothing planned
+        self.dense = DenseBatch.of(segments.forward.compressed, self.req_to_token_pool.req_to_token)
+
+    def _forward_with_segments(self, q, k, v, layer, forward_batch, save_kv_cache, segments: SegmentMetadata):
         if save_kv_cache and k is not None and v is not None:
             loc = KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc)
             self.token_to_kv_pool.set_kv_buffer(layer, loc, k, v)
@@ -188,27 +163,27 @@ class KVEvictTorchBackend(SegmentAttentionBackend, TorchNativeAttnBackend):
         k_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
         v_cache = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
         # Stock SDPA for the plain requests of a mixed batch (it loops over them, as the stock backend does).
-        for request in plan.requests:
+        for request in segments.forward.requests:
             if request.view is None:
                 self._stock_request(request, queries, out, k_cache, v_cache, layer, forward_batch)
-        compressed_out, compressed_lse = compressed_attention(plan, queries, layer)
-        dense_out, dense_lse = self._dense_part(plan, queries, k_cache, v_cache, layer)
+        compressed_out, compressed_lse = self._compressed_attention(segments, queries, layer)
+        dense_out, dense_lse = self._dense_part(segments, queries, k_cache, v_cache, layer)
         merged, _ = merge_attention_states(compressed_out, compressed_lse, dense_out, dense_lse)
-        out[plan.query_rows] = merged
+        out[segments.query_rows] = merged
         return out.view(-1, num_q_heads * v_head_dim)
 
-    def _dense_part(self, plan: ForwardPlan, queries, k_cache, v_cache, layer):
+    def _dense_part(self, segments: SegmentMetadata, queries, k_cache, v_cache, layer):
         """The compressed requests' attention over their dense positions: one padded batch in decode
         (one query per request); in an extend, request by request (their keys are long, their queries many)."""
-        dense: DenseBatch = plan.dense
-        if plan.is_decode:
+        dense = self.dense
+        if segments.forward.is_decode:
             out, lse = dense_attention(
-                queries[plan.query_rows].unsqueeze(1), k_cache[dense.slots], v_cache[dense.slots],
+                queries[segments.query_rows].unsqueeze(1), k_cache[dense.slots], v_cache[dense.slots],
                 dense.query_positions.unsqueeze(1), dense.positions, layer.scaling,
             )  # fmt: skip
             return out.squeeze(1), lse.squeeze(1)
         parts, first_row = [], 0
-        for index, request in enumerate(plan.compressed):
+        for index, request in enumerate(segments.forward.compressed):
             slots, positions = dense.slots[index : index + 1], dense.positions[index : index + 1]
             query_positions = dense.query_positions[first_row : first_row + request.num_queries]
             parts.append(

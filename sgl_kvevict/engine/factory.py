@@ -1,4 +1,4 @@
-"""The ``sgl_kvevict`` radix-cache backend factory: checks, arena, engine state, stats channel.
+"""The ``sgl_kvevict`` radix-cache backend factory: checks, then the engine's parts wired together.
 
 Runs in the scheduler process when SGLang builds its tree (after the KV pool and the attention
 backend exist). Every SGLang feature this version cannot honour with compressed nodes is refused
@@ -19,16 +19,23 @@ from sglang.srt.runtime_context import get_disagg, get_exec, get_memory, get_par
 from sgl_kvevict.engine.arena import Arena, SlotSource
 from sgl_kvevict.engine.attention import SegmentAttentionBackend
 from sgl_kvevict.engine.cells import CellSpace
+from sgl_kvevict.engine.compression import ScoringCapture, needs_reconstruction
+from sgl_kvevict.engine.coordinator import CompressionCoordinator
 from sgl_kvevict.engine.hidden_states import HiddenStateCapture
 from sgl_kvevict.engine.metrics import export_metrics
 from sgl_kvevict.engine.radix_cache import CompressedRadixCache
-from sgl_kvevict.engine.reconstruction import Reconstructor, needs_reconstruction
-from sgl_kvevict.engine.state import EngineState, ModelShape
+from sgl_kvevict.engine.reconstruction import Reconstructor
+from sgl_kvevict.engine.setups import EvictionSetup, ModelShape, Setups
+from sgl_kvevict.engine.stats import EngineStats
+from sgl_kvevict.engine.stats_channel import serve_stats
 from sgl_kvevict.limits import SetupFacts, violations
 from sgl_kvevict.scoring.kvzip import ReconstructionPrompt
 from sgl_kvevict.serving import RADIX_CACHE_BACKEND, ServingConfig
 
 logger = logging.getLogger(__name__)
+# Tokens one reconstruction forward feeds when SGLang does not chunk prefills (its chunk size otherwise):
+# a running request's decode waits at most that long for a KVzip pass (``engine.reconstruction``).
+DEFAULT_RECONSTRUCTION_PIECE_TOKENS = 512
 
 
 class UnsupportedSetup(ValueError):
@@ -91,31 +98,42 @@ def create_compressed_radix_cache(ctx: TreeCacheBuildContext) -> CompressedRadix
         raise UnsupportedSetup(f"KV eviction cannot store compressed KV in this KV pool: {error}") from None
     arena = Arena(space, _slot_source(allocator, space))
     model_dir = Path(runner.model_config.model_path)
-    engine = EngineState(serving.eviction, shape, arena, allocator, serving.scope, serving.per_request, model_dir)
-    cache = CompressedRadixCache(ctx.params, engine)
-    _attach_score_sources(engine, runner, cache, serving.per_request)
-    runner.attn_backend.attach_engine(engine)
+    stats = EngineStats()
+    default_setup = EvictionSetup.of(serving.eviction, model_dir)
+    setups = Setups(default_setup, serving.per_request, model_dir, refused=lambda: stats.count("request_option_errors"))
+    # Score sources: when the server's setup needs them, or requests may bring their own.
+    request = default_setup.stats_request
+    hidden_states = HiddenStateCapture(runner.model) if request.hidden_states or serving.per_request else None
+    reconstructor = None
+    if needs_reconstruction(request) or serving.per_request:
+        reconstructor = Reconstructor(runner, _reconstruction_prompt(model_dir), _piece_tokens())
+    capture = ScoringCapture(space, pool, hidden_states)
+    coordinator = CompressionCoordinator(setups, serving.scope, shape, capture, stats, reconstructor)
+    cache = CompressedRadixCache(ctx.params, coordinator, arena, stats)
+    runner.attn_backend.attach_coordinator(coordinator, space.k_rows, space.v_rows)
     logger.info(
         "sgl-kvevict: %s; %d KV slots shared by dense and compressed KV (%d cells per slot)",
         serving.describe(), allocator.size, space.cells_per_slot,
     )  # fmt: skip
-    _serve_stats(engine)
+
+    def snapshot() -> dict:
+        return {**coordinator.describe(), **stats.snapshot(), **cache.memory_levels()}
+
+    serve_stats(snapshot)
     if cache.metrics_collector is not None:  # SGLang's --enable-metrics: export ours with its cache labels
-        export_metrics(engine.stats_snapshot, cache.metrics_collector.labels)
+        export_metrics(snapshot, cache.metrics_collector.labels)
     return cache
 
 
-def _attach_score_sources(engine: EngineState, runner, cache: CompressedRadixCache, per_request: bool) -> None:
-    """Hidden-state capture (learned scores) and the reconstruction passes (KVzip), when the server's
-    setup needs them or requests may bring their own (``--kv-evict-per-request``)."""
-    request = engine.default_setup.stats_request
-    if request.hidden_states or per_request:
-        engine.hidden_states = HiddenStateCapture(runner.model)
-    if needs_reconstruction(request) or per_request:
-        from transformers import AutoTokenizer
+def _reconstruction_prompt(model_dir: Path) -> ReconstructionPrompt:
+    from transformers import AutoTokenizer
 
-        prompt = ReconstructionPrompt.from_tokenizer(AutoTokenizer.from_pretrained(engine.model_dir))
-        engine.reconstructor = Reconstructor(engine, runner, cache, prompt)
+    return ReconstructionPrompt.from_tokenizer(AutoTokenizer.from_pretrained(model_dir))
+
+
+def _piece_tokens() -> int:
+    chunk = get_schedule().chunked_prefill_size
+    return chunk if chunk is not None and chunk > 0 else DEFAULT_RECONSTRUCTION_PIECE_TOKENS
 
 
 def _slot_source(allocator, space: CellSpace) -> SlotSource:
@@ -129,12 +147,3 @@ def _slot_source(allocator, space: CellSpace) -> SlotSource:
         allocator.free(slots.to(allocator.device))
 
     return SlotSource(borrow=borrow, give_back=give_back, copy_cells=space.copy)
-
-
-def _serve_stats(engine: EngineState) -> None:
-    try:
-        from sgl_kvevict.engine.stats_channel import serve_stats
-    except ImportError:  # the stats route is not part of this build yet
-        logger.warning("sgl-kvevict: no stats channel; /kvevict/stats is unavailable")
-        return
-    serve_stats(engine.stats_snapshot)

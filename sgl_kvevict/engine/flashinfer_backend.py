@@ -1,10 +1,9 @@
 """The CUDA attention backend: SGLang's ``FlashInferAttnBackend`` plus scoring capture and segment attention.
 
-**UNTESTED on real hardware.** Nothing here has run on a GPU or against the real ``flashinfer``
-package: it is written against FlashInfer's documented Python API and tested on CPU against
+Written against FlashInfer's documented Python API and tested on CPU against
 ``tests/fake_flashinfer.py``, a torch implementation of exactly the calls made here
-(``tests/test_engine_flashinfer.py``). The Triton kernel it uses is verified in Triton's
-interpreter only. Correctness on CUDA and speed are unknown.
+(``tests/test_engine_flashinfer.py``). What ran on a GPU and what did not (a server end to end has
+not): the status table in docs/gpu.md.
 
 Registered in place of the stock ``flashinfer`` factory (``plugin.py``). A forward without
 compressed requests is the stock backend's (ragged + paged wrappers, CUDA kernels, no change). A
@@ -29,8 +28,8 @@ FlashInfer would need one ``plan`` per layer per forward (host-side scheduling a
 every decode step) and one wrapper with its own int workspace per layer, plus a permutation of ``q``
 into (request, head, token) order and back. The Triton kernel takes each layer's CSR as device
 tensors, reads ``q`` in place, and returns ``lse = -inf`` for heads without cells, a case where
-FlashInfer's ``kv_len = 0`` behaviour is undocumented. Its cost: no split over the cells, so small
-decode batches over long compressed contexts under-fill the GPU (``kernels/segment_attention.py``).
+FlashInfer's ``kv_len = 0`` behaviour is undocumented. At decode it splits a sequence's cells over
+several programs (flash-decoding) and merges their partial states (``kernels/segment_attention.py``).
 
 LSE bases: FlashInfer's ``run(..., return_lse=True)`` returns base-2 LSEs (``log2 sum exp``) and
 ``merge_state`` consumes them; ``segment_attention`` returns natural-log LSEs, converted here by
@@ -51,9 +50,8 @@ from flashinfer.cascade import merge_state
 from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-from sgl_kvevict.engine.attention import SegmentAttentionBackend, compressed_attention
-from sgl_kvevict.engine.batch import ForwardPlan
-from sgl_kvevict.engine.segments import ranges_to_positions
+from sgl_kvevict.engine.attention import SegmentAttentionBackend
+from sgl_kvevict.engine.batch import ForwardRequests, SegmentMetadata
 
 LOG2_E = math.log2(math.e)
 _CUDA_MAX_THREADS_PER_BLOCK = 1024
@@ -77,26 +75,20 @@ class DenseLayout:
     kv_last_page_len: torch.Tensor
 
     @classmethod
-    def of(cls, plan: ForwardPlan, req_to_token: torch.Tensor) -> "DenseLayout":
+    def of(cls, forward: ForwardRequests, req_to_token: torch.Tensor) -> "DenseLayout":
         """``req_to_token`` ``[rows, max_len]`` int32 (device): the slots of every request's row."""
-        device = req_to_token.device
-        ranges = [request.dense_ranges() for request in plan.requests]
-        kv_counts = [sum(end - start for start, end in request_ranges) for request_ranges in ranges]
-        qo_counts = [request.num_queries for request in plan.requests]
+        slots = [request.dense_keys(req_to_token)[1] for request in forward.requests]
+        kv_counts = [len(request_slots) for request_slots in slots]  # sizes are host-known: no sync
+        qo_counts = [request.num_queries for request in forward.requests]
         # The new tokens are dense, so no request has an empty dense part (FlashInfer's kv_len = 0
         # behaviour is undocumented) and its queries are the last entries of its dense list.
         assert all(kv >= qo > 0 for kv, qo in zip(kv_counts, qo_counts))
-        kv_indices = torch.cat(
-            [
-                req_to_token[request.row, ranges_to_positions(request_ranges, device)]
-                for request, request_ranges in zip(plan.requests, ranges)
-            ]
-        ).to(torch.int32)
+        kv_indices = torch.cat(slots).to(torch.int32)
         return cls(
             qo_indptr=_indptr(qo_counts),
             kv_indptr=_indptr(kv_counts),
             kv_indices=kv_indices,
-            kv_last_page_len=torch.ones(len(plan.requests), dtype=torch.int32),
+            kv_last_page_len=torch.ones(len(forward.requests), dtype=torch.int32),
         )
 
 
@@ -169,10 +161,7 @@ def merge_states_base2(
 
 
 class KVEvictFlashInferBackend(SegmentAttentionBackend, FlashInferAttnBackend):
-    """``FlashInferAttnBackend`` that scores prompts for eviction and attends over compressed nodes.
-
-    UNTESTED on real hardware (module docstring).
-    """
+    """``FlashInferAttnBackend`` that scores prompts for eviction and attends over compressed nodes."""
 
     def __init__(self, model_runner, **kwargs):
         super().__init__(model_runner, **kwargs)
@@ -195,10 +184,10 @@ class KVEvictFlashInferBackend(SegmentAttentionBackend, FlashInferAttnBackend):
         self._dense_planned_scale: Optional[float] = None
         self._shape = AttentionShape.of(model_runner, self.token_to_kv_pool)
 
-    def _init_segment_metadata(self, forward_batch, plan: ForwardPlan) -> None:
+    def _init_segment_metadata(self, forward_batch, segments: SegmentMetadata) -> None:
         """Plan the dense part once per forward, with the model's attention scale (every layer of the
         supported models shares it; a layer with another scale re-plans, ``_dense_wrapper``)."""
-        self._dense_layout = DenseLayout.of(plan, self.req_to_token_pool.req_to_token)
+        self._dense_layout = DenseLayout.of(segments.forward, self.req_to_token_pool.req_to_token)
         self._plan_dense(self._shape.scaling)
 
     def _plan_dense(self, scaling: float) -> None:
@@ -226,7 +215,7 @@ class KVEvictFlashInferBackend(SegmentAttentionBackend, FlashInferAttnBackend):
             self._plan_dense(layer.scaling)
         return self.prefill_wrappers_paged[0]
 
-    def _forward_with_segments(self, q, k, v, layer, forward_batch, save_kv_cache, plan: ForwardPlan):
+    def _forward_with_segments(self, q, k, v, layer, forward_batch, save_kv_cache, segments: SegmentMetadata):
         if layer.logit_cap:
             raise NotImplementedError("sgl-kvevict segment attention has no logit soft-capping")
         if save_kv_cache and k is not None and v is not None:
@@ -238,8 +227,8 @@ class KVEvictFlashInferBackend(SegmentAttentionBackend, FlashInferAttnBackend):
         # NHD paged cache with page size 1: [pages, page_size = 1, H_kv, D]
         out, lse_base2 = wrapper.run(queries, (k_cache.unsqueeze(1), v_cache.unsqueeze(1)), return_lse=True)
 
-        compressed_out, compressed_lse = compressed_attention(plan, queries, layer)
-        rows = plan.query_rows
+        compressed_out, compressed_lse = self._compressed_attention(segments, queries, layer)
+        rows = segments.query_rows
         merged, _ = merge_states_base2(out[rows], lse_base2[rows], compressed_out, compressed_lse * LOG2_E)
         out[rows] = merged
         return out.view(-1, num_q_heads * v_head_dim)

@@ -4,7 +4,7 @@ The attention backend sees post-RoPE q/k/v, not the hidden states a learned scor
 forward pre-hook on each module that owns a ``RadixAttention`` (the model's ``self_attn``: its input is
 the layer's hidden states after the input layernorm, before the q/k/v projections) keeps a reference to
 that input for the current forward, keyed by the attention's ``layer_id``; the backend's scoring capture
-reads the rows of the segments it scores (``engine.attention.observe_window``). No copy is made, and
+reads the rows of the segments it scores (``engine.compression.ScoringCapture``). No copy is made, and
 nothing is kept past the next forward.
 """
 

@@ -7,7 +7,7 @@ HTTP server's ``/metrics`` (``add_prometheus_middleware``) merges those files wi
 ``/metrics``; values have to be written as ordinary ``Counter``/``Gauge`` metrics in the process
 where the tree lives, as SGLang's ``RadixCacheMetricsCollector`` does.
 
-A daemon thread copies ``EngineState.stats_snapshot()`` (thread-safe) into them every ``interval``
+A daemon thread copies the engine's stats snapshot (thread-safe) into them every ``interval``
 seconds, so the scheduler's loop carries no metrics code: levels become gauges
 (``multiprocess_mode="mostrecent"``, like SGLang's scheduler gauges), running totals become counters
 increased by their change since the last copy. Series carry SGLang's radix-cache labels

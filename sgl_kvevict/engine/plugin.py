@@ -8,8 +8,11 @@ entry point is how ours get there (docs/sglang.md#processes-and-plugin-loading).
 * a KV pool whose layers are views of one allocation (``engine.pool``), so compressed cells live in it;
 * our attention backends *in place of* the stock ``torch_native`` (CPU) and ``flashinfer`` (CUDA)
   factories, so the backend names and every SGLang gate keyed on them stay the stock ones. The
-  stock backends must never serve a compressed request: they would read its placeholder slots. The
-  FlashInfer one is untested on real hardware (``engine/flashinfer_backend.py``).
+  stock backends must never serve a compressed request: they would read its placeholder slots;
+* an ``AFTER`` hook (SGLang's ``HookRegistry``, applied by its plugin loader) on the scheduler's
+  ``process_batch_result``: after every batch the coordinator runs one piece of queued KVzip
+  reconstruction work (``CompressionCoordinator.between_batches``), as work of its own between
+  batches instead of inside a request's checkpoint.
 
 Everything heavy is imported inside the factories, which run only in the scheduler process.
 """
@@ -20,6 +23,9 @@ from sgl_kvevict.engine import sync_probe
 from sgl_kvevict.limits import check_sglang_version
 from sgl_kvevict.serving import RADIX_CACHE_BACKEND, ServingConfig
 
+# Called once per scheduler batch, after its results (and the checkpoints of its requests) are processed.
+SCHEDULER_BATCH_DONE = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
+
 
 def register() -> None:
     sync_probe.install()  # a debug probe, only with KVEVICT_SYNC_PROBE set (stock servers included)
@@ -28,6 +34,7 @@ def register() -> None:
     check_sglang_version()  # the engine hooks into one SGLang version's internals
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
     from sglang.srt.mem_cache.registry import register_radix_cache_backend, registered_radix_cache_backends
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from sgl_kvevict.engine.pool import install_contiguous_kv_buffers
 
@@ -36,6 +43,15 @@ def register() -> None:
         register_radix_cache_backend(RADIX_CACHE_BACKEND, _create_radix_cache)
     ATTENTION_BACKENDS["torch_native"] = _create_torch_backend
     ATTENTION_BACKENDS["flashinfer"] = _create_flashinfer_backend
+    HookRegistry.register(SCHEDULER_BATCH_DONE, _after_batch, HookType.AFTER)
+
+
+def _after_batch(_result, scheduler, *args, **kwargs) -> None:
+    from sgl_kvevict.engine.radix_cache import CompressedRadixCache
+
+    tree = scheduler.tree_cache
+    if isinstance(tree, CompressedRadixCache):
+        tree.coordinator.between_batches()
 
 
 def _create_radix_cache(ctx):

@@ -10,8 +10,8 @@ holds dummy slot 0 over the compressed span; attention reads those positions fro
 
 A compressed node keeps SGLang's logical bookkeeping intact: its key is the span's tokens and its
 ``value`` is dummy slot 0 at every position (``len(value) == len(key)``, so prefix lengths, row
-re-pointing and ``prefix_device_indices`` work unchanged). Its data is the ``CompressedSegment`` in
-``node.kvevict_segment``.
+re-pointing and ``prefix_device_indices`` work unchanged). Its data is the ``CompressedSegment`` of its
+``NodeRecord`` (``engine.records``).
 
 **Shared prefixes** (``engine.tree_decisions``). A request's span starts where its match ended, so the
 first conversation's node also covers what later conversations share with it (a system prompt) and
@@ -40,14 +40,18 @@ Invariants and the methods that keep them:
 * **Compressed content is matched atomically.** A node's content was selected with the observation
   window that followed it, so a request diverging inside one must not reuse part of it: a match passes
   through compressed nodes only whole and ends only at the end of a dense node (or inside one) or of a
-  compressed node whose ``kvevict_match_end`` is True. Every node has it True except the head of a
+  compressed node whose record says ``match_may_end``. Every node has it True except the head of a
   split, so the original node stays all-or-nothing. The stock match and insert never split a
   compressed node (``_split_node`` asserts it); only ``_compress`` does, after locking it.
 * **Locks.** A locked compressed node's cells cannot be evicted (they may be moved); ``inc_lock_ref``
   and ``dec_lock_ref`` count them for the arena and keep compressed nodes out of the dense counters.
 
-Chunked prefill: middle chunks are checkpointed densely by the stock path, so only the span of the last
-chunk is compressed; the launcher turns chunking off.
+**A store, driven by the coordinator** (``engine.coordinator``): the tree decides nothing about what to
+compress. ``checkpoint`` asks the coordinator for the request's ready plans (``handover``), stores them
+in position order, then inserts the rest of the request densely, never past a span still in flight
+(its tokens stay the request's own until their plan is stored). ``match_prefix`` and ``on_release``
+tell the coordinator a request began and ended; ``path_view`` is what the coordinator and the attention
+backends read of a request's compressed path.
 """
 
 from __future__ import annotations
@@ -69,40 +73,63 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
-from sgl_kvevict.engine.paths import (
-    MATCH_END_ATTR,
-    SEGMENT_ATTR,
-    SERVED_ATTR,
-    compressed_nodes,
-    compressed_segment,
-    is_compressed,
-    match_may_end,
-    path_view,
-)
-from sgl_kvevict.engine.reconstruction import NoRoomForReconstruction, needs_reconstruction
-from sgl_kvevict.engine.segments import CompressedSegment
-from sgl_kvevict.engine.state import EngineState, request_state
+from sgl_kvevict.engine.arena import Arena
+from sgl_kvevict.engine.coordinator import CompressionCoordinator, ReadyPlan
+from sgl_kvevict.engine.eviction import CompressedTreeOrder, GreedyDualSizeFrequency, NodeCost
+from sgl_kvevict.engine.records import RECORD_ATTR, NodeRecord, node_record, request_record
+from sgl_kvevict.engine.segments import CompressedSegment, PathView
+from sgl_kvevict.engine.stats import EngineStats
 from sgl_kvevict.engine.tree_decisions import Outcome, Walk, atomic_prefix_length, decide_compression
-from sgl_kvevict.policies.base import SegmentCompressor
 
-# Eviction order state of every node (``engine.eviction``): reuses, priority, creation rank.
-REUSES_ATTR = "kvevict_reuses"
-PRIORITY_ATTR = "kvevict_priority"
-RANK_ATTR = "kvevict_rank"
+
+def is_compressed(node: TreeNode) -> bool:
+    return node_record(node).is_compressed
+
+
+def match_may_end(node: TreeNode) -> bool:
+    """A match may end at ``node``'s end: always for a dense node, not for a split head."""
+    return node_record(node).match_may_end
+
+
+def compressed_nodes(node: TreeNode) -> list[TreeNode]:
+    """The compressed nodes from the root down to ``node``, root first."""
+    nodes = []
+    while node.parent is not None:  # the root has no parent
+        if is_compressed(node):
+            nodes.append(node)
+        node = node.parent
+    return nodes[::-1]
+
 
 class CompressedRadixCache(RadixCache):
-    def __init__(self, params: CacheInitParams, engine: EngineState):
-        self.engine = engine  # before super().__init__, which calls reset()
-        super().__init__(params)
+    """params: SGLang's; coordinator: what to compress (it learns of this tree through ``attach_store``);
+    arena: the compressed cells; stats: the engine's counters; order: the eviction order."""
+
+    def __init__(
+        self,
+        params: CacheInitParams,
+        coordinator: CompressionCoordinator,
+        arena: Arena,
+        stats: EngineStats,
+        order: Optional[CompressedTreeOrder] = None,
+    ):
+        self.coordinator = coordinator
+        self.arena = arena
+        self.stats = stats
+        self.order = GreedyDualSizeFrequency() if order is None else order
+        super().__init__(params)  # calls reset()
+        self.eviction_strategy = self.order  # SGLang's slot for the eviction order
         self.kv_pool = params.token_to_kv_pool_allocator.get_kvcache()
+        coordinator.attach_store(self)
 
     # ---- tree shape ----------------------------------------------------------------------------
 
     def reset(self):
         super().reset()
-        self.engine.arena.reset()
-        self.engine.order.reset()
-        self.engine.stats.tree_cleared()
+        setattr(self.root_node, RECORD_ATTR, NodeRecord())
+        self.arena.reset()
+        self.order.reset()
+        self.stats.tree_cleared()
 
     def _walk(self, key: RadixKey, node: Optional[TreeNode] = None, offset: int = 0) -> Walk:
         """Read-only match of ``key[offset:]`` below ``node`` (the root by default; ``offset`` is
@@ -123,7 +150,7 @@ class CompressedRadixCache(RadixCache):
 
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         if params.req is not None:
-            self.engine.track(params.req)
+            self.coordinator.on_request_begin(params.req)
         return super().match_prefix(params)
 
     def _match_prefix_helper(self, node: TreeNode, key: RadixKey):
@@ -136,55 +163,70 @@ class CompressedRadixCache(RadixCache):
     def _insert_helper(self, node: TreeNode, key: RadixKey, value, priority: int = 0, inserted_len: int = 0):
         limit = atomic_prefix_length(self._walk(key), len(key), is_compressed, match_may_end)
         prefix_len, last = super()._insert_helper(node, key[:limit], value[:limit], priority, inserted_len)
-        if not hasattr(last, RANK_ATTR) and last is not self.root_node:
-            self._created(last)  # a node the stock insert just made
+        if not hasattr(last, RECORD_ATTR):  # a node the stock insert just made
+            setattr(last, RECORD_ATTR, NodeRecord())
+            self.order.created(node_record(last), self._cost(last))
         return prefix_len, last
 
     def _split_node(self, key: RadixKey, child: TreeNode, split_len: int):
         assert not is_compressed(child), "matching and inserting never split a compressed node"
         head = super()._split_node(key, child, split_len)
-        self._inherit_order(head, child)
+        setattr(head, RECORD_ATTR, NodeRecord())
+        self.order.inherit(node_record(head), node_record(child))
         return head
 
     def _split_compressed_node(self, node: TreeNode, split_len: int) -> TreeNode:
         """Split compressed ``node`` after its first ``split_len`` tokens as the stock split does (lock
         count, priority and hit count copied to the head); returns the head, which a match may pass
         through but not end at. The cells are partitioned by position, none is copied."""
-        segment = compressed_segment(node)
+        record = node_record(node)
+        segment = record.segment
         before, after = segment.split_masks(segment.start + split_len)
         head_segment = self._adopt_cells(segment, before, segment.start, segment.start + split_len)
         tail_segment = self._adopt_cells(segment, after, segment.start + split_len, segment.end)
-        self.engine.arena.forget(segment)
+        self.arena.forget(segment)
         head = super()._split_node(node.key, node, split_len)
-        self._inherit_order(head, node)
-        setattr(head, SEGMENT_ATTR, head_segment)
-        setattr(head, MATCH_END_ATTR, False)
-        setattr(head, SERVED_ATTR, getattr(node, SERVED_ATTR))
-        setattr(node, SEGMENT_ATTR, tail_segment)
-        self.engine.stats.node_split(getattr(node, SERVED_ATTR))
+        head_record = NodeRecord(segment=head_segment, match_may_end=False, requests_served=record.requests_served)
+        self.order.inherit(head_record, record)
+        setattr(head, RECORD_ATTR, head_record)
+        record.segment = tail_segment
+        self.stats.node_split(record.requests_served)
         return head
 
     def _adopt_cells(self, segment: CompressedSegment, mask: torch.Tensor, start: int, end: int) -> CompressedSegment:
         part = segment.part(mask, start, end)
-        part.owner_id = self.engine.arena.register(part)
-        self.engine.arena.transfer(segment, mask.nonzero().squeeze(1), part, torch.arange(part.num_cells))
+        part.owner_id = self.arena.register(part)
+        self.arena.transfer(segment, mask.nonzero().squeeze(1), part, torch.arange(part.num_cells))
         return part
+
+    # ---- what a request sees -------------------------------------------------------------------
+
+    def path_view(self, node: TreeNode) -> Optional[PathView]:
+        """The compressed content on the path from the root to ``node`` (None when there is none),
+        memoised on the node while the arena's placements stay the same (a locked path only changes by
+        the split of a compressed node, which keeps every cell, or by cell moves)."""
+        record = node_record(node)
+        if record.view_generation != self.arena.generation:
+            segments = [node_record(path_node).segment for path_node in compressed_nodes(node)]
+            record.view = PathView.of(segments, self.device) if segments else None
+            record.view_generation = self.arena.generation
+        return record.view
 
     # ---- accounting: dense slots in the tree, plus the arena's borrowed slots --------------------
 
     def evictable_size(self):
-        arena = self.engine.arena
+        arena = self.arena
         return self.evictable_size_ + arena.slots_borrowed - arena.slots_protected
 
     def protected_size(self):
-        return self.protected_size_ + self.engine.arena.slots_protected
+        return self.protected_size_ + self.arena.slots_protected
 
     def _compressed_on_path(self, node: TreeNode, lock_ref: int) -> list[CompressedSegment]:
         """Segments of the compressed nodes on ``node``'s path whose lock count is ``lock_ref``."""
         segments = []
         while node is not self.root_node:
             if node.lock_ref == lock_ref and is_compressed(node):
-                segments.append(compressed_segment(node))
+                segments.append(node_record(node).segment)
             node = node.parent
         return segments
 
@@ -195,7 +237,7 @@ class CompressedRadixCache(RadixCache):
         tokens = sum(segment.length for segment in newly_locked)
         self.evictable_size_ += tokens
         self.protected_size_ -= tokens
-        self.engine.arena.lock(sum(segment.num_cells for segment in newly_locked))
+        self.arena.lock(sum(segment.num_cells for segment in newly_locked))
         return dataclasses.replace(result, delta=result.delta + tokens)
 
     def dec_lock_ref(self, node: TreeNode, params=None) -> DecLockRefResult:
@@ -204,7 +246,7 @@ class CompressedRadixCache(RadixCache):
         tokens = sum(segment.length for segment in unlocked)
         self.evictable_size_ -= tokens
         self.protected_size_ += tokens
-        self.engine.arena.unlock(sum(segment.num_cells for segment in unlocked))
+        self.arena.unlock(sum(segment.num_cells for segment in unlocked))
         return dataclasses.replace(result, delta=result.delta - tokens)
 
     def _delete_leaf(self, node: TreeNode):
@@ -212,54 +254,45 @@ class CompressedRadixCache(RadixCache):
             self.evictable_size_ += len(node.key)  # the stock method subtracts it; it was never added
         super()._delete_leaf(node)
 
+    def memory_levels(self) -> dict:
+        """Thread-safe single loads of the pool's and the arena's levels (the stats snapshot's)."""
+        arena = self.arena
+        return {
+            "kv_slots_total": self.token_to_kv_pool_allocator.size,
+            "kv_slots_free": int(self.token_to_kv_pool_allocator.available_size()),
+            "arena_cells_per_slot": arena.cells_per_slot,
+            "arena_slots_borrowed": arena.slots_borrowed,
+            "arena_cells_used": arena.cells_used,
+            "arena_cells_free": arena.cells_free,
+            "arena_cells_moved": arena.cells_moved,
+            "arena_slots_returned_by_moves": arena.slots_given_back_by_moves,
+        }
+
     # ---- eviction: one order for dense and compressed leaves ------------------------------------
 
-    def _node_slots(self, node: TreeNode) -> float:
-        """The memory evicting ``node`` frees, in token slots."""
-        segment = compressed_segment(node)
-        if segment is None:
-            return len(node.value)
-        return segment.num_cells / self.engine.arena.cells_per_slot
-
-    def _created(self, node: TreeNode) -> None:
-        """A new node enters cold: no reuse yet (``engine.eviction``)."""
-        setattr(node, REUSES_ATTR, 0)
-        setattr(node, RANK_ATTR, self.engine.order.creation_rank())
-        self._refresh_priority(node)
-
-    def _reused(self, node: TreeNode) -> None:
-        setattr(node, REUSES_ATTR, getattr(node, REUSES_ATTR, 0) + 1)
-        self._refresh_priority(node)
-
-    def _refresh_priority(self, node: TreeNode) -> None:
-        order = self.engine.order
-        setattr(node, PRIORITY_ATTR, order.priority(getattr(node, REUSES_ATTR), len(node.key), self._node_slots(node)))
-
-    def _eviction_key(self, node: TreeNode) -> tuple:
-        return getattr(node, PRIORITY_ATTR, 0.0), getattr(node, RANK_ATTR, 0), node.id
-
-    def _inherit_order(self, head: TreeNode, node: TreeNode) -> None:
-        for name in (REUSES_ATTR, PRIORITY_ATTR, RANK_ATTR):
-            if hasattr(node, name):
-                setattr(head, name, getattr(node, name))
+    def _cost(self, node: TreeNode) -> NodeCost:
+        """What keeping ``node`` is worth: its tokens, and the slots evicting it frees."""
+        segment = node_record(node).segment
+        slots = len(node.value) if segment is None else segment.num_cells / self.arena.cells_per_slot
+        return NodeCost(len(node.key), slots)
 
     def evict(self, params: EvictParams) -> EvictResult:
         """Free ``params.num_tokens`` slots into SGLang's allocator: moves first (nothing is lost), then
-        leaves in priority order until the arena can give back what is still missing."""
+        leaves in the order's priority until the arena can give back what is still missing."""
         if self.disable:
             return EvictResult()
         start_time = time.perf_counter()
-        arena, wanted = self.engine.arena, params.num_tokens
+        arena, wanted = self.arena, params.num_tokens
         freed = arena.release_slots(wanted)
-        heap = [(self._eviction_key(leaf), leaf) for leaf in self.evictable_leaves]
+        heap = [(self.order.get_priority(leaf), leaf) for leaf in self.evictable_leaves]
         heapq.heapify(heap)
         while heap and freed + arena.slots_reclaimable_by_moves < wanted:
-            key, leaf = heapq.heappop(heap)
+            priority, leaf = heapq.heappop(heap)
             freed += self._evict_leaf(leaf)
-            self.engine.order.evicted(key[0])
+            self.order.evicted(priority)
             parent = leaf.parent
             if len(parent.children) == 0 and parent.lock_ref == 0 and parent is not self.root_node:
-                heapq.heappush(heap, (self._eviction_key(parent), parent))
+                heapq.heappush(heap, (self.order.get_priority(parent), parent))
         if freed < wanted:
             freed += arena.release_slots(wanted - freed)
         self.update_eviction_metrics(freed, start_time)
@@ -267,54 +300,56 @@ class CompressedRadixCache(RadixCache):
 
     def _evict_leaf(self, leaf: TreeNode) -> int:
         """Free the leaf's storage and delete it; returns the slots given back to SGLang."""
-        segment = compressed_segment(leaf)
+        segment = node_record(leaf).segment
         if segment is not None:
-            freed = self.engine.arena.free(segment, segment.cells)
-            self.engine.arena.forget(segment)
-            self.engine.stats.compressed_node_evicted(segment)
+            freed = self.arena.free(segment, segment.cells)
+            self.arena.forget(segment)
+            self.stats.compressed_node_evicted(segment)
         else:
             self.token_to_kv_pool_allocator.free_segment(leaf.value, start_pos=0)
             freed = len(leaf.value)
-            self.engine.stats.dense_node_evicted(freed)
+            self.stats.dense_node_evicted(freed)
         self._delete_leaf(leaf)
         self.kv_events.record_remove(leaf)
         return freed
 
-    # ---- checkpoint: compress, then insert what is left densely ---------------------------------
+    # ---- checkpoint: store the ready plans, then insert what is left densely ---------------------
 
     def checkpoint(self, req, *, up_to: int):
-        """``RadixCache.checkpoint`` with the request's pending compressions applied first.
+        """``RadixCache.checkpoint`` with the request's ready plans stored first (``handover``).
 
         The stock method asserts that the tree now holds the whole key; here an insert stops at a
         compressed node the key diverges inside, so the request adopts the tree's path up to where it
-        stops and keeps the rest of its row as its own (freed with the row, as any uncached tail).
+        stops and keeps the rest of its row as its own (freed with the row, as any uncached tail). It
+        also stops where the request's first span still in flight begins.
         """
         if self.disable:
             return
-        state = request_state(req)
-        first_checkpoint = not state.reuse_counted
+        record = request_record(req)
+        if record is None:  # never matched through this tree: the stock checkpoint
+            self._insert_dense(req, up_to, split_prompt=True)
+            return
+        first_checkpoint = not record.use_counted
         matched = compressed_nodes(req.last_node)
         if first_checkpoint:
-            state.reuse_counted = True
+            record.use_counted = True
             self._count_use(req.last_node)
-        pending = self.engine.take_pending(req)
-        setup = request_state(req).setup
-        if pending and needs_reconstruction(setup.stats_request):  # KVzip: score every span before any is cut
-            view = path_view(self.engine, req, self.device)
-            try:
-                self.engine.reconstructor.score(req, pending, setup.stats_request, view)
-            except NoRoomForReconstruction:
-                self.engine.stats.count("reconstructions_skipped")
-                pending = []
-        created = [node for compressor in pending if (node := self._compress(req, compressor))]
-        if created:
-            self.engine.stats.count("requests_compressed")
-        self._insert_dense(req, up_to, split_prompt=True)
+        handover = self.coordinator.handover(req, final=req.finished())
+        created = [node for ready in handover.ready if (node := self._compress(req, ready))]
+        if created and not record.stored_any:
+            record.stored_any = True
+            self.stats.count("requests_compressed")
+        end = up_to if handover.hold_from is None else min(up_to, handover.hold_from)
+        if end > req.kv.cache_protected_len:
+            self._insert_dense(req, end, split_prompt=True)
         if first_checkpoint:  # heads it hangs below, and nodes a concurrent request compressed first
             known = {id(node) for node in matched + created}
             for node in compressed_nodes(req.last_node):
                 if id(node) not in known:
                     self._count_served(node)
+
+    def on_release(self, req, *, checkpointed: bool) -> None:
+        self.coordinator.on_request_end(req)
 
     def _insert_dense(self, req, end: int, split_prompt: bool = False) -> None:
         """Insert the request's tokens ``[0, end)`` as the stock checkpoint does and adopt the tree's path."""
@@ -325,7 +360,7 @@ class CompressedRadixCache(RadixCache):
         """A request's match ended at ``matched``: every node on the path served it once more."""
         reused = compressed_nodes(matched)
         if reused:
-            stats = self.engine.stats
+            stats = self.stats
             stats.count("reuse_hits")
             stats.count("reused_tokens", sum(len(node.key) for node in reused))
             stats.count("shared_node_hits", len(reused))
@@ -333,13 +368,13 @@ class CompressedRadixCache(RadixCache):
                 self._count_served(node)
         node = matched
         while node is not self.root_node:
-            self._reused(node)
+            self.order.reused(node_record(node), self._cost(node))
             node = node.parent
 
     def _count_served(self, node: TreeNode) -> None:
-        served = getattr(node, SERVED_ATTR)
-        self.engine.stats.node_served(served)
-        setattr(node, SERVED_ATTR, served + 1)
+        record = node_record(node)
+        self.stats.node_served(record.requests_served)
+        record.requests_served += 1
 
     def _adopt_path(self, req, node: TreeNode) -> None:
         """Point the request's row at the tree's values up to ``node``; the tree now protects them."""
@@ -352,28 +387,23 @@ class CompressedRadixCache(RadixCache):
         req.lock = self.lock(node)
         req.last_node = node
 
-    def _compress(self, req, compressor: SegmentCompressor) -> Optional[TreeNode]:
-        """Turn the request's scored span into a compressed node below its path and adopt it; None when
-        the span stays dense (``engine.tree_decisions``)."""
-        spec = compressor.spec
+    def _compress(self, req, ready: ReadyPlan) -> Optional[TreeNode]:
+        """Turn the request's span into a compressed node below its path and adopt it; None when the span
+        stays dense (``engine.tree_decisions``)."""
+        spec = ready.spec
         if spec.start > req.kv.cache_protected_len:
             self._insert_dense(req, spec.start)  # an earlier block of this request stayed dense
-        start = req.kv.cache_protected_len
+        start, end = req.kv.cache_protected_len, ready.node_end
         if spec.start != start or len(self.path_device_indices(req.last_node)) != start:
             return None  # the row changed since the forward scored it (e.g. retraction), or the insert stopped short
-        plan = compressor.plan()
-        self.engine.dump_plan(req.rid, plan)
-        window = request_state(req).setup.config.window
-        window_kept_dense = min(window, spec.length) if self.engine.scope.window_stays_dense else 0
-        end = spec.end - window_kept_dense
-        kept = plan.restricted(start, end)
+        kept = ready.plan.restricted(start, end)
         if kept.total_kept() == kept.segment_length * kept.num_layers * kept.layers[0].num_kv_heads:
             return None  # nothing evicted: the policy kept the span whole
         key = RadixKey(req.full_untruncated_fill_ids[:end], req.extra_key, cache_salt=req.cache_salt)
         walk = self._walk(key, req.last_node, start)
         decision = decide_compression(walk, req.last_node, end, is_compressed, match_may_end)
         if decision.outcome is Outcome.LOST_RACE:
-            self.engine.stats.count("compression_races_lost")
+            self.stats.count("compression_races_lost")
         if decision.outcome is not Outcome.COMPRESS:
             return None
         # Hanging the node may split a compressed node: lock what it hangs on while cells are taken.
@@ -395,7 +425,7 @@ class CompressedRadixCache(RadixCache):
         compression never waits for memory."""
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
         span_slots = row[start:end].to(torch.int64)
-        arena, space = self.engine.arena, self.engine.arena.space
+        arena, space = self.arena, self.arena.space
         segment = CompressedSegment.of_plan(own_plan)
         segment.owner_id = arena.register(segment)
         sources = space.entry_rows(segment.layer_ids(), row[segment.positions.to(row.device)].cpu(), segment.head_ids())
@@ -409,7 +439,7 @@ class CompressedRadixCache(RadixCache):
         space.k_rows[targets], space.v_rows[targets] = saved_k, saved_v
         freed = span_slots[~torch.isin(span_slots, adopted.to(span_slots.device))]
         self.token_to_kv_pool_allocator.free(freed)
-        self.engine.stats.node_added(segment)
+        self.stats.node_added(segment)
         return segment
 
     def _attach_compressed_node(
@@ -419,13 +449,11 @@ class CompressedRadixCache(RadixCache):
         node.parent = parent
         node.key = key
         node.value = torch.zeros(len(key), dtype=torch.int64, device=self.device)  # dummy slot 0
-        setattr(node, SEGMENT_ATTR, segment)
-        setattr(node, MATCH_END_ATTR, True)
-        setattr(node, SERVED_ATTR, 1)
+        setattr(node, RECORD_ATTR, NodeRecord(segment=segment, requests_served=1))
         parent.children[key.child_key(self.page_size)] = node
         # Not added to evictable_size_: it holds no dense slot.
         self._update_leaf_status(parent)
         self._update_leaf_status(node)
-        self._created(node)
+        self.order.created(node_record(node), self._cost(node))
         self.kv_events.record_store(node)
         return node

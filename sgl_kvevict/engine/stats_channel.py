@@ -14,7 +14,7 @@ address (a socket file in a private temporary directory it removes at shutdown) 
   no answer comes in time (the REQ socket is then replaced: a REQ socket that sent without receiving
   cannot send again).
 
-The provider returns a JSON-serialisable dict (``EngineState.stats_snapshot``; the README lists every
+The provider returns a JSON-serialisable dict (the factory's ``snapshot``; the README lists every
 field). The ones monitoring needs most:
 
     policy, budget, score, scope  the server's configuration (budget null for policies that decide it)

@@ -1,0 +1,274 @@
+"""The compression coordinator: the one owner of every compression's life in one scheduler process.
+
+SGLang 0.5.23 has this shape for its own sparse attention (``mem_cache/sparsity/core/
+sparse_coordinator.py``: ``on_request_begin/end``, ``forward_begin``, ``attention_end``;
+``managers/hisparse_coordinator.py``), and the methods here keep its vocabulary. The data flow of one
+request, every arrow one call (docs/design.md draws it):
+
+1. **begin** — the tree's ``match_prefix`` sees the ``Req`` (SGLang passes it) and calls
+   ``on_request_begin``: the request is indexed by rid (the attention backend sees only rids) and gets
+   its ``RequestRecord`` with the eviction setup that serves it.
+2. **submit** — the attention backend's ``init_forward_metadata`` calls ``forward_begin``: each request
+   of the forward with its compressed path (the tree's ``path_view``), and, at a request's first
+   prefill forward, one ``SpanCompression`` per span its scope compresses.
+3. **statistics** — after each layer's attention the backend calls ``attention_end``: the scoring
+   jobs of the forward observe that layer. KVzip spans instead queue reconstruction passes, which
+   ``between_batches`` runs one piece at a time after each scheduler batch (``engine.reconstruction``).
+4. **plan** — the tree's ``checkpoint`` calls ``handover``: the plans of the request's spans that are
+   ready, in position order, and where its still-pending spans begin (the tree inserts nothing from
+   there). When a request's passes finish after its prefill, ``between_batches`` hands its plans over
+   at once by calling the tree's ``checkpoint`` itself; at the request's final checkpoint its
+   remaining passes run to the end first.
+5. **store** — the tree turns each plan into a compressed node (``engine.radix_cache``).
+6. **end** — the tree's ``on_release`` calls ``on_request_end``: what is still in flight is dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from sgl_kvevict.engine.batch import ForwardRequests, RequestSlice
+from sgl_kvevict.engine.compression import ScoringCapture, ScoringJob, SpanCompression, Stage
+from sgl_kvevict.engine.reconstruction import NoRoomForReconstruction, ReconstructionWork, Reconstructor
+from sgl_kvevict.engine.records import RECORD_ATTR, RequestRecord, request_record
+from sgl_kvevict.engine.setups import ModelShape, Setups
+from sgl_kvevict.engine.stats import EngineStats
+from sgl_kvevict.plan import CompressionPlan
+from sgl_kvevict.policies.base import SegmentSpec
+from sgl_kvevict.scope import BlockScope, Scope
+
+logger = logging.getLogger(__name__)
+
+# Debug switch: a directory where every plan handed to the tree is saved as ``<rid>.pt`` (parity tests).
+PLAN_DUMP_ENV = "KVEVICT_PLAN_DUMP_DIR"
+
+
+@dataclass(frozen=True)
+class ReadyPlan:
+    """A span's plan for the tree: store the entries of ``[spec.start, node_end)`` as one compressed node
+    (request scope leaves the window after ``node_end`` dense)."""
+
+    spec: SegmentSpec
+    plan: CompressionPlan
+    node_end: int
+
+
+@dataclass(frozen=True)
+class Handover:
+    """What a checkpoint may store: ``ready`` plans in position order; ``hold_from``: where the request's
+    first span still in flight begins (None: none is), so nothing from there on enters the tree yet."""
+
+    ready: tuple[ReadyPlan, ...] = ()
+    hold_from: Optional[int] = None
+
+
+class CompressionCoordinator:
+    """setups: the configurations that serve requests; scope: which spans are compressed; shape: the
+    model's; capture: computes scoring statistics; reconstructor: KVzip passes (None when no setup can
+    ask for them); stats: the engine's counters."""
+
+    def __init__(
+        self,
+        setups: Setups,
+        scope: Scope,
+        shape: ModelShape,
+        capture: ScoringCapture,
+        stats: EngineStats,
+        reconstructor: Optional[Reconstructor] = None,
+    ):
+        self.setups = setups
+        self.scope = scope
+        self.shape = shape
+        self.capture = capture
+        self.stats = stats
+        self.reconstructor = reconstructor
+        self.store = None  # the tree, once it exists (``attach_store``)
+        self._requests: "weakref.WeakValueDictionary[str, object]" = weakref.WeakValueDictionary()
+        self._jobs: list[ScoringJob] = []
+        dump_dir = os.environ.get(PLAN_DUMP_ENV)
+        self._plan_dump_dir = Path(dump_dir) if dump_dir else None
+
+    def attach_store(self, store) -> None:
+        """The tree registers itself once it is built (it needs the coordinator first)."""
+        self.store = store
+
+    # ---- 1. begin / 6. end ---------------------------------------------------------------------
+
+    def on_request_begin(self, req) -> None:
+        """The tree matched ``req`` (SGLang may match a waiting request several times)."""
+        self._requests[req.rid] = req
+        if request_record(req) is None:
+            setattr(req, RECORD_ATTR, RequestRecord(self.setups.for_request(req.extra_key)))
+
+    def on_request_end(self, req) -> None:
+        """``req`` released its row (finished, aborted or retracted): drop what is still in flight."""
+        record = request_record(req)
+        if record is None:
+            return
+        if self.reconstructor is not None:
+            self.reconstructor.drop(req, self.store)
+        record.compressions.clear()
+
+    # ---- 2. submit -----------------------------------------------------------------------------
+
+    def forward_begin(self, forward_batch, req_to_token: torch.Tensor) -> ForwardRequests:
+        """The forward's requests as the engine sees them; submits and schedules the scoring of spans."""
+        piece = None if self.reconstructor is None else self.reconstructor.piece_in_flight
+        if piece is not None and list(forward_batch.rids) == [piece.rid]:
+            self._jobs = [piece.job]
+            return ForwardRequests(False, (piece.request,))
+        self._jobs = []
+        mode = forward_batch.forward_mode
+        if not (mode.is_decode() or mode.is_extend()):
+            return ForwardRequests(False, ())
+        seq_lens = forward_batch.seq_lens_cpu.tolist()
+        query_counts = [1] * len(seq_lens) if mode.is_decode() else list(forward_batch.extend_seq_lens_cpu)
+        requests, q_start = [], 0
+        for index, (rid, seq_len, count) in enumerate(zip(forward_batch.rids, seq_lens, query_counts)):
+            req = self._requests.get(rid)
+            if req is None:  # not matched by this tree (SGLang matches every request first): stock path
+                row = int(forward_batch.req_pool_indices[index])
+                requests.append(RequestSlice(index, q_start, q_start + count, seq_len, row, None))
+            else:
+                view = self.store.path_view(req.last_node)
+                request = RequestSlice(index, q_start, q_start + count, seq_len, req.kv.req_pool_idx, view)
+                requests.append(request)
+                if mode.is_extend():
+                    self._jobs += self._prefill_jobs(req, request, req_to_token)
+            q_start += count
+        return ForwardRequests(mode.is_decode(), tuple(requests))
+
+    def _prefill_jobs(self, req, request: RequestSlice, req_to_token: torch.Tensor) -> list[ScoringJob]:
+        """The request's prompt tokens ``[first query, seq_len)`` are prefilled by this forward."""
+        record = request_record(req)
+        setup = record.setup
+        start, end = request.first_query_position, request.seq_len
+        prompt_end = len(req.origin_input_ids)
+        if setup is None or end > prompt_end:
+            return []  # dense, or a retracted request prefilling its output again
+        if not record.submitted:
+            record.submitted = True
+            if start != req.kv.cache_protected_len:
+                return []  # the extend starts inside tree-owned tokens: nothing of it is the request's own
+            shape = self.shape
+            record.compressions = [
+                SpanCompression.submitted(
+                    setup.policy.start(SegmentSpec(a, b, shape.num_layers, shape.num_kv_heads, shape.num_q_heads)),
+                    setup.config.window, setup.stats_request,
+                )
+                for a, b in self.scope.compressible_spans(start, prompt_end, setup.config.window)
+            ]  # fmt: skip
+        record.prefilled = end == prompt_end
+        jobs = []
+        for compression in record.compressions:
+            if not start < compression.spec.end <= end:
+                continue  # its window is not computed by this forward
+            if compression.stage is Stage.SCORING:
+                job_request = request.up_to(compression.spec.end)
+                jobs.append(ScoringJob.of(job_request, compression.compressor, compression.window,
+                                          compression.stats_request, compression.spec, req_to_token))  # fmt: skip
+                compression.stage = Stage.READY  # the forward observes every layer before any checkpoint
+            elif compression.stage is Stage.RECONSTRUCTING:
+                self.reconstructor.submit(req, compression)
+        return jobs
+
+    # ---- 3. statistics -------------------------------------------------------------------------
+
+    def attention_end(self, q: torch.Tensor, layer) -> None:
+        """After ``layer``'s attention of the forward: every scoring job observes it."""
+        for job in self._jobs:
+            self.capture.observe(job, q, layer)
+
+    def between_batches(self) -> None:
+        """After a scheduler batch: one piece of the oldest reconstruction pass. A request whose passes are
+        all done gets its plans stored at once if its prefill is over (else at its next checkpoint)."""
+        reconstructor = self.reconstructor
+        if reconstructor is None or not reconstructor.queue:
+            return
+        work = reconstructor.queue[0]
+        if self._run_piece(work):
+            req = work.req
+            if request_record(req).prefilled and not reconstructor.work_of(req):
+                self.store.checkpoint(req, up_to=len(req.origin_input_ids))
+
+    def _run_piece(self, work: ReconstructionWork) -> bool:
+        """One piece of ``work``; True when the work ended (its span is ready, or stays dense for want of
+        room)."""
+        try:
+            if not self.reconstructor.step(work, self.store):
+                return False
+        except NoRoomForReconstruction:
+            self.stats.count("reconstructions_skipped")
+            request_record(work.req).compressions.remove(work.compression)  # the span stays dense
+            return True
+        compression = work.compression
+        for layer in sorted(work.collector.per_layer):
+            compression.compressor.observe(layer, work.collector.per_layer[layer])
+        compression.stage = Stage.READY
+        return True
+
+    # ---- 4. plan -------------------------------------------------------------------------------
+
+    def handover(self, req, final: bool) -> Handover:
+        """The request's ready plans, in position order, up to its first span still in flight. ``final``:
+        the request finished; its passes run to the end now and spans still unscored stay dense."""
+        record = request_record(req)
+        if record is None or not record.compressions:
+            return Handover()
+        if final:
+            self._finish_reconstructions(req)
+            record.compressions = [c for c in record.compressions if c.stage is Stage.READY]
+        ready = []
+        while record.compressions and record.compressions[0].stage is Stage.READY:
+            compression = record.compressions.pop(0)
+            ready.append(self._ready_plan(req, compression))
+        hold_from = record.compressions[0].spec.start if record.compressions else None
+        return Handover(tuple(ready), hold_from)
+
+    def _finish_reconstructions(self, req) -> None:
+        """The request's own passes, to the end (other requests' work keeps its turn)."""
+        if self.reconstructor is None:
+            return
+        for work in self.reconstructor.work_of(req):
+            while not self._run_piece(work):
+                pass
+
+    def _ready_plan(self, req, compression: SpanCompression) -> ReadyPlan:
+        plan = compression.compressor.plan()
+        self._dump_plan(req.rid, plan)
+        spec = compression.spec
+        window_kept_dense = compression.window if self.scope.window_stays_dense else 0
+        return ReadyPlan(spec, plan, spec.end - window_kept_dense)
+
+    def _dump_plan(self, rid: str, plan: CompressionPlan) -> None:
+        """Save ``<rid>.pt`` (request scope) or ``<rid>.block<k>.pt`` (block ``k`` in block scope)."""
+        if self._plan_dump_dir is None:
+            return
+        self._plan_dump_dir.mkdir(parents=True, exist_ok=True)
+        layers = [(layer.kept_positions, layer.head_indptr) for layer in plan.layers]
+        payload = {"segment_start": plan.segment_start, "segment_end": plan.segment_end, "layers": layers}
+        scope = self.scope
+        name = f"{rid}.block{plan.segment_start // scope.block_size}" if isinstance(scope, BlockScope) else rid
+        torch.save(payload, self._plan_dump_dir / f"{name}.pt")
+
+    # ---- reporting -----------------------------------------------------------------------------
+
+    def describe(self) -> dict:
+        """The server's configuration, for the stats snapshot."""
+        config = self.setups.default.config
+        budget = config.budget
+        return {
+            "policy": config.policy,
+            "budget": None if budget is None else str(budget),
+            "score": config.score,
+            "window": config.window,
+            "scope": self.scope.name,
+            "block_size": getattr(self.scope, "block_size", None),
+        }

@@ -1,0 +1,123 @@
+"""The engine's counters, kept incrementally on the scheduler thread and read from any thread.
+
+The factory's stats snapshot adds the pool and arena levels and the configuration to them; the
+HTTP process serves it as ``GET /kvevict/stats`` (``engine.stats_channel``) and, under SGLang's
+``--enable-metrics``, as ``kvevict_*`` Prometheus series (``engine.metrics``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+
+from sgl_kvevict.engine.segments import CompressedSegment
+
+
+def served_bucket(requests: int) -> str:
+    """Histogram bucket of a node that served ``requests`` distinct requests: 1, 2, 3-4, 5-8, ..."""
+    if requests <= 2:
+        return str(requests)
+    upper = 1 << (requests - 1).bit_length()
+    return f"{upper // 2 + 1}-{upper}"
+
+
+@dataclass
+class EngineStats:
+    """Counters kept incrementally by the scheduler thread; ``snapshot`` may run on any thread.
+
+    Levels: ``compressed_nodes``, ``compressed_tokens`` (logical tokens they cover), ``kept_cells``.
+    Running totals: ``requests_compressed``; ``reuse_hits`` (requests whose match reused compressed
+    nodes made by other requests) and ``reused_tokens``; ``shared_node_hits`` ((request, node) pairs of
+    such reuse); ``compressed_nodes_created`` (a split's head counts as a new node);
+    ``compression_races_lost`` (spans a request scored but found compressed by a concurrent request
+    at its checkpoint: its plan is dropped before any cell is taken); ``reconstructions_skipped``
+(requests left dense because running requests held every slot a KVzip pass needed); evictions by kind
+    (``dense_nodes_evicted``, ``dense_slots_evicted``, ``compressed_nodes_evicted``,
+    ``compressed_cells_evicted``; ``/flush_cache`` not counted). ``served_histogram`` maps "distinct
+    requests a node served" to the number of nodes, over every node created since start.
+    """
+
+    compressed_nodes: int = 0
+    compressed_tokens: int = 0
+    kept_cells: int = 0
+    requests_compressed: int = 0
+    reuse_hits: int = 0
+    reused_tokens: int = 0
+    shared_node_hits: int = 0
+    compressed_nodes_created: int = 0
+    compression_races_lost: int = 0
+    reconstructions_skipped: int = 0
+    request_option_errors: int = 0
+    dense_nodes_evicted: int = 0
+    dense_slots_evicted: int = 0
+    compressed_nodes_evicted: int = 0
+    compressed_cells_evicted: int = 0
+    served_histogram: Counter = field(default_factory=Counter, repr=False)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def node_added(self, segment: CompressedSegment) -> None:
+        """A compressed node was created; it has served its creator."""
+        with self.lock:
+            self.compressed_nodes += 1
+            self.compressed_tokens += segment.length
+            self.kept_cells += segment.num_cells
+            self.compressed_nodes_created += 1
+            self.served_histogram[1] += 1
+
+    def node_split(self, served: int) -> None:
+        """A compressed node that had served ``served`` requests was split: its head is a new node with
+        the same history; cells and tokens are only partitioned."""
+        with self.lock:
+            self.compressed_nodes += 1
+            self.compressed_nodes_created += 1
+            self.served_histogram[served] += 1
+
+    def node_served(self, served_before: int) -> None:
+        """One more distinct request used a node that had served ``served_before`` requests."""
+        with self.lock:
+            self.served_histogram[served_before] -= 1
+            self.served_histogram[served_before + 1] += 1
+
+    def compressed_node_evicted(self, segment: CompressedSegment) -> None:
+        with self.lock:
+            self.compressed_nodes -= 1
+            self.compressed_tokens -= segment.length
+            self.kept_cells -= segment.num_cells
+            self.compressed_nodes_evicted += 1
+            self.compressed_cells_evicted += segment.num_cells
+
+    def dense_node_evicted(self, slots: int) -> None:
+        with self.lock:
+            self.dense_nodes_evicted += 1
+            self.dense_slots_evicted += slots
+
+    def tree_cleared(self) -> None:
+        with self.lock:
+            self.compressed_nodes = self.compressed_tokens = self.kept_cells = 0
+
+    def count(self, name: str, amount: int = 1) -> None:
+        with self.lock:
+            setattr(self, name, getattr(self, name) + amount)
+
+    def snapshot(self) -> dict:
+        """The counters, plus ``requests_served_per_node`` (power-of-two buckets of ``served_histogram``)
+        with its max and mean."""
+        with self.lock:
+            counters = {name: getattr(self, name) for name in self.__dataclass_fields__ if name not in _NOT_COUNTERS}
+            histogram = {served: nodes for served, nodes in self.served_histogram.items() if nodes}
+        buckets: dict[str, int] = {}
+        for served in sorted(histogram):
+            buckets[served_bucket(served)] = buckets.get(served_bucket(served), 0) + histogram[served]
+        nodes = sum(histogram.values())
+        return {
+            **counters,
+            "requests_served_per_node": buckets,
+            "requests_served_per_node_max": max(histogram, default=0),
+            "requests_served_per_node_mean": sum(s * n for s, n in histogram.items()) / nodes if nodes else 0.0,
+        }
+
+
+_NOT_COUNTERS = ("served_histogram", "lock")
+
+
