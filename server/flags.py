@@ -18,6 +18,7 @@ from sgl_kvevict.scope import DEFAULT_BLOCK_SIZE, SCOPE_NAMES, RequestScope, Sco
 from sgl_kvevict.server.refusals import (
     KV_EVICT_PREFIX,
     FlagError,
+    check_chunked_prefill,
     check_compression_compatible,
     check_flag_spellings,
     check_reserved_flags,
@@ -247,6 +248,7 @@ def parse_args(argv: list[str]) -> LaunchConfig:
     serving = serving_config(args)
     if serving.enabled:
         check_compression_compatible(sglang_args)
+        check_chunked_prefill(serving, sglang_args)
     return LaunchConfig(
         model=args.model,
         host=args.host,

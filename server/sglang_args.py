@@ -37,7 +37,6 @@ CPU_MODE_DEFAULTS: Defaults = (
 # are refused before this list is applied.
 COMPRESSION_DEFAULTS: Defaults = (
     ("--page-size", ("1",)),
-    ("--chunked-prefill-size", ("-1",)),
     ("--disable-overlap-schedule", ()),
     ("--cuda-graph-backend-decode", ("disabled",)),
     ("--cuda-graph-backend-prefill", ("disabled",)),

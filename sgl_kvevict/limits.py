@@ -51,10 +51,9 @@ def check_sglang_version(installed: Optional[str] = None) -> None:
 @dataclass(frozen=True)
 class SetupFacts:
     """The facts of one SGLang server that decide whether compression can run in it. Defaults are
-    the supported set-up. ``chunked_prefill_size``: SGLang's value (-1 or None: chunking off)."""
+    the supported set-up."""
 
     page_size: int = 1
-    chunked_prefill_size: Optional[int] = None
     cuda_graphs: bool = False  # a decode or prefill graph is configured or was captured
     hierarchical_cache: bool = False
     tp_size: int = 1
@@ -118,17 +117,12 @@ _CUDA_GRAPHS = (
 )
 _DP_ATTENTION = "DP attention splits a batch's attention across ranks; the segment attention runs on one rank"
 
-# The first-version limits (page size 1, no chunked prefill, no overlap schedule, no CUDA graphs, TP 1)
+# The first-version limits (page size 1, no overlap schedule, no CUDA graphs, TP 1)
 # and SGLang 0.5.23's features that copy, move or share KV by slot rows, which compressed nodes do not
 # hold. Spellings are SGLang 0.5.23's (sglang/srt/arg_groups/fields/*.py); a test checks them.
 LIMITS = (
     Limit("page size", "compressed spans are token-granular: pages of more than one slot are not supported yet",
           (LimitFlag(("--page-size",), above=1),), lambda f: f.page_size != 1),
-    Limit("chunked prefill",
-          "a chunk boundary can split a prompt, and its first chunks would enter the radix tree dense before the "
-          "prompt's end is scored; with a policy the launcher disables chunking (-1)",
-          (LimitFlag(("--chunked-prefill-size",), above=0),),
-          lambda f: f.chunked_prefill_size is not None and f.chunked_prefill_size > 0),
     Limit("CUDA graphs", _CUDA_GRAPHS,
           (LimitFlag(("--cuda-graph-backend-decode",), allowed=("disabled",)),
            LimitFlag(("--cuda-graph-backend-prefill",), allowed=("disabled",)),

@@ -37,7 +37,9 @@ def test_unknown_policy_is_refused_with_the_valid_names(tiny_llama_dir):
     [
         (["--kv-evict-policy", "lava", "--page-size", "16"], "--page-size 16 cannot be used with a --kv-evict-policy"),
         (["--kv-evict-policy", "lava", "--tp-size=2"], "--tp-size 2 cannot be used"),
-        (["--kv-evict-policy", "snapkv", "--chunked-prefill-size", "512"], "a chunk boundary can split a prompt"),
+        (["--kv-evict-policy", "snapkv", "--chunked-prefill-size", "16"], "smaller than the 32-token observation window"),
+        (["--kv-evict-policy", "snapkv", "--kv-evict-scope", "block", "--kv-evict-block-size", "2048",
+          "--chunked-prefill-size", "2048", "--max-total-tokens", "4000"], "do not fit together in --max-total-tokens 4000"),
         (["--kv-evict-policy", "lava", "--enable-hicache"], "HiCache copies tree values"),
         (["--kv-evict-policy", "lava", "--radix-cache-backend", "x"], "compression lives in the plugin's own radix cache"),
         (["--kv-evict-policy", "lava", "--cuda-graph-backend-decode", "full"], "replayed CUDA graphs"),
@@ -152,7 +154,7 @@ def test_a_server_started_without_the_launcher_is_refused_by_the_tree(tiny_llama
         "--device", "cpu", "--attention-backend", "torch_native", "--cuda-graph-backend-decode", "disabled",
         "--cuda-graph-backend-prefill", "disabled", "--disable-overlap-schedule", "--page-size", "1",
         "--dtype", "float32", "--skip-server-warmup", "--max-total-tokens", "4000", "--mem-fraction-static", "0.3",
-        "--chunked-prefill-size", "512", "--enable-mixed-chunk",  # what the launcher would refuse
+        "--page-size", "16", "--enable-mixed-chunk",  # what the launcher would refuse
     ]  # fmt: skip
     env = {**os.environ, ENV_VAR: ServingConfig("lava").to_env(), "OMP_NUM_THREADS": "1"}
     log_path = tmp_path / "sglang.log"
@@ -173,4 +175,4 @@ def test_a_server_started_without_the_launcher_is_refused_by_the_tree(tiny_llama
     output = log_path.read_text(errors="replace")
     assert "Uvicorn running" not in output  # refused before it served
     [line] = [line for line in output.splitlines() if "KV eviction cannot run with:" in line][-1:]
-    assert "chunked prefill: a chunk boundary can split a prompt" in line and "mixed chunks: batches mixing" in line
+    assert "page size: compressed spans are token-granular" in line and "mixed chunks: batches mixing" in line

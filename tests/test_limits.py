@@ -20,7 +20,6 @@ from sgl_kvevict.limits import (
 # For each limit the tree checks, a set-up that breaks it (and nothing else).
 BROKEN_SETUPS = {
     "page size": {"page_size": 16},
-    "chunked prefill": {"chunked_prefill_size": 8192},
     "CUDA graphs": {"cuda_graphs": True},
     "hierarchical cache": {"hierarchical_cache": True},
     "tensor parallelism": {"tp_size": 2},
@@ -44,7 +43,6 @@ LAUNCHER_ONLY = {"another radix-cache backend", "config file"}
 
 def test_the_supported_setup_breaks_no_limit():
     assert violations(SetupFacts()) == []
-    assert violations(SetupFacts(chunked_prefill_size=-1)) == []
 
 
 @pytest.mark.parametrize("name", sorted(BROKEN_SETUPS))

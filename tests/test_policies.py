@@ -4,6 +4,8 @@ in Python, LAVa's cascade, DBudgetKV's suffix-norm form, a brute-force global to
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -433,3 +435,30 @@ def test_lava_with_learned_scores_splits_layers_by_the_entropy_of_their_exponent
     expected = entropy_layer_budgets(entropies, total, spec.num_kv_heads * layout.num_candidates)
     kept_per_layer = [int(candidate_mask(plan, layer, layout).sum()) for layer in range(spec.num_layers)]
     assert kept_per_layer == expected.tolist()
+
+
+@pytest.mark.parametrize("policy", ["topk", "lava", "ada-snapkv"])
+def test_learned_scores_in_pieces_plan_as_one_piece(policy, tmp_path):
+    """A chunked prefill hands a learned scorer's hidden states over one forward at a time: scoring each
+    piece and pooling at the end keeps exactly what one piece keeps (max pooling crosses the cuts)."""
+    spec = SegmentSpec(0, 180, num_layers=3, num_kv_heads=2, num_q_heads=4)
+    config = policy_config(policy, spec, tmp_path, score="learned", budget="0.3", pooling="max")
+    layers = random_stats(spec, config.window, build_policy(config).stats_request(), seed=3)
+
+    def plan_with_cuts(cuts: list[int]):
+        compressor = build_policy(config).start(spec)
+        for layer, stats in enumerate(layers):
+            for start, end in zip([0, *cuts], [*cuts, spec.end]):
+                piece = dataclasses.replace(stats, hidden_states=stats.hidden_states[start:end], hidden_start=start)
+                compressor.observe(layer, piece)
+        return compressor.plan()
+
+    whole = plan_with_cuts([])
+    for cuts in ([64], [3, 90, 150], [150, 170]):  # inside the sinks, the candidates and the window
+        chunked = plan_with_cuts(cuts)
+        for ours, theirs in zip(chunked.layers, whole.layers):
+            assert torch.equal(ours.kept_positions, theirs.kept_positions) and torch.equal(ours.head_indptr, theirs.head_indptr)
+    compressor = build_policy(config).start(spec)
+    late = dataclasses.replace(layers[0], hidden_states=layers[0].hidden_states[90:], hidden_start=90)
+    with pytest.raises(ValueError, match="out of order"):
+        compressor.observe(0, late)

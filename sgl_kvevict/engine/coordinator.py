@@ -35,11 +35,20 @@ from typing import Optional
 import torch
 
 from sgl_kvevict.engine.batch import ForwardRequests, RequestSlice
-from sgl_kvevict.engine.compression import ScoringCapture, ScoringJob, SpanCompression, Stage
+from sgl_kvevict.engine.compression import (
+    ForwardJob,
+    HiddenRowsJob,
+    QueryCarryJob,
+    ScoringCapture,
+    ScoringJob,
+    SpanCompression,
+    Stage,
+)
 from sgl_kvevict.engine.reconstruction import NoRoomForReconstruction, ReconstructionWork, Reconstructor
 from sgl_kvevict.engine.records import RECORD_ATTR, RequestRecord, request_record
 from sgl_kvevict.engine.setups import ModelShape, Setups
 from sgl_kvevict.engine.stats import EngineStats
+from sgl_kvevict.footprint import PrefillFootprint
 from sgl_kvevict.plan import CompressionPlan
 from sgl_kvevict.policies.base import SegmentSpec
 from sgl_kvevict.scope import BlockScope, Scope
@@ -71,8 +80,9 @@ class Handover:
 
 class CompressionCoordinator:
     """setups: the configurations that serve requests; scope: which spans are compressed; shape: the
-    model's; capture: computes scoring statistics; reconstructor: KVzip passes (None when no setup can
-    ask for them); stats: the engine's counters."""
+    model's; capture: computes scoring statistics; stats: the engine's counters; reconstructor: KVzip
+    passes (None when no setup can ask for them); chunk_size: SGLang's chunked-prefill size (None:
+    prompts are prefilled in one forward)."""
 
     def __init__(
         self,
@@ -82,16 +92,18 @@ class CompressionCoordinator:
         capture: ScoringCapture,
         stats: EngineStats,
         reconstructor: Optional[Reconstructor] = None,
+        chunk_size: Optional[int] = None,
     ):
         self.setups = setups
         self.scope = scope
+        self.chunk_size = chunk_size
         self.shape = shape
         self.capture = capture
         self.stats = stats
         self.reconstructor = reconstructor
         self.store = None  # the tree, once it exists (``attach_store``)
         self._requests: "weakref.WeakValueDictionary[str, object]" = weakref.WeakValueDictionary()
-        self._jobs: list[ScoringJob] = []
+        self._jobs: list[ForwardJob] = []
         dump_dir = os.environ.get(PLAN_DUMP_ENV)
         self._plan_dump_dir = Path(dump_dir) if dump_dir else None
 
@@ -145,8 +157,9 @@ class CompressionCoordinator:
             q_start += count
         return ForwardRequests(mode.is_decode(), tuple(requests))
 
-    def _prefill_jobs(self, req, request: RequestSlice, req_to_token: torch.Tensor) -> list[ScoringJob]:
-        """The request's prompt tokens ``[first query, seq_len)`` are prefilled by this forward."""
+    def _prefill_jobs(self, req, request: RequestSlice, req_to_token: torch.Tensor) -> list[ForwardJob]:
+        """The request's prompt tokens ``[first query, seq_len)`` are prefilled by this forward (the whole
+        prompt, or one chunk of it)."""
         record = request_record(req)
         setup = record.setup
         start, end = request.first_query_position, request.seq_len
@@ -165,26 +178,39 @@ class CompressionCoordinator:
                 )
                 for a, b in self.scope.compressible_spans(start, prompt_end, setup.config.window)
             ]  # fmt: skip
+        record.prefill_forwards += 1
         record.prefilled = end == prompt_end
-        jobs = []
+        if record.prefilled and record.prefill_forwards > 1:
+            self.stats.count("chunked_prefills")
+        jobs: list[ForwardJob] = []
         for compression in record.compressions:
-            if not start < compression.spec.end <= end:
-                continue  # its window is not computed by this forward
-            if compression.stage is Stage.SCORING:
-                job_request = request.up_to(compression.spec.end)
-                jobs.append(ScoringJob.of(job_request, compression.compressor, compression.window,
-                                          compression.stats_request, compression.spec, req_to_token))  # fmt: skip
-                compression.stage = Stage.READY  # the forward observes every layer before any checkpoint
-            elif compression.stage is Stage.RECONSTRUCTING:
+            spec = compression.spec
+            ends_here = start < spec.end <= end
+            if compression.stage is Stage.RECONSTRUCTING and ends_here:
                 self.reconstructor.submit(req, compression)
+            if compression.stage is not Stage.SCORING:
+                continue
+            if compression.stats_request.hidden_states:  # every forward over the span hands its rows on
+                rows = slice(max(spec.start, start), min(spec.end, end))
+                if rows.start < rows.stop:
+                    jobs.append(HiddenRowsJob(request, compression.compressor, compression.window, rows))
+            elif ends_here:
+                jobs.append(ScoringJob.of(request.up_to(spec.end), compression.compressor, compression.window,
+                                          compression.stats_request, req_to_token, compression.carried_queries))  # fmt: skip
+            elif compression.window_start < end <= spec.end and start < spec.end:
+                # The window starts here and ends in a later forward: keep its queries so far.
+                rows = slice(max(compression.window_start, start), end)
+                jobs.append(QueryCarryJob(request, compression.carried_queries, rows))
+            if ends_here:
+                compression.stage = Stage.READY  # the forward observes every layer before any checkpoint
         return jobs
 
     # ---- 3. statistics -------------------------------------------------------------------------
 
     def attention_end(self, q: torch.Tensor, layer) -> None:
-        """After ``layer``'s attention of the forward: every scoring job observes it."""
+        """After ``layer``'s attention of the forward: every job of the forward runs on it."""
         for job in self._jobs:
-            self.capture.observe(job, q, layer)
+            self.capture.run(job, q, layer)
 
     def between_batches(self) -> None:
         """After a scheduler batch: one piece of the oldest reconstruction pass. A request whose passes are
@@ -257,6 +283,15 @@ class CompressionCoordinator:
         scope = self.scope
         name = f"{rid}.block{plan.segment_start // scope.block_size}" if isinstance(scope, BlockScope) else rid
         torch.save(payload, self._plan_dump_dir / f"{name}.pt")
+
+    # ---- admission -----------------------------------------------------------------------------
+
+    def footprint_of(self, req) -> Optional[PrefillFootprint]:
+        """How the request's prompt occupies the pool while prefilled (None: dense until its end)."""
+        record = request_record(req)
+        if record is None or record.setup is None:
+            return None
+        return PrefillFootprint.of(record.setup.config, self.scope, self.chunk_size)
 
     # ---- reporting -----------------------------------------------------------------------------
 

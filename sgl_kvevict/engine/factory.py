@@ -16,6 +16,7 @@ from sglang.srt.mem_cache.registry import TreeCacheBuildContext
 from sglang.srt.model_executor.cuda_graph_config import Backend
 from sglang.srt.runtime_context import get_disagg, get_exec, get_memory, get_parallel, get_schedule, get_serving, get_spec
 
+from sgl_kvevict.engine.admission import chunk_size
 from sgl_kvevict.engine.arena import Arena, SlotSource
 from sgl_kvevict.engine.attention import SegmentAttentionBackend
 from sgl_kvevict.engine.cells import CellSpace
@@ -53,7 +54,6 @@ def unsupported_features(ctx: TreeCacheBuildContext, attn_backend) -> list[str]:
     runner = ctx.tp_worker.model_runner
     facts = SetupFacts(
         page_size=ctx.params.page_size,
-        chunked_prefill_size=schedule.chunked_prefill_size,
         # Configured graphs, or a captured decode graph (a CPU graph under --enable-torch-compile).
         cuda_graphs=any(phase.backend != Backend.DISABLED for phase in (graphs.decode, graphs.prefill))
         or runner.decode_cuda_graph_runner is not None,
@@ -108,7 +108,7 @@ def create_compressed_radix_cache(ctx: TreeCacheBuildContext) -> CompressedRadix
     if needs_reconstruction(request) or serving.per_request:
         reconstructor = Reconstructor(runner, _reconstruction_prompt(model_dir), _piece_tokens())
     capture = ScoringCapture(space, pool, hidden_states)
-    coordinator = CompressionCoordinator(setups, serving.scope, shape, capture, stats, reconstructor)
+    coordinator = CompressionCoordinator(setups, serving.scope, shape, capture, stats, reconstructor, chunk_size())
     cache = CompressedRadixCache(ctx.params, coordinator, arena, stats)
     runner.attn_backend.attach_coordinator(coordinator, space.k_rows, space.v_rows)
     logger.info(
@@ -132,8 +132,7 @@ def _reconstruction_prompt(model_dir: Path) -> ReconstructionPrompt:
 
 
 def _piece_tokens() -> int:
-    chunk = get_schedule().chunked_prefill_size
-    return chunk if chunk is not None and chunk > 0 else DEFAULT_RECONSTRUCTION_PIECE_TOKENS
+    return chunk_size() or DEFAULT_RECONSTRUCTION_PIECE_TOKENS
 
 
 def _slot_source(allocator, space: CellSpace) -> SlotSource:

@@ -44,6 +44,7 @@ COUNTERS = {
     "compressed_nodes_evicted": "Compressed nodes evicted under memory pressure (/flush_cache not counted).",
     "dense_nodes_evicted": "Dense radix nodes evicted under memory pressure (/flush_cache not counted).",
     "arena_cells_moved": "Cells moved to give whole slots back to SGLang's allocator.",
+    "chunked_prefills": "Requests whose prompt took more than one prefill forward (chunked prefill).",
 }
 DEFAULT_INTERVAL_SECONDS = 1.0
 

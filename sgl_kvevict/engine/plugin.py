@@ -9,10 +9,11 @@ entry point is how ours get there (docs/sglang.md#processes-and-plugin-loading).
 * our attention backends *in place of* the stock ``torch_native`` (CPU) and ``flashinfer`` (CUDA)
   factories, so the backend names and every SGLang gate keyed on them stay the stock ones. The
   stock backends must never serve a compressed request: they would read its placeholder slots;
-* an ``AFTER`` hook (SGLang's ``HookRegistry``, applied by its plugin loader) on the scheduler's
-  ``process_batch_result``: after every batch the coordinator runs one piece of queued KVzip
-  reconstruction work (``CompressionCoordinator.between_batches``), as work of its own between
-  batches instead of inside a request's checkpoint.
+* hooks through SGLang's ``HookRegistry`` (applied by its plugin loader; SGLang's source is not
+  patched): AFTER the scheduler's ``process_batch_result``, the coordinator runs one piece of queued
+  KVzip reconstruction work (``CompressionCoordinator.between_batches``), as work of its own between
+  batches; and the two hooks of compress-while-prefilling (``engine.admission``) on the longest prompt
+  SGLang accepts and on its prefill admission.
 
 Everything heavy is imported inside the factories, which run only in the scheduler process.
 """
@@ -25,6 +26,9 @@ from sgl_kvevict.serving import RADIX_CACHE_BACKEND, ServingConfig
 
 # Called once per scheduler batch, after its results (and the checkpoints of its requests) are processed.
 SCHEDULER_BATCH_DONE = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
+# Compress while prefilling (engine.admission): the longest prompt SGLang accepts, and its admission.
+WORKER_INFO = "sglang.srt.managers.tp_worker.TpModelWorker.get_worker_info"
+PREFILL_BUDGET_CHECK = "sglang.srt.managers.schedule_policy.PrefillAdder._check_prefill_budget"
 
 
 def register() -> None:
@@ -36,6 +40,7 @@ def register() -> None:
     from sglang.srt.mem_cache.registry import register_radix_cache_backend, registered_radix_cache_backends
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    from sgl_kvevict.engine.admission import admit_by_footprint, raise_length_limits
     from sgl_kvevict.engine.pool import install_contiguous_kv_buffers
 
     install_contiguous_kv_buffers()
@@ -44,6 +49,8 @@ def register() -> None:
     ATTENTION_BACKENDS["torch_native"] = _create_torch_backend
     ATTENTION_BACKENDS["flashinfer"] = _create_flashinfer_backend
     HookRegistry.register(SCHEDULER_BATCH_DONE, _after_batch, HookType.AFTER)
+    HookRegistry.register(WORKER_INFO, raise_length_limits, HookType.AFTER)
+    HookRegistry.register(PREFILL_BUDGET_CHECK, admit_by_footprint, HookType.AROUND)
 
 
 def _after_batch(_result, scheduler, *args, **kwargs) -> None:

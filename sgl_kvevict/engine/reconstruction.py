@@ -155,7 +155,7 @@ class Reconstructor:
         table[work.row, first : first + length] = slots.to(table.dtype)
         view = store.path_view(work.req.last_node)
         request = RequestSlice(0, 0, length, first + length, work.row, view)
-        job = ScoringJob.of(request, work.collector, length, work.compression.stats_request, work.compression.spec, table)
+        job = ScoringJob.of(request, work.collector, length, work.compression.stats_request, table)
         self.piece_in_flight = PieceInFlight(f"{RECONSTRUCTION_RID_PREFIX}{next(self._rids)}", request, job)
         try:
             self.model_runner.forward(self._forward_batch(chunk_ids[work.fed : work.fed + length], first, slots))

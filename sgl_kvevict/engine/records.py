@@ -57,8 +57,8 @@ class RequestRecord:
     """One request the engine saw (``CompressionCoordinator.on_request_begin``).
 
     setup: the eviction configuration serving it (None: it stays dense). submitted: its spans were
-    submitted (at its first prefill forward). prefilled: the forward holding its prompt's last token
-    ran. compressions: its spans in flight, in position order, from the forward that submits them
+    submitted (at its first prefill forward). prefill_forwards: forwards its prompt took so far (more
+    than one under chunked prefill). prefilled: the forward holding its prompt's last token ran. compressions: its spans in flight, in position order, from the forward that submits them
     until the tree stores them. Tree fields: use_counted: the nodes its match passed through counted
     this request's use (at its first checkpoint: SGLang may match a waiting request several times);
     stored_any: the tree stored one of its spans compressed.
@@ -66,6 +66,7 @@ class RequestRecord:
 
     setup: Optional["EvictionSetup"]
     submitted: bool = False
+    prefill_forwards: int = 0
     prefilled: bool = False
     compressions: list["SpanCompression"] = field(default_factory=list)
     use_counted: bool = False

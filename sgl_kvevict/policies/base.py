@@ -5,7 +5,9 @@ layer's statistics before any layer is cut:
 
 1. per layer, during the engine's forward: ``compressor.observe(layer, stats)`` reduces the
    ``WindowStats`` to a compact per-layer record (candidate scores ``[H_kv, n]`` in fp32, LAVa
-   entropy, DBudgetKV stop index, ...);
+   entropy, DBudgetKV stop index, ...). Hidden-state statistics (learned scores) may come in
+   several calls per layer, one per prefill forward of a chunked prefill, each with the next rows of
+   the segment in order (``scoring.base.RowScorer``);
 2. once, after the last layer: ``compressor.plan()`` returns the ``CompressionPlan``.
 
 A ``Policy`` is immutable configuration plus a factory of per-segment compressors, so one policy

@@ -24,7 +24,7 @@ from sgl_kvevict.budget.heads import kept_offsets, rank_candidates, uniform_head
 from sgl_kvevict.plan import CompressionPlan
 from sgl_kvevict.policies.base import Policy, SegmentCompressor, SegmentSpec
 from sgl_kvevict.policies.layout import SegmentLayout
-from sgl_kvevict.scoring import Scorer, StatsRequest, WindowStats, scorer_for
+from sgl_kvevict.scoring import RowScorer, Scorer, StatsRequest, WindowStats, scorer_for
 
 if TYPE_CHECKING:
     from sgl_kvevict.config import EvictionConfig
@@ -64,7 +64,11 @@ class ScoredPolicy(Policy):
 
 
 class ScoredCompressor(SegmentCompressor):
-    """Keeps one ``[H_kv, n_candidates]`` fp32 score tensor per observed layer until ``plan()``."""
+    """Keeps one ``[H_kv, n_candidates]`` fp32 score tensor per observed layer until ``plan()``.
+
+    A ``RowScorer``'s statistics (hidden states) may arrive in pieces of consecutive rows, one per
+    prefill forward: each piece is scored at once (``[H_kv, n]``, never the hidden states themselves)
+    and the layer's scores are pooled when the piece holding the last candidate arrives."""
 
     def __init__(self, policy: ScoredPolicy, layout: SegmentLayout):
         super().__init__(layout.spec)
@@ -72,12 +76,26 @@ class ScoredCompressor(SegmentCompressor):
         self.layout = layout
         self.needs_stats = layout.compresses
         self.layer_scores: dict[int, torch.Tensor] = {}
+        self._row_pieces: dict[int, list[torch.Tensor]] = {}
 
     def observe(self, layer: int, stats: WindowStats) -> None:
-        if self.layout.compresses:
-            self.layer_scores[layer] = self.policy.scorer(
-                stats, self.layout.candidate_columns, self.spec.num_kv_heads, layer
-            )
+        if not self.layout.compresses:
+            return
+        scorer, candidates = self.policy.scorer, self.layout.candidate_columns
+        if not isinstance(scorer, RowScorer):
+            self.layer_scores[layer] = scorer(stats, candidates, self.spec.num_kv_heads, layer)
+            return
+        piece_end = stats.hidden_start + len(stats.hidden_states)
+        rows = slice(max(candidates.start, stats.hidden_start), min(candidates.stop, piece_end))
+        if rows.start >= rows.stop:
+            return  # a piece of sinks or window rows only
+        pieces = self._row_pieces.setdefault(layer, [])
+        seen = candidates.start + sum(piece.shape[1] for piece in pieces)
+        if rows.start != seen:
+            raise ValueError(f"layer {layer}: rows from {rows.start} after rows up to {seen} (pieces out of order)")
+        pieces.append(scorer.row_scores(stats, rows, layer))
+        if rows.stop == candidates.stop:
+            self.layer_scores[layer] = scorer.reduction.pool(torch.cat(self._row_pieces.pop(layer), dim=1))
 
     def plan(self) -> CompressionPlan:
         layout = self.layout

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 from sgl_kvevict.scoring.attention import LastQueryScorer, WindowAttentionScorer
-from sgl_kvevict.scoring.base import QueryHeadScorer, Reduction, Scorer
+from sgl_kvevict.scoring.base import QueryHeadScorer, Reduction, RowScorer, Scorer
 from sgl_kvevict.scoring.kvzip import KVzipScorer
 from sgl_kvevict.scoring.lava import LavaScorer
 from sgl_kvevict.scoring.learned import LEARNED_SCORE, LearnedScorer, resolve_learned_weights
@@ -74,6 +74,7 @@ __all__ = [
     "OBCacheScorer",
     "QueryHeadScorer",
     "Reduction",
+    "RowScorer",
     "ScoreKind",
     "Scorer",
     "StatsRequest",

@@ -63,6 +63,19 @@ class Scorer(abc.ABC):
         which are also the columns of ``stats``) of layer ``layer``."""
 
 
+class RowScorer(Scorer):
+    """A score of each candidate from that candidate's own data (its hidden states), then pooled. An
+    engine that prefills a segment in several forwards (chunked prefill) may hand its rows over in
+    pieces: ``row_scores`` scores one piece, and the pooling runs once the rows are all there."""
+
+    @abc.abstractmethod
+    def row_scores(self, stats: WindowStats, rows: slice, layer: int) -> torch.Tensor:
+        """fp32 ``[H_kv, n]`` before pooling, for the positions ``rows`` (inside the piece ``stats`` holds)."""
+
+    def __call__(self, stats: WindowStats, candidates: slice, num_kv_heads: int, layer: int) -> torch.Tensor:
+        return self.reduction.pool(self.row_scores(stats, candidates, layer))
+
+
 class QueryHeadScorer(Scorer):
     """A score defined per query head, reduced to KV heads, then pooled (the Ada-KV code's order:
     window-mean -> GQA -> pool; OBCache's "aggregate over the group first, then max-pool once")."""

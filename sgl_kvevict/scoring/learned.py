@@ -13,8 +13,9 @@ Contract with the engines (``StatsRequest(hidden_states=True)``): during the for
 the segment, per layer, the engine takes the input of that layer's attention (after the input
 layernorm, before the q/k/v projections) at the segment's positions and calls
 ``compressor.observe(layer, WindowStats(window=w, hidden_states=[n, d_model], hidden_start=start))``
-(``w``: the segment's window, unused here; no other statistic, no extra pass). The segment must lie
-inside that forward. The scores are computed in fp32 whatever the model's dtype.
+(``w``: the segment's window, unused here; no other statistic, no extra pass). An engine that prefills
+the segment in several forwards (chunked prefill) calls it once per forward with that forward's rows,
+in order (``RowScorer``). The scores are computed in fp32 whatever the model's dtype.
 
 Which weights: the config's ``learned_weights`` path, or else the weights bundled in
 ``scoring/weights/`` whose manifest has the served model's fingerprint (``model_fingerprint``).
@@ -36,7 +37,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from sgl_kvevict.scoring.base import Reduction, Scorer
+from sgl_kvevict.scoring.base import Reduction, RowScorer
 from sgl_kvevict.scoring.window import StatsRequest, WindowStats
 from sgl_kvevict.settings import ConfigError
 
@@ -218,7 +219,7 @@ def resolve_learned_weights(config: "EvictionConfig", model_dir: Path) -> Option
 # --------------------------------------------------------------------------------------------------
 
 
-class LearnedScorer(Scorer):
+class LearnedScorer(RowScorer):
     """Predicted log KVzip scores of the candidates, per KV head, then the config's pooling (no GQA
     step: the map predicts per KV head). Unbound (``weights`` None) until ``for_model``."""
 
@@ -241,10 +242,9 @@ class LearnedScorer(Scorer):
         path, weights = learned_weights_for(model_dir, self.source)
         return self if weights is self.weights else LearnedScorer(self.reduction, weights, path)
 
-    def __call__(self, stats: WindowStats, candidates: slice, num_kv_heads: int, layer: int) -> torch.Tensor:
+    def row_scores(self, stats: WindowStats, rows: slice, layer: int) -> torch.Tensor:
         if self.weights is None:
             raise RuntimeError("the learned scorer has no weights: engines bind it with policy.for_model(model_dir)")
-        rows = stats.hidden_states[candidates.start - stats.hidden_start : candidates.stop - stats.hidden_start]
-        weight, bias = self.weights.on(rows.device)
-        scores = torch.addmm(bias[layer], rows.float(), weight[layer].t())  # [n, H_kv]
-        return self.reduction.pool(scores.t().contiguous())
+        hidden = stats.hidden_states[rows.start - stats.hidden_start : rows.stop - stats.hidden_start]
+        weight, bias = self.weights.on(hidden.device)
+        return torch.addmm(bias[layer], hidden.float(), weight[layer].t()).t().contiguous()  # [H_kv, n]

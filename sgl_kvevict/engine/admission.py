@@ -1,0 +1,78 @@
+"""Compress while prefilling, as SGLang's admission and length checks see it (``sgl_kvevict.footprint``).
+
+Two hooks through SGLang's plugin ``HookRegistry`` (registered by ``engine.plugin``; SGLang's source is
+not patched):
+
+* ``raise_length_limits`` (AFTER ``TpModelWorker.get_worker_info``): the longest prompt SGLang accepts
+  is no longer the pool minus a few tokens but the longest prompt whose compressed peak fits the pool
+  (and the model's context). The scheduler reads it once at start-up and hands it to the tokenizer
+  process, which refuses a longer prompt with SGLang's own message ("Input length (N tokens) exceeds
+  the maximum allowed length (M tokens)").
+* ``admit_by_footprint`` (AROUND ``PrefillAdder._check_prefill_budget``): a prompt is admitted when its
+  peak, not its dense length, fits what the pool has left (SGLang then prefills it chunk by chunk; a
+  continuing chunk only needs room for itself). A request whose own eviction options
+  (``--kv-evict-per-request``) hold it dense and whose prompt can never fit is finished with an error
+  instead of waiting forever.
+
+Both do nothing unless the served setup compresses while prefilling (block scope, chunked prefill, a
+budget, scores from the prefill itself).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+from sglang.srt.runtime_context import get_schedule
+
+from sgl_kvevict.footprint import PrefillFootprint
+from sgl_kvevict.serving import ServingConfig
+
+# get_worker_info's tuple: (max_total_num_tokens, max_prefill_tokens, max_running_requests,
+# max_queued_requests, max_req_len, max_req_input_len, ...) in SGLang 0.5.23 (managers/tp_worker.py).
+_POOL_TOKENS, _MAX_REQ_LEN, _MAX_REQ_INPUT_LEN = 0, 4, 5
+# SGLang keeps this many tokens between the longest request and the longest prompt (tp_worker.py).
+_INPUT_MARGIN = 5
+
+
+def chunk_size() -> Optional[int]:
+    chunk = get_schedule().chunked_prefill_size
+    return chunk if chunk is not None and chunk > 0 else None
+
+
+@functools.cache
+def served_footprint() -> Optional[PrefillFootprint]:
+    """The footprint of the server's own setup (the launcher's ``KVEVICT_SERVING``)."""
+    serving = ServingConfig.from_env()
+    return PrefillFootprint.of(serving.eviction, serving.scope, chunk_size()) if serving.enabled else None
+
+
+def raise_length_limits(info: tuple, worker, *args, **kwargs) -> Optional[tuple]:
+    footprint = served_footprint()
+    if footprint is None:
+        return None
+    pool = info[_POOL_TOKENS]
+    max_req_len = min(worker.model_config.context_len - 1, footprint.longest_prompt(pool, reserved_slots=1))
+    if max_req_len <= info[_MAX_REQ_LEN]:
+        return None
+    patched = list(info)
+    patched[_MAX_REQ_LEN], patched[_MAX_REQ_INPUT_LEN] = max_req_len, max_req_len - _INPUT_MARGIN
+    return tuple(patched)
+
+
+def admit_by_footprint(original, adder, req, *, extend_input_len: int, total_tokens: int, **kwargs):
+    from sgl_kvevict.engine.radix_cache import CompressedRadixCache
+
+    tree = adder.tree_cache
+    if isinstance(tree, CompressedRadixCache):
+        footprint = tree.coordinator.footprint_of(req)
+        if footprint is not None:
+            total_tokens += footprint.peak_slots(extend_input_len) - extend_input_len
+        elif served_footprint() is not None and extend_input_len + 1 > tree.token_to_kv_pool_allocator.size:
+            req.set_finish_with_abort(
+                f"Input length ({extend_input_len} tokens) exceeds what the KV pool holds with this request's own "
+                f"eviction options, which keep a prompt dense while it is prefilled "
+                f"({tree.token_to_kv_pool_allocator.size} tokens)"
+            )
+            return False, None  # it is admitted next round as SGLang's one-token stub of an aborted request
+    return original(adder, req, extend_input_len=extend_input_len, total_tokens=total_tokens, **kwargs)

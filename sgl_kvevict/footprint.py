@@ -1,0 +1,67 @@
+"""How much of the KV pool a prompt holds at its peak, and the longest prompt a pool can serve.
+
+SGLang admits a prefill only when the whole prompt fits dense in the pool, and its tokenizer refuses a
+prompt longer than the pool before the scheduler sees it. With block scope and chunked prefill the
+engine *compresses while prefilling*: a block is stored compressed, and its dense slots go back to the
+pool, at the chunk in which it ends, before the next chunk is prefilled. A prompt then holds, at its
+peak, its compressed blocks, the dense tokens of the block in progress, the chunk being prefilled,
+and the dense tail after its last block. ``PrefillFootprint`` is that count; the engine gives it to
+SGLang's admission and length checks (``engine.admission``).
+
+Everything else holds a prompt dense until its end: request scope (one span, compressed after the
+prompt's last chunk), no chunking, a policy without a budget (it decides per input), and scores that
+come from passes after the prefill (KVzip: a block waits dense for its passes).
+
+Pure Python: no SGLang, no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from sgl_kvevict.config import EvictionConfig
+from sgl_kvevict.scope import BlockScope, Scope
+from sgl_kvevict.scoring.window import RECONSTRUCTION_QUERIES
+from sgl_kvevict.scoring import SCORE_KINDS
+
+
+@dataclass(frozen=True)
+class PrefillFootprint:
+    """block_size: tokens per block; kept_per_block: the slots one compressed block holds (its budget per
+    (layer, KV head): a slot is every layer's and head's entry of one token); chunk_size: tokens per
+    prefill forward."""
+
+    block_size: int
+    kept_per_block: int
+    chunk_size: int
+
+    @classmethod
+    def of(cls, config: EvictionConfig, scope: Scope, chunk_size: Optional[int]) -> Optional["PrefillFootprint"]:
+        """The footprint of prompts served with ``config`` in ``scope``; None when they are held dense."""
+        if not isinstance(scope, BlockScope) or chunk_size is None or chunk_size <= 0 or config.budget is None:
+            return None
+        score_kind = SCORE_KINDS[config.score].scorer
+        if score_kind is not None and score_kind.request.queries == RECONSTRUCTION_QUERIES:
+            return None
+        kept = min(config.budget.per_head(scope.block_size), scope.block_size)
+        return cls(scope.block_size, kept, chunk_size)
+
+    def peak_slots(self, new_tokens: int) -> int:
+        """Slots a prompt's ``new_tokens`` (after its cached prefix) hold at their peak: their compressed
+        blocks, plus at most a block of dense tokens before its first block boundary, the block in
+        progress, and the chunk in flight (every term rounded up: an upper bound)."""
+        blocks = max(0, new_tokens // self.block_size - 1)
+        dense = min(new_tokens, 2 * self.block_size + self.chunk_size)
+        return blocks * self.kept_per_block + dense + 1  # + 1: the arena's last slot may be partly used
+
+    def longest_prompt(self, pool_slots: int, reserved_slots: int) -> int:
+        """The longest prompt whose peak leaves ``reserved_slots`` of a ``pool_slots`` pool free."""
+        low, high = 0, pool_slots * max(1, self.block_size // max(1, self.kept_per_block)) + 1
+        while low < high:  # peak_slots grows with the prompt: the largest length that fits
+            middle = (low + high + 1) // 2
+            if self.peak_slots(middle) + reserved_slots <= pool_slots:
+                low = middle
+            else:
+                high = middle - 1
+        return low

@@ -1,0 +1,126 @@
+"""Chunked prefill on the compressed path: a prompt prefilled in several forwards is compressed as if it
+were prefilled in one (request scope), and block scope compresses each block at the chunk it ends in.
+
+Request scope: one tiny fp32 server per chunk size (256 and 1024 tokens) serves every case through
+per-request options; for prompts longer than a chunk the kept positions per (layer, KV head) equal the
+reference engine's unchunked plan (the unchunked server's are held to the same plans by
+``test_engine_parity``), for window (attn), learned and KVzip scores under topk, lava and ada-snapkv.
+Ties aside: a chunked forward computes keys and hidden states in other shapes, so scores equal to the
+last bit may order differently; the fp32 tiny model has none on these prompts (the test would say).
+
+Block scope: a later chunk reads the blocks of earlier chunks compressed (they were stored and their
+dense slots freed: compress while prefilling), which is the reference engine's block schedule fed in
+the same forwards (``Schedule`` steps at the chunk ends).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine_client import (
+    TINY_SERVER_FLAGS,
+    assert_no_leak_after_flush,
+    assert_same_plan,
+    assert_strict_idle_check_passed,
+    generate,
+    request_options,
+    stats,
+)
+from serving import running_server
+from sgl_kvevict.config import EvictionConfig, build_policy
+from sgl_kvevict.engine.coordinator import PLAN_DUMP_ENV
+from sgl_kvevict.reference.engine import Prompt
+from sgl_kvevict.reference.schedule import PrefillStep, Schedule, Segment
+
+pytestmark = pytest.mark.server
+
+CHUNK_SIZES = (256, 1024)
+PROMPT_LENGTHS = (600, 1300)
+CASES = [(policy, score) for score in ("attn", "learned", "kvzip") for policy in ("topk", "lava", "ada-snapkv")]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir):
+    from sgl_kvevict.reference.engine import ReferenceEngine
+
+    return ReferenceEngine(tiny_llama_dir, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def learned_weights(tiny_llama_dir, tmp_path_factory) -> str:
+    from sgl_kvevict.reference.train_scorer import TrainingConfig, train
+
+    config = TrainingConfig(model=str(tiny_llama_dir), out=tmp_path_factory.mktemp("weights"), document_tokens=48,
+                            max_documents=24, test_documents=4)  # fmt: skip
+    return str(train(config, "tests/test_engine_chunked.py", log=lambda line: None))
+
+
+def random_prompt(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(5, 250) for _ in range(length)]
+
+
+@pytest.fixture(scope="module", params=CHUNK_SIZES, ids=lambda size: f"chunk{size}")
+def chunked_server(request, tiny_llama_dir, tmp_path_factory):
+    dump_dir = tmp_path_factory.mktemp("plans")
+    flags = ("--kv-evict-policy", "snapkv", "--kv-evict-per-request", "--max-total-tokens", "8192",
+             "--chunked-prefill-size", str(request.param), *TINY_SERVER_FLAGS)  # fmt: skip
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(PLAN_DUMP_ENV, str(dump_dir))
+        with running_server(tiny_llama_dir, tmp_path_factory.mktemp("chunked"), *flags) as running:
+            yield running, dump_dir, request.param
+            assert_strict_idle_check_passed(running)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda case: "-".join(case))
+def test_a_chunked_prompt_keeps_what_the_unchunked_reference_keeps(
+    case, chunked_server, reference, learned_weights, tiny_llama_dir
+):
+    server, dump_dir, chunk = chunked_server
+    policy, score = case
+    overrides = {"score": score, **({"learned_weights": learned_weights} if score == "learned" else {})}
+    config = EvictionConfig.for_policy(policy, **overrides)
+    for index, length in enumerate(PROMPT_LENGTHS):
+        prompt = random_prompt(length, seed=10 + index)
+        rid = f"chunk{chunk}-{policy}-{score}-{index}"
+        generate(server, prompt, 2, rid=rid, options=request_options(config))
+        expected = reference.generate(prompt, build_policy(config).for_model(tiny_llama_dir), max_new_tokens=1)
+        (reference_plan,) = expected.plans
+        assert_same_plan(torch.load(dump_dir / f"{rid}.pt"), reference_plan)
+    assert stats(server)["chunked_prefills"] >= sum(length > chunk for length in PROMPT_LENGTHS)
+    assert_no_leak_after_flush(server)
+
+
+@pytest.mark.parametrize("policy,score", [("topk", "attn"), ("ada-snapkv", "learned")])
+def test_block_scope_compresses_each_block_at_its_chunk(policy, score, tiny_llama_dir, tmp_path, reference, learned_weights):
+    """Chunks of 256 tokens, blocks of 128: blocks 0-1 are stored after the first chunk, so the second
+    chunk's prefill and scoring read them compressed, as the reference's schedule with the same steps."""
+    block, chunk, length = 128, 256, 700
+    overrides = {"score": score, "budget": "0.3", **({"learned_weights": learned_weights} if score == "learned" else {})}
+    config = EvictionConfig.for_policy(policy, **overrides)
+    flags = ("--kv-evict-policy", "snapkv", "--kv-evict-budget", "0.3", "--kv-evict-per-request", "--kv-evict-scope",
+             "block", "--kv-evict-block-size", str(block), "--chunked-prefill-size", str(chunk), "--max-total-tokens", "4096",
+             *TINY_SERVER_FLAGS)  # fmt: skip
+    prompt = random_prompt(length, seed=3)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(PLAN_DUMP_ENV, str(tmp_path))
+        with running_server(tiny_llama_dir, tmp_path, *flags) as server:
+            response = generate(server, prompt, 4, rid="blocks", options=request_options(config))
+            blocks = [Segment(start, start + block) for start in range(0, length - 1 - block + 1, block)]
+            ends = [*range(chunk, length, chunk), length]
+            steps = [
+                PrefillStep(end, tuple(b for b in blocks if begin < b.end <= end)) for begin, end in zip([0, *ends], ends)
+            ]
+            expected = reference.generate_scheduled(
+                Prompt.from_ids(prompt), build_policy(config).for_model(tiny_llama_dir), Schedule(tuple(steps)), 4
+            )
+            assert len(expected.plans) == len(blocks) == 5
+            for index, plan in enumerate(expected.plans):
+                assert_same_plan(torch.load(tmp_path / f"blocks.block{index}.pt"), plan)
+            assert tuple(response["output_ids"]) == expected.output_ids
+            assert stats(server)["chunked_prefills"] == 1
+            assert_no_leak_after_flush(server)
+            assert_strict_idle_check_passed(server)
