@@ -47,20 +47,22 @@ class PrefillFootprint:
         kept = min(config.budget.per_head(scope.block_size), scope.block_size)
         return cls(scope.block_size, kept, chunk_size)
 
-    def peak_slots(self, new_tokens: int) -> int:
-        """Slots a prompt's ``new_tokens`` (after its cached prefix) hold at their peak: their compressed
-        blocks, plus at most a block of dense tokens before its first block boundary, the block in
-        progress, and the chunk in flight (every term rounded up: an upper bound)."""
-        blocks = max(0, new_tokens // self.block_size - 1)
-        dense = min(new_tokens, 2 * self.block_size + self.chunk_size)
+    def peak_slots(self, start: int, end: int) -> int:
+        """Slots a prompt's own tokens ``[start, end)`` (after its cached prefix) hold at their peak, an
+        upper bound: every block compressed, plus the dense tokens before the first block boundary
+        (blocks are aligned at position 0), the block in progress and the chunk in flight."""
+        size = self.block_size
+        head = (-start) % size
+        blocks = max(0, end - start - head) // size
+        dense = min(end - start, head + size + self.chunk_size)
         return blocks * self.kept_per_block + dense + 1  # + 1: the arena's last slot may be partly used
 
     def longest_prompt(self, pool_slots: int, reserved_slots: int) -> int:
-        """The longest prompt whose peak leaves ``reserved_slots`` of a ``pool_slots`` pool free."""
+        """The longest prompt (from position 0) whose peak leaves ``reserved_slots`` of ``pool_slots`` free."""
         low, high = 0, pool_slots * max(1, self.block_size // max(1, self.kept_per_block)) + 1
         while low < high:  # peak_slots grows with the prompt: the largest length that fits
             middle = (low + high + 1) // 2
-            if self.peak_slots(middle) + reserved_slots <= pool_slots:
+            if self.peak_slots(0, middle) + reserved_slots <= pool_slots:
                 low = middle
             else:
                 high = middle - 1

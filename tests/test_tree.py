@@ -273,3 +273,81 @@ def test_flush_returns_the_pool_to_its_initial_state(harness):
     assert harness.compressed_nodes() == []
     assert harness.allocator.available_size() == harness.allocator.size
     harness.assert_ledger()
+
+
+def test_block_scope_compresses_while_prefilling_in_chunks():
+    """Chunks of 48 tokens, blocks of 32: each block is stored at the checkpoint of the chunk it ends in,
+    its dense slots go back before the next chunk, and the request holds at most a chunk and a block dense."""
+    harness = TreeHarness(pool_slots=400, scope=BlockScope(32))
+    document = tokens(110, 300, first=110)
+    req = harness.begin_chunked(document, 48)
+    peak_dense = 0
+    while req.kv.kv_committed_len < len(document):
+        prefilled = req.kv.kv_committed_len
+        harness.next_chunk(req, 48)
+        harness.assert_ledger()
+        stored_until = max((node_record(n).segment.end for n in harness.compressed_nodes()), default=0)
+        assert stored_until == prefilled // 32 * 32  # every block of the chunks before
+        assert req.kv.cache_protected_len == stored_until  # the rest is still the request's own
+        peak_dense = max(peak_dense, req.kv.kv_allocated_len - req.kv.cache_protected_len)
+    assert peak_dense <= 48 + 32
+    harness.checkpoint(req)
+    harness.finish(req)
+    assert len(harness.compressed_nodes()) == 9  # [0, 288): the last token never joins a block
+    harness.assert_cells_hold_their_entries()
+    again = harness.prefill(document + tokens(111, 4), chunk=48)
+    assert harness.last_match >= 9 * 32  # a later question reuses every block
+    harness.finish(again)
+    harness.assert_ledger()
+
+
+def test_request_scope_holds_a_chunked_span_until_its_last_chunk():
+    harness = TreeHarness(pool_slots=400)
+    prompt = tokens(120, 150, first=120)
+    req = harness.begin_chunked(prompt, 64)
+    harness.next_chunk(req, 64)
+    assert harness.compressed_nodes() == [] and req.kv.cache_protected_len == 0  # nothing of it in the tree yet
+    harness.next_chunk(req, 64)
+    harness.checkpoint(req)
+    (node,) = harness.compressed_nodes()
+    assert (node_record(node).segment.start, node_record(node).segment.end) == (0, 150 - WINDOW)
+    harness.finish(req)
+    harness.assert_cells_hold_their_entries()
+    harness.assert_ledger()
+
+
+def test_an_abort_between_chunks_frees_everything_the_request_held():
+    harness = TreeHarness(pool_slots=400, scope=BlockScope(32))
+    document = tokens(130, 200, first=130)
+    req = harness.begin_chunked(document, 64)
+    harness.next_chunk(req, 64)  # blocks 0-1 stored, block 2 in progress
+    assert len(harness.compressed_nodes()) == 2
+    harness.abort(req)
+    harness.assert_ledger()
+    assert harness.coordinator.reconstructor is None
+    harness.flush()
+    assert harness.allocator.available_size() == harness.allocator.size
+    harness.assert_ledger()
+
+
+def test_chunked_requests_interleaved_and_a_reused_prefix_followed_by_chunks():
+    """Two requests prefilled chunk by chunk in turns, then a third that reuses the first one's blocks and
+    prefills its own part in chunks."""
+    harness = TreeHarness(pool_slots=900, scope=BlockScope(32))
+    first_doc, second_doc = tokens(140, 180, first=140), tokens(141, 170, first=141)
+    first, second = harness.begin_chunked(first_doc, 40), harness.begin_chunked(second_doc, 40)
+    while first.kv.kv_committed_len < len(first_doc) or second.kv.kv_committed_len < len(second_doc):
+        for req in (first, second):
+            if req.kv.kv_committed_len < len(req.origin_input_ids):
+                harness.next_chunk(req, 40)
+        harness.assert_ledger()
+    for req in (first, second):
+        harness.checkpoint(req)
+        harness.finish(req)
+    assert len(harness.compressed_nodes()) == 5 + 5
+    third = harness.prefill(first_doc[:160] + tokens(142, 100), chunk=40)
+    assert harness.last_match == 160  # the first document's five blocks
+    harness.finish(third)
+    assert len(harness.compressed_nodes()) == 10 + 3  # its own blocks [160, 256) after the reused ones
+    harness.assert_cells_hold_their_entries()
+    harness.assert_ledger()

@@ -166,19 +166,46 @@ class TreeHarness:
         self.last_match = result.device_prefix_len
         return result.device_prefix_len
 
-    def prefill(self, tokens: list[int], checkpoint: bool = True) -> Req:
-        """One request's prefill forward and, with ``checkpoint``, the tree's checkpoint after it."""
+    def prefill(self, tokens: list[int], checkpoint: bool = True, chunk: Optional[int] = None) -> Req:
+        """One request's prefill and, with ``checkpoint``, the tree's checkpoint after it. ``chunk``: SGLang's
+        chunked prefill, one forward per ``chunk`` tokens, each but the last followed by the checkpoint
+        SGLang's ``stash_chunked_request`` makes (``begin_chunked``/``next_chunk`` do it step by step)."""
+        req = self.begin_chunked(tokens, chunk or len(tokens))
+        while req.kv.kv_committed_len < len(tokens):
+            self.next_chunk(req, chunk)
+        if checkpoint:
+            self.checkpoint(req)
+        return req
+
+    def begin_chunked(self, tokens: list[int], chunk: int) -> Req:
+        """Match and lock a request, then prefill its first ``chunk`` tokens after the prefix (one forward)."""
         req = self.request(tokens)
         self.req_to_token_pool.alloc([req])
         prefix = self.match(req)
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
         row[:prefix] = self.tree.path_device_indices(req.last_node)[:prefix].to(row.dtype)
-        self._extend(req, prefix, len(tokens))
-        self._forward(req, prefix, len(tokens))
+        end = min(prefix + chunk, len(tokens))
+        self._extend(req, prefix, end)
+        self._forward(req, prefix, end)
         self.running.append(req)
-        if checkpoint:
-            self.checkpoint(req)
         return req
+
+    def next_chunk(self, req: Req, chunk: int) -> None:
+        """The stash checkpoint of the chunk before, then the next ``chunk`` tokens' forward."""
+        start = req.kv.kv_committed_len
+        self.checkpoint(req)
+        end = min(start + chunk, len(req.origin_input_ids))
+        self._extend(req, start, end)
+        self._forward(req, start, end)
+
+    def abort(self, req: Req) -> None:
+        """``release_kv_cache(checkpoint=False)`` (an abort between chunks, or a retraction)."""
+        self.tree.free_kv_row(req.kv, [(req.kv.cache_protected_len, req.kv.kv_committed_len)])
+        self.tree.unlock(req.lock)
+        req.lock = None
+        self.tree.on_release(req, checkpointed=False)
+        self.req_to_token_pool.free(req)
+        self.running.remove(req)
 
     def checkpoint(self, req: Req) -> None:
         self.tree.checkpoint(req, up_to=req.kv.kv_committed_len)

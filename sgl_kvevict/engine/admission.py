@@ -67,7 +67,7 @@ def admit_by_footprint(original, adder, req, *, extend_input_len: int, total_tok
     if isinstance(tree, CompressedRadixCache):
         footprint = tree.coordinator.footprint_of(req)
         if footprint is not None:
-            total_tokens += footprint.peak_slots(extend_input_len) - extend_input_len
+            total_tokens += footprint.peak_slots(req.prefix_len, req.prefix_len + extend_input_len) - extend_input_len
         elif served_footprint() is not None and extend_input_len + 1 > tree.token_to_kv_pool_allocator.size:
             req.set_finish_with_abort(
                 f"Input length ({extend_input_len} tokens) exceeds what the KV pool holds with this request's own "

@@ -3,10 +3,11 @@
 A ``SpanCompression`` lives on its request's record from the forward that submits it until the tree
 stores its plan (``CompressionCoordinator``). Its ``stage``:
 
-* ``SCORING``: its statistics come from the prefill forward that computes its observation window;
-* ``RECONSTRUCTING``: its statistics come from KVzip passes, queued after that forward
-  (``engine.reconstruction``);
-* ``READY``: every layer was observed; ``plan()`` may run.
+* ``PREFILLING``: its end is not prefilled yet (a chunked prefill feeds it forward by forward: a
+  learned scorer's rows, the queries of a window that straddles two forwards);
+* ``RECONSTRUCTING``: its statistics come from KVzip passes, queued after the forward that prefilled
+  its end (``engine.reconstruction``);
+* ``READY``: every layer was observed (or the plan needs no statistics); ``plan()`` may run.
 
 Scoring capture (``ScoringCapture.run``): after a layer's attention, a ``ScoringJob``'s queries
 (the span's last ``w`` post-RoPE query rows, or a reconstruction pass's queries) attend over the
@@ -42,7 +43,7 @@ from sgl_kvevict.scoring.window import RECONSTRUCTION_QUERIES, StatsRequest, Win
 
 
 class Stage(enum.Enum):
-    SCORING = "scoring"
+    PREFILLING = "prefilling"
     RECONSTRUCTING = "reconstructing"
     READY = "ready"
 
@@ -67,14 +68,11 @@ class SpanCompression:
 
     @classmethod
     def submitted(cls, compressor: SegmentCompressor, window: int, stats_request: StatsRequest) -> "SpanCompression":
-        """A new compression: scored by its forward, by KVzip passes, or by nothing (kept whole)."""
-        if not compressor.needs_stats:
-            stage = Stage.READY
-        elif needs_reconstruction(stats_request):
-            stage = Stage.RECONSTRUCTING
-        else:
-            stage = Stage.SCORING
-        return cls(compressor.spec, compressor, min(window, compressor.spec.length), stats_request, stage)
+        return cls(compressor.spec, compressor, min(window, compressor.spec.length), stats_request, Stage.PREFILLING)
+
+    @property
+    def needs_reconstruction(self) -> bool:
+        return self.compressor.needs_stats and needs_reconstruction(self.stats_request)
 
     @property
     def window_start(self) -> int:

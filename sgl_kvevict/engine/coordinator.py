@@ -184,26 +184,33 @@ class CompressionCoordinator:
             self.stats.count("chunked_prefills")
         jobs: list[ForwardJob] = []
         for compression in record.compressions:
-            spec = compression.spec
-            ends_here = start < spec.end <= end
-            if compression.stage is Stage.RECONSTRUCTING and ends_here:
-                self.reconstructor.submit(req, compression)
-            if compression.stage is not Stage.SCORING:
+            if compression.stage is not Stage.PREFILLING or compression.spec.end <= start:
                 continue
-            if compression.stats_request.hidden_states:  # every forward over the span hands its rows on
-                rows = slice(max(spec.start, start), min(spec.end, end))
-                if rows.start < rows.stop:
-                    jobs.append(HiddenRowsJob(request, compression.compressor, compression.window, rows))
-            elif ends_here:
-                jobs.append(ScoringJob.of(request.up_to(spec.end), compression.compressor, compression.window,
-                                          compression.stats_request, req_to_token, compression.carried_queries))  # fmt: skip
-            elif compression.window_start < end <= spec.end and start < spec.end:
-                # The window starts here and ends in a later forward: keep its queries so far.
-                rows = slice(max(compression.window_start, start), end)
-                jobs.append(QueryCarryJob(request, compression.carried_queries, rows))
+            ends_here = compression.spec.end <= end
+            if compression.needs_reconstruction:
+                if ends_here:
+                    compression.stage = Stage.RECONSTRUCTING
+                    self.reconstructor.submit(req, compression)
+                continue
+            if compression.compressor.needs_stats:
+                jobs += self._statistics_jobs(compression, request, req_to_token)
             if ends_here:
                 compression.stage = Stage.READY  # the forward observes every layer before any checkpoint
         return jobs
+
+    @staticmethod
+    def _statistics_jobs(compression: SpanCompression, request: RequestSlice, req_to_token) -> list[ForwardJob]:
+        """What this forward (``request``'s queries) computes for a span it overlaps."""
+        spec, start, end = compression.spec, request.first_query_position, request.seq_len
+        if compression.stats_request.hidden_states:  # every forward over the span hands its rows on
+            rows = slice(max(spec.start, start), min(spec.end, end))
+            return [HiddenRowsJob(request, compression.compressor, compression.window, rows)] if rows.start < rows.stop else []
+        if spec.end <= end:
+            return [ScoringJob.of(request.up_to(spec.end), compression.compressor, compression.window,
+                                  compression.stats_request, req_to_token, compression.carried_queries)]  # fmt: skip
+        if compression.window_start < end:  # the window starts here and ends in a later forward
+            return [QueryCarryJob(request, compression.carried_queries, slice(max(compression.window_start, start), end))]
+        return []
 
     # ---- 3. statistics -------------------------------------------------------------------------
 
