@@ -280,31 +280,30 @@ def run(
     argv: Sequence[str],
     log: Callable[[str], None],
 ) -> dict:
-    runs = []
+    """Every variant in turn; the report is rewritten after each server, so an interrupted run keeps
+    the servers it finished."""
+    meta = {
+        "command": "python -m benchmarks.sglang_client " + " ".join(shlex.quote(a) for a in argv),
+        "name": name,
+        "model": model,
+        "pool_tokens": pool_tokens,
+        "launcher_extra": list(extra),
+        "workload": asdict(workload),
+        "client_args": workload.client_args(),
+        "environment": environment(),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    runs: list[dict] = []
     for variant in variants:
         log(f"{variant.label}: starting the server (--max-total-tokens {pool_tokens}), then SGLang's client")
         runs.append(run_variant(model, variant, pool_tokens, workload, log_dir, extra))
         outcome = runs[-1]["error"] or f"{runs[-1]['client']['output_throughput']:.2f} output tok/s"
         log(f"{variant.label}: {outcome}")
-    report = {
-        "meta": {
-            "command": "python -m benchmarks.sglang_client " + " ".join(shlex.quote(a) for a in argv),
-            "name": name,
-            "model": model,
-            "pool_tokens": pool_tokens,
-            "launcher_extra": list(extra),
-            "workload": asdict(workload),
-            "client_args": workload.client_args(),
-            "environment": environment(),
-        },
-        "runs": runs,
-        "ratios": ratios(runs),
-    }
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
-    (out / f"{name}.md").write_text(markdown(report))
-    plot(report, out / f"{name}.png")
-    log(f"wrote {out / name}.json, .md, .png; server and client logs in {log_dir}")
+        report = {"meta": meta, "runs": runs, "ratios": ratios(runs)}
+        (out / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
+        (out / f"{name}.md").write_text(markdown(report))
+        plot(report, out / f"{name}.png")
+        log(f"wrote {out / name}.json, .md, .png; server and client logs in {log_dir}")
     return report
 
 
