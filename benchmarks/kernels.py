@@ -198,12 +198,12 @@ class Builder:
         sizes = self.sizes
         num_sequences = len(q_lens) * sizes.num_kv_heads
         num_cells = num_sequences * cells_per_sequence
-        arena_k, arena_v = self.randn(num_cells, sizes.head_dim), self.randn(num_cells, sizes.head_dim)
+        k_rows, v_rows = self.randn(num_cells, sizes.head_dim), self.randn(num_cells, sizes.head_dim)
         qo_indptr = torch.tensor([0, *q_lens], device=self.device).cumsum(0).int()
         kv_indptr = torch.arange(num_sequences + 1, device=self.device).int() * cells_per_sequence
         q = self.randn(sum(q_lens), self.num_q_heads, sizes.head_dim)
         kv_indices = self.randperm(num_cells).int()
-        args = (q, arena_k, arena_v, qo_indptr, kv_indptr, kv_indices, sizes.num_kv_heads, self.scaling)
+        args = (q, k_rows, v_rows, qo_indptr, kv_indptr, kv_indices, sizes.num_kv_heads, self.scaling)
         max_q_len = max(q_lens)
         splits = sizes.forced_splits or chosen_kv_splits(
             len(q_lens), sizes.num_kv_heads, sizes.group, max_q_len, cells_per_sequence

@@ -1,67 +1,28 @@
-"""Compaction: copy kept (layer, KV head, token) entries between SGLang's KV buffer and arena cells.
+"""Compaction and cell moves: copy (layer, slot, KV head) vectors between rows of SGLang's KV pool.
 
 SGLang keeps a layer's keys as ``k_buffer [slots, H_kv, D]`` (values ``[slots, H_kv, D_v]``),
 contiguous, so ``k_buffer.view(slots * H_kv, D)`` addresses one (slot, head) vector per row: row
-``slot * H_kv + head`` (docs/sglang.md#the-kv-pool). An arena stores one such vector per cell:
-``arena_k [num_cells, D]``, ``arena_v [num_cells, D_v]``. Gather (compaction) and its inverse scatter
-are therefore one operation, a row copy ``dst[dst_rows[i]] = src[src_rows[i]]`` applied to K and V
-with the same row lists, which is what the kernel and its torch twin implement.
+``slot * H_kv + head`` (docs/sglang.md#the-kv-pool). Copying kept entries into cells, or cells to
+other cells, is therefore one operation, a row copy ``dst[dst_rows[i]] = src[src_rows[i]]`` applied to
+K and V with the same row lists, which is what the kernel and its torch twin implement.
 
 When every layer's buffer is a view of one allocation, the whole pool is one flat ``[rows, D]`` view
-with row ``(layer * slots + slot) * H_kv + head``, and cells are rows of that same space: compaction of
-all layers, or moving cells to defragment, is one ``copy_kv_rows`` launch with global int64 row ids
-(element offsets beyond 2^31 are computed in int64). The rows a call writes must not be rows it reads
-(programs run in any order), which a move into free rows satisfies.
+with row ``(layer * slots + slot) * H_kv + head``, and cells are rows of that same space
+(``engine/cells.py``, ``CellSpace.k_rows``): compaction of all layers, or moving cells to defragment,
+is one ``copy_kv_rows`` launch with global int64 row ids (element offsets beyond 2^31 are computed in
+int64). The rows a call writes must not be rows it reads (programs run in any order), which a move
+into free rows satisfies.
 
-The Triton path is untested on CUDA hardware: it is verified only in Triton interpreter mode on CPU
-(``tests/test_kernels_compaction.py``) and compiled for sm_90 without running (``tests/test_kernels_compile.py``).
+Tests: ``tests/test_kernels_compaction.py``; where the Triton path has run: docs/gpu.md#what-ran-on-a-gpu.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from sgl_kvevict.plan import LayerPlan
-
 _BLOCK_ROWS = 32
-
-
-@dataclass(frozen=True)
-class ArenaCellMap:
-    """Which dense entry each arena cell holds, for one layer: cell ``cell_ids[i]`` <-> (``slots[i]``, ``head_ids[i]``).
-
-    cell_ids, slots, head_ids: int64 ``[n]`` on the KV device.
-    """
-
-    cell_ids: torch.Tensor
-    slots: torch.Tensor
-    head_ids: torch.Tensor
-
-    def __post_init__(self):
-        if not self.cell_ids.shape == self.slots.shape == self.head_ids.shape or self.cell_ids.dim() != 1:
-            raise ValueError("cell_ids, slots and head_ids must be 1-D of one length")
-
-    @classmethod
-    def from_layer_plan(cls, layer_plan: LayerPlan, slot_of_position: torch.Tensor, cell_ids: torch.Tensor):
-        """Cells for a ``LayerPlan``, in its CSR order (head-major, positions ascending).
-
-        slot_of_position: int ``[>= segment_end]``, the request's ``req_to_token`` row (position -> slot).
-        cell_ids: int64 ``[layer_plan.kept_positions.numel()]``, the arena cells allocated for them.
-        """
-        device = slot_of_position.device
-        return cls(
-            cell_ids=cell_ids.to(device=device, dtype=torch.int64),
-            slots=slot_of_position[layer_plan.kept_positions.to(device)].to(torch.int64),
-            head_ids=layer_plan.head_ids().to(device),
-        )
-
-    def buffer_rows(self, num_kv_heads: int) -> torch.Tensor:
-        """int64 ``[n]``: rows of the ``[slots * H_kv, D]`` view of a KV buffer."""
-        return self.slots * num_kv_heads + self.head_ids
 
 
 @triton.jit
@@ -138,17 +99,3 @@ def check_row_copy(
         raise ValueError("source and destination head dims differ")
     if src_rows.shape != dst_rows.shape or src_rows.dim() != 1:
         raise ValueError("src_rows and dst_rows must be 1-D of one length")
-
-
-def kv_buffer_rows(k_buffer: torch.Tensor, v_buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[slots, H_kv, D]`` buffers as ``[slots * H_kv, D]`` views (an error, not a copy, if not viewable)."""
-    return k_buffer.view(-1, k_buffer.shape[-1]), v_buffer.view(-1, v_buffer.shape[-1])
-
-
-def check_arena(arena_k: torch.Tensor, arena_v: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor):
-    if arena_k.dtype != k_buffer.dtype or arena_v.dtype != v_buffer.dtype:
-        raise ValueError("arena and KV buffer dtypes differ")
-    if arena_k.shape[1] != k_buffer.shape[2] or arena_v.shape[1] != v_buffer.shape[2]:
-        raise ValueError("arena and KV buffer head dims differ")
-    if not (arena_k.is_contiguous() and arena_v.is_contiguous()):
-        raise ValueError("arena tensors must be contiguous")

@@ -2,7 +2,8 @@
 
 With ``TRITON_INTERPRET=1`` set before triton is first imported, CPU tensors run the Triton kernels
 in the interpreter instead (how the tests check the kernels without a GPU; see ``runtime``). Shapes
-and semantics are documented in the kernel modules; the CUDA path is untested on this hardware.
+and semantics are documented in the kernel modules; where the CUDA path has run:
+docs/gpu.md#what-ran-on-a-gpu.
 """
 
 from __future__ import annotations
@@ -11,14 +12,7 @@ from typing import Callable, Optional, TypeVar
 
 import torch
 
-from sgl_kvevict.kernels.compaction import (
-    ArenaCellMap,
-    check_arena,
-    check_row_copy,
-    copy_kv_rows_torch,
-    copy_kv_rows_triton,
-    kv_buffer_rows,
-)
+from sgl_kvevict.kernels.compaction import check_row_copy, copy_kv_rows_torch, copy_kv_rows_triton
 from sgl_kvevict.kernels.merge_states import merge_attention_states_torch, merge_attention_states_triton
 from sgl_kvevict.kernels.runtime import use_triton
 from sgl_kvevict.kernels.segment_attention import segment_attention_torch, segment_attention_triton
@@ -76,34 +70,10 @@ def copy_kv_rows(
     copy(src_k, src_v, dst_k, dst_v, src_rows, dst_rows)
 
 
-def gather_kv_to_arena(
-    k_buffer: torch.Tensor, v_buffer: torch.Tensor, arena_k: torch.Tensor, arena_v: torch.Tensor, cells: ArenaCellMap
-) -> None:
-    """Compaction of one layer: ``arena[cell] = buffer[slot, head]`` for every cell of ``cells``.
-
-    k_buffer ``[slots, H_kv, D]``, v_buffer ``[slots, H_kv, D_v]`` (contiguous); arena_k ``[num_cells, D]``,
-    arena_v ``[num_cells, D_v]``. See ``compaction``.
-    """
-    check_arena(arena_k, arena_v, k_buffer, v_buffer)
-    buffer_k, buffer_v = kv_buffer_rows(k_buffer, v_buffer)
-    copy = _implementation(k_buffer.device, copy_kv_rows_triton, copy_kv_rows_torch)
-    copy(buffer_k, buffer_v, arena_k, arena_v, cells.buffer_rows(k_buffer.shape[1]), cells.cell_ids)
-
-
-def scatter_arena_to_kv(
-    arena_k: torch.Tensor, arena_v: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, cells: ArenaCellMap
-) -> None:
-    """Inverse of ``gather_kv_to_arena``: ``buffer[slot, head] = arena[cell]`` (same shapes)."""
-    check_arena(arena_k, arena_v, k_buffer, v_buffer)
-    buffer_k, buffer_v = kv_buffer_rows(k_buffer, v_buffer)
-    copy = _implementation(k_buffer.device, copy_kv_rows_triton, copy_kv_rows_torch)
-    copy(arena_k, arena_v, buffer_k, buffer_v, cells.cell_ids, cells.buffer_rows(k_buffer.shape[1]))
-
-
 def segment_attention(
     q: torch.Tensor,
-    arena_k: torch.Tensor,
-    arena_v: torch.Tensor,
+    k_rows: torch.Tensor,
+    v_rows: torch.Tensor,
     qo_indptr: torch.Tensor,
     kv_indptr: torch.Tensor,
     kv_indices: torch.Tensor,
@@ -114,7 +84,7 @@ def segment_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over compressed cells, one sequence per (request, KV head); returns ``(out, lse)``.
 
-    q ``[N, H_q, D]``; arena_k ``[cells, D]``, arena_v ``[cells, D_v]`` (row stores, e.g. the flat cell
+    q ``[N, H_q, D]``; k_rows ``[cells, D]``, v_rows ``[cells, D_v]`` (row stores, e.g. the flat cell
     space); qo_indptr ``[B + 1]``; kv_indptr ``[B * H_kv + 1]``; kv_indices ``[nnz]`` cell ids; out
     ``[N, H_q, D_v]``, lse fp32 ``[N, H_q]`` natural log. ``max_q_len`` (None: one host sync) and
     ``max_cells_per_sequence`` (None: no split-KV) are host ints; with both given there is no host sync.
@@ -122,7 +92,7 @@ def segment_attention(
     """
     impl = _implementation(q.device, segment_attention_triton, segment_attention_torch)
     return impl(
-        q, arena_k, arena_v, qo_indptr, kv_indptr, kv_indices, num_kv_heads, sm_scale, max_q_len, max_cells_per_sequence
+        q, k_rows, v_rows, qo_indptr, kv_indptr, kv_indices, num_kv_heads, sm_scale, max_q_len, max_cells_per_sequence
     )
 
 

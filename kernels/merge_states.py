@@ -12,9 +12,8 @@ output is ignored whatever it holds (NaN included); both empty gives ``out = 0``
 The merged output has ``out_a``'s dtype. ``merge_split_states_triton`` merges ``S`` such states at
 once (the second pass of split-KV attention); both kernels share ``merge_state_pair``.
 
-The Triton path is untested on CUDA hardware: it is verified only in Triton interpreter mode on CPU
-(``tests/test_kernels_segment_attention.py``) and compiled for sm_90 without running
-(``tests/test_kernels_compile.py``).
+Tests: ``tests/test_kernels_segment_attention.py`` (interpreter and CUDA variants) and
+``tests/test_kernels_compile.py``; where the Triton path has run: docs/gpu.md#what-ran-on-a-gpu.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Attention over compressed arena cells, with log-sum-exp for merging: Triton kernel and torch twin.
+"""Attention over compressed cells, with log-sum-exp for merging: Triton kernel and torch twin.
 
 Every (request, KV head) is its own key/value sequence (its kept cells); its queries are the GQA
 group of that KV head for every query token of the request. Compressed keys precede every query, so
@@ -12,7 +12,7 @@ Shapes follow FlashInfer's ragged/paged conventions (NHD, indptr arrays, page si
   decode is ``arange(B + 1)``.
 * ``kv_indptr``  int ``[B * H_kv + 1]`` and ``kv_indices`` int ``[nnz]``: sequence ``s = r * H_kv + g``
   (request-major, KV head minor) holds cells ``kv_indices[kv_indptr[s]:kv_indptr[s + 1]]``.
-* ``arena_k`` ``[num_cells, D]``, ``arena_v`` ``[num_cells, D_v]``.
+* ``k_rows`` ``[num_cells, D]``, ``v_rows`` ``[num_cells, D_v]``.
 * Returns ``out`` ``[N, H_q, D_v]`` in ``q``'s dtype and ``lse`` fp32 ``[N, H_q]``, the **natural-log**
   sum of ``exp(sm_scale * q.k)``. A sequence without cells gives ``out = 0`` and ``lse = -inf``.
 
@@ -31,9 +31,9 @@ evenly) and writes a partial ``(out, lse)``; ``merge_states.merge_split_states_t
 cells of one sequence the caller knows on the host (the engine computes it once per forward); without
 it there is no split and no host sync.
 
-The Triton path is untested on CUDA hardware: it is verified only in Triton interpreter mode on CPU
-(``tests/test_kernels_segment_attention.py``) and compiled for sm_90 without running
-(``tests/test_kernels_compile.py``).
+Tests: ``tests/test_kernels_segment_attention.py`` (interpreter and CUDA variants) and
+``tests/test_kernels_compile.py``; where the Triton path has run and its timings:
+docs/gpu.md#what-ran-on-a-gpu.
 """
 
 from __future__ import annotations
@@ -58,9 +58,9 @@ _MIN_CELLS_PER_SPLIT = 256  # below this a split's partial write and merge cost 
 
 @triton.jit
 def _segment_attention_kernel(
-    q_ptr, arena_k_ptr, arena_v_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr, out_ptr, lse_ptr,
+    q_ptr, k_rows_ptr, v_rows_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr, out_ptr, lse_ptr,
     num_kv_heads, group, num_splits, sm_scale_log2,
-    stride_q_token, stride_q_head, stride_arena_k, stride_arena_v,
+    stride_q_token, stride_q_head, stride_k_rows, stride_v_rows,
     stride_out_split, stride_out_token, stride_out_head, stride_lse_split,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, UPCAST: tl.constexpr,
@@ -100,7 +100,7 @@ def _segment_attention_kernel(
         entry_valid = entries < kv_end
         cells = tl.load(kv_indices_ptr + entries, mask=entry_valid, other=0).to(tl.int64)
         k_mask = entry_valid[:, None] & (dims[None, :] < HEAD_DIM)
-        k = tl.load(arena_k_ptr + cells[:, None] * stride_arena_k + dims[None, :], mask=k_mask, other=0.0)
+        k = tl.load(k_rows_ptr + cells[:, None] * stride_k_rows + dims[None, :], mask=k_mask, other=0.0)
         logits = dot(q, tl.trans(k), UPCAST) * sm_scale_log2
         logits = tl.where(entry_valid[None, :], logits, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(logits, 1))  # finite: every block has a valid cell
@@ -108,7 +108,7 @@ def _segment_attention_kernel(
         rescale = tl.exp2(row_max - new_max)
         row_sum = row_sum * rescale + tl.sum(probs, 1)
         v_mask = entry_valid[:, None] & (dims_v[None, :] < HEAD_DIM_V)
-        v = tl.load(arena_v_ptr + cells[:, None] * stride_arena_v + dims_v[None, :], mask=v_mask, other=0.0)
+        v = tl.load(v_rows_ptr + cells[:, None] * stride_v_rows + dims_v[None, :], mask=v_mask, other=0.0)
         acc = acc * rescale[:, None] + dot(probs.to(v.dtype), v, UPCAST)
         row_max = new_max
 
@@ -123,14 +123,14 @@ def _segment_attention_kernel(
     tl.store(lse_ptr + lse_row, lse, mask=row_valid)
 
 
-def _check_inputs(q, arena_k, arena_v, qo_indptr, kv_indptr, num_kv_heads):
+def _check_inputs(q, k_rows, v_rows, qo_indptr, kv_indptr, num_kv_heads):
     num_q_heads = q.shape[1]
     if num_q_heads % num_kv_heads:
         raise ValueError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} KV heads")
     if kv_indptr.numel() != (qo_indptr.numel() - 1) * num_kv_heads + 1:
         raise ValueError("kv_indptr must have B * H_kv + 1 entries (one sequence per request and KV head)")
-    if q.shape[2] != arena_k.shape[1] or q.dtype != arena_k.dtype or arena_v.dtype != arena_k.dtype:
-        raise ValueError("q and the arena must share head dim and dtype")
+    if q.shape[2] != k_rows.shape[1] or q.dtype != k_rows.dtype or v_rows.dtype != k_rows.dtype:
+        raise ValueError("q and the K rows must share head dim and dtype, the V rows that dtype")
 
 
 def _query_tile(group: int, max_q_len: int) -> tuple[int, int]:
@@ -159,8 +159,8 @@ def kv_splits(num_programs: int, max_cells_per_sequence: int | None) -> int:
 
 def segment_attention_triton(
     q: torch.Tensor,
-    arena_k: torch.Tensor,
-    arena_v: torch.Tensor,
+    k_rows: torch.Tensor,
+    v_rows: torch.Tensor,
     qo_indptr: torch.Tensor,
     kv_indptr: torch.Tensor,
     kv_indices: torch.Tensor,
@@ -179,16 +179,16 @@ def segment_attention_triton(
         lets ``kv_splits`` split long sequences (None: no split). A bound too small only splits less.
     num_kv_splits: overrides ``kv_splits`` (benchmarks, tests).
     """
-    _check_inputs(q, arena_k, arena_v, qo_indptr, kv_indptr, num_kv_heads)
+    _check_inputs(q, k_rows, v_rows, qo_indptr, kv_indptr, num_kv_heads)
     num_tokens, num_q_heads, head_dim = q.shape
-    head_dim_v = arena_v.shape[1]
+    head_dim_v = v_rows.shape[1]
     group = num_q_heads // num_kv_heads
     num_requests = qo_indptr.numel() - 1
     if num_tokens == 0 or num_requests == 0:
         out = torch.zeros(num_tokens, num_q_heads, head_dim_v, dtype=q.dtype, device=q.device)
         return out, torch.full((num_tokens, num_q_heads), float("-inf"), dtype=torch.float32, device=q.device)
-    if q.stride(2) != 1 or arena_k.stride(1) != 1 or arena_v.stride(1) != 1:
-        raise ValueError("the head dims of q and of the arena tensors must be contiguous")
+    if q.stride(2) != 1 or k_rows.stride(1) != 1 or v_rows.stride(1) != 1:
+        raise ValueError("the head dims of q and of the K and V rows must be contiguous")
     if max_q_len is None:
         max_q_len = int((qo_indptr[1:] - qo_indptr[:-1]).max())
 
@@ -203,9 +203,9 @@ def segment_attention_triton(
     split_out = out.unsqueeze(0) if num_kv_splits == 1 else torch.empty(num_kv_splits, *out.shape, **f32)
     split_lse = lse.unsqueeze(0) if num_kv_splits == 1 else torch.empty(num_kv_splits, *lse.shape, **f32)
     _segment_attention_kernel[(num_requests * num_kv_heads, triton.cdiv(max_q_len, block_t), num_kv_splits)](
-        q, arena_k, arena_v, qo_indptr, kv_indptr, kv_indices, split_out, split_lse,
+        q, k_rows, v_rows, qo_indptr, kv_indptr, kv_indices, split_out, split_lse,
         num_kv_heads, group, num_kv_splits, sm_scale * _LOG2E, q.stride(0), q.stride(1),
-        arena_k.stride(0), arena_v.stride(0), split_out.stride(0), split_out.stride(1), split_out.stride(2),
+        k_rows.stride(0), v_rows.stride(0), split_out.stride(0), split_out.stride(1), split_out.stride(2),
         split_lse.stride(0),
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_T=block_t, BLOCK_G=block_g, BLOCK_N=_BLOCK_N,
         BLOCK_D=dot_block(head_dim), BLOCK_DV=dot_block(head_dim_v), UPCAST=upcast_dot_operands(q.dtype),
@@ -217,8 +217,8 @@ def segment_attention_triton(
 
 def segment_attention_torch(
     q: torch.Tensor,
-    arena_k: torch.Tensor,
-    arena_v: torch.Tensor,
+    k_rows: torch.Tensor,
+    v_rows: torch.Tensor,
     qo_indptr: torch.Tensor,
     kv_indptr: torch.Tensor,
     kv_indices: torch.Tensor,
@@ -233,11 +233,11 @@ def segment_attention_torch(
     sync when None), in chunks of queries. No Python loop over requests or heads, and no host sync when
     both are given: the CPU serving path runs it once per layer. num_kv_splits is accepted for
     signature parity and unused (one softmax over all cells gives the split kernel's merged result)."""
-    _check_inputs(q, arena_k, arena_v, qo_indptr, kv_indptr, num_kv_heads)
+    _check_inputs(q, k_rows, v_rows, qo_indptr, kv_indptr, num_kv_heads)
     num_tokens, num_q_heads, head_dim = q.shape
     group = num_q_heads // num_kv_heads
     num_requests = qo_indptr.numel() - 1
-    out = torch.zeros(num_tokens, num_q_heads, arena_v.shape[1], dtype=q.dtype, device=q.device)
+    out = torch.zeros(num_tokens, num_q_heads, v_rows.shape[1], dtype=q.dtype, device=q.device)
     lse = torch.full((num_tokens, num_q_heads), float("-inf"), dtype=torch.float32, device=q.device)
     if num_tokens == 0 or num_requests == 0 or kv_indices.numel() == 0:
         return out, lse
@@ -253,7 +253,7 @@ def segment_attention_torch(
     has_cell = cell_offsets < cell_counts  # [B, H_kv, C]
     entries = torch.where(has_cell, kv_indptr[:-1].view(num_requests, num_kv_heads, 1) + cell_offsets, 0)
     cells = kv_indices[entries].long()  # padding reads entry 0, masked below
-    keys, values = arena_k[cells].float(), arena_v[cells].float()  # [B, H_kv, C, D]
+    keys, values = k_rows[cells].float(), v_rows[cells].float()  # [B, H_kv, C, D]
     for chunk_start in range(0, max_q_len, _TWIN_QUERY_CHUNK):
         offsets = torch.arange(chunk_start, min(chunk_start + _TWIN_QUERY_CHUNK, max_q_len), device=device)
         valid = offsets < query_lengths  # [B, T]

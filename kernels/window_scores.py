@@ -45,9 +45,9 @@ Triton path, per layer and request:
 Global memory holds ``O(H_q w D_v)`` (the window outputs, only for OBCache key/joint) besides the
 statistics themselves, whatever ``w``. Accumulation is fp32 whatever the KV dtype; ``tl.dot`` operands
 are in the KV dtype (products exact for fp16/bf16, IEEE for fp32). No function here reads device data
-on the host. The CUDA path is untested on hardware: it is verified only in Triton interpreter mode on
-CPU (``tests/test_kernels_window.py``) and compiled for sm_90 without running
-(``tests/test_kernels_compile.py``); ``docs/gpu.md`` runs the same tests compiled on a GPU.
+on the host. Tests: ``tests/test_kernels_window.py`` (interpreter and CUDA variants) and
+``tests/test_kernels_compile.py``; where the Triton path has run and its timings:
+docs/gpu.md#what-ran-on-a-gpu.
 """
 
 from __future__ import annotations
@@ -149,16 +149,16 @@ def _dense_positions(key_positions_ptr, entries, valid, HAS_POSITIONS: tl.conste
 
 @triton.jit
 def _softmax_step(
-    q, k_base, k_rows, v_base, v_rows, key_valid, visible, row_max, row_sum, row_out, qk_scale_log2,
+    q, k_base, k_offsets, v_base, v_offsets, key_valid, visible, row_max, row_sum, row_out, qk_scale_log2,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     NEED_OUTPUTS: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     """One key block of the online softmax; logits in log2 units (``exp2`` is the native instruction).
 
-    k_rows, v_rows: int64 ``[BLOCK_N]`` element offsets of the block's rows from ``k_base`` / ``v_base``;
+    k_offsets, v_offsets: int64 ``[BLOCK_N]`` element offsets of the block's rows from ``k_base`` / ``v_base``;
     visible ``[rows, BLOCK_N]``. Returns the updated running max, denominator and unnormalised outputs.
     """
-    k = _load_rows(k_base, k_rows, key_valid, HEAD_DIM, BLOCK_D)
+    k = _load_rows(k_base, k_offsets, key_valid, HEAD_DIM, BLOCK_D)
     logits = tl.where(visible, dot(q, tl.trans(k), UPCAST) * qk_scale_log2, float("-inf"))
     new_max = tl.maximum(row_max, tl.max(logits, 1))
     # A row that has seen no visible key yet keeps max -inf; subtracting 0 keeps exp2 at 0, not NaN.
@@ -167,7 +167,7 @@ def _softmax_step(
     rescale = tl.exp2(row_max - shift)
     row_sum = row_sum * rescale + tl.sum(probs, 1)
     if NEED_OUTPUTS:
-        v = _load_rows(v_base, v_rows, key_valid, HEAD_DIM_V, BLOCK_DV)
+        v = _load_rows(v_base, v_offsets, key_valid, HEAD_DIM_V, BLOCK_DV)
         row_out = row_out * rescale[:, None] + dot(probs.to(v.dtype), v, UPCAST)
     return new_max, row_sum, row_out
 
@@ -261,7 +261,7 @@ def _store_per_head(out_ptr, stat, heads, head_valid, columns, column_valid, con
 def _key_block_stats(
     q_ptr, row_lse_ptr, row_out_ptr,
     attn_sum_ptr, attn_max_ptr, tail_attn_ptr, obc_value_ptr, obc_key_ptr, obc_joint_ptr, value_l1_ptr,
-    k_base, k_rows, v_base, v_rows, key_valid, positions,
+    k_base, k_offsets, v_base, v_offsets, key_valid, positions,
     kv_head, first_head_in_group, tile_heads, tile_head_valid,
     context_len, window, group, tail_rows, scaling, qk_scale_log2, stride_q_head, stride_q_query,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
@@ -275,9 +275,9 @@ def _key_block_stats(
     outputs ``o_i`` (read only for OBC key/joint). Outputs as in ``WindowStats``.
     """
     column_valid = key_valid & (positions < context_len)  # a cell after the context is no key here
-    k = _load_rows(k_base, k_rows, column_valid, HEAD_DIM, BLOCK_D)
+    k = _load_rows(k_base, k_offsets, column_valid, HEAD_DIM, BLOCK_D)
     if NEED_VALUES:
-        v = _load_rows(v_base, v_rows, column_valid, HEAD_DIM_V, BLOCK_DV).to(tl.float32)
+        v = _load_rows(v_base, v_offsets, column_valid, HEAD_DIM_V, BLOCK_DV).to(tl.float32)
         value_sq = tl.sum(v * v, 1)[None, :]  # ||v_p||^2, [1, BLOCK_N]
         if VALUE_L1:
             # Every head tile of a GQA group sees the same values: the first one writes them.

@@ -108,14 +108,3 @@ class CompressionPlan:
         span = torch.arange(segment_start, segment_end, dtype=torch.int64)
         layer = LayerPlan.from_heads([span] * num_kv_heads)
         return cls(segment_start, segment_end, tuple([layer] * num_layers))
-
-
-def diverged(stored: CompressionPlan, own: CompressionPlan, divergence: int) -> tuple[CompressionPlan, CompressionPlan]:
-    """The tree's divergence rule: a request that shares the span of a stored plan up to
-    ``divergence`` (inside it) and then differs reads the shared head ``[stored start, divergence)``
-    with the stored selection, and its own plan's entries from ``divergence`` on. The stored node is
-    split there; a third request that shares only the head matches the head alone.
-
-    Returns ``(head, own part)``: ``stored`` restricted to the head, ``own`` to ``[divergence, own end)``.
-    """
-    return stored.restricted(stored.segment_start, divergence), own.restricted(divergence, own.segment_end)

@@ -95,3 +95,33 @@ def test_assign_req_to_token_pool_cpu_matches_a_loop(seed):
 
     assign_req_to_token_pool_cpu(rows, req_to_token, starts, ends, out_cache_loc, req_to_token.shape[1])
     assert torch.equal(req_to_token, expected)
+
+
+def test_skipped_model_modules_are_summarised_in_one_line_before_the_next_record():
+    """SGLang's registry warns once per model module it cannot import; the CPU mode turns a burst of
+    them into one line, logged before the process's next record, and lets the registry's other
+    records through. (The real burst: tests/test_server_e2e.py reads a stock server's log.)"""
+    out = run_python(
+        """
+        import logging, sys
+        from sgl_kvevict.compat import activate_cpu_mode
+        assert activate_cpu_mode() and activate_cpu_mode()  # twice: one filter, one summary
+        logging.basicConfig(stream=sys.stdout, format="%(name)s|%(message)s", level=logging.INFO)
+        registry = logging.getLogger("sglang.srt.models.registry")
+        for module, error in (("grok", "no fused_moe_router_cpu"), ("mamba", "cannot import name 'x'")):
+            registry.warning(f"Ignore import error when loading sglang.srt.models.{module}: {error}")
+        registry.warning("No model architectures are specified")
+        logging.getLogger("sglang.srt.model_executor").info("Load weight begin.")
+        registry.warning("Ignore import error when loading sglang.srt.models.qwen3_5: no fused_sigmoid_mul_cpu")
+        logging.getLogger("sglang.srt.managers").info("ready")
+        """
+    )
+    summary = "SGLang model modules skipped on CPU (they need CUDA ops or packages the CPU development mode lacks"
+    assert "Ignore import error" not in out
+    assert out.splitlines() == [
+        f"sgl_kvevict.compat.skipped_models|2 {summary}; other models are unaffected): grok, mamba",
+        "sglang.srt.models.registry|No model architectures are specified",
+        "sglang.srt.model_executor|Load weight begin.",
+        f"sgl_kvevict.compat.skipped_models|1 {summary}; other models are unaffected): qwen3_5",
+        "sglang.srt.managers|ready",
+    ]

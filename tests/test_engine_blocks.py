@@ -30,7 +30,6 @@ from engine_client import (
 )
 from serving import running_server
 from sgl_kvevict.config import EvictionConfig, build_policy
-from sgl_kvevict.plan import diverged
 from sgl_kvevict.reference.replay import ReplayedPlans
 from sgl_kvevict.engine.coordinator import PLAN_DUMP_ENV
 from test_engine_memory import run_concurrently
@@ -148,7 +147,10 @@ def test_different_questions_share_the_document_blocks(server, reference, dump_d
     assert diverging["meta_info"]["cached_tokens"] == BLOCK
     scored = reference_run(reference, diverging_prompt, BLOCK, (BLOCK, (0,)), (len(diverging_prompt), (1, 2)))
     assert_block_plans(dump_dir, "diverging", (1, 2), scored.plans[1:])
-    head, own = diverged(expected_first.plans[1], scored.plans[1], divergence)
+    # The tree's split rule: the stored selection before the divergence, the request's own from there.
+    stored_second, own_second = expected_first.plans[1], scored.plans[1]
+    head = stored_second.restricted(stored_second.segment_start, divergence)
+    own = own_second.restricted(divergence, own_second.segment_end)
     steps = ((BLOCK, (expected_first.plans[0],)), (3 * BLOCK, (head, own, scored.plans[2])))
     expected_diverging = reference_with_plans(reference, diverging_prompt, steps)
     assert tuple(diverging["output_ids"]) == expected_diverging.output_ids

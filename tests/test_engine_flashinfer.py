@@ -1,8 +1,9 @@
 """The CUDA (FlashInfer) segment attention, on CPU against a fake of FlashInfer's documented API.
 
-The real path is UNTESTED: no GPU, no real ``flashinfer`` here. ``fake_flashinfer`` implements the
-documented semantics of exactly the calls the backend makes (base-2 LSEs, bottom-right causal
-alignment, strict argument checks); these tests run the backend's compressed + dense attention on
+No GPU and no real ``flashinfer`` here (what has run on a GPU: docs/gpu.md#what-ran-on-a-gpu).
+``fake_flashinfer`` implements the documented semantics of exactly the calls the backend makes
+(base-2 LSEs, bottom-right causal alignment, strict argument checks; checked against the real
+FlashInfer on an H100); these tests run the backend's compressed + dense attention on
 mixed batches and compare it with the CPU backend and with a naive float64 attention, and check
 that the arguments handed to FlashInfer have the documented types, shapes and devices.
 

@@ -9,7 +9,6 @@ import torch
 from sgl_kvevict.engine.arena import Arena, ArenaError, SlotSource
 from sgl_kvevict.engine.cells import CellSpace
 from sgl_kvevict.engine.segments import CompressedSegment, PathView
-from sgl_kvevict.plan import diverged
 from sgl_kvevict.plan import CompressionPlan, LayerPlan
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, NUM_SLOTS = 3, 2, 4, 20
@@ -173,16 +172,6 @@ def test_a_restricted_plan_keeps_each_heads_positions_inside_the_span():
     assert (kept.segment_start, kept.segment_end) == (12, 18)
     assert kept.layers[1].kept_positions.tolist() == [12, 14]
     assert kept.layers[1].head_indptr.tolist() == [0, 1, 2]
-
-
-def test_the_divergence_rule_keeps_the_stored_head_and_the_requests_own_tail():
-    stored = plan_of(10, 20, [[10, 12, 18, 19], [11, 14, 18, 19]])
-    own = plan_of(10, 20, [[13, 15, 18, 19], [10, 16, 18, 19]])
-    head, tail = diverged(stored, own, 14)
-    assert (head.segment_start, head.segment_end, tail.segment_start, tail.segment_end) == (10, 14, 14, 20)
-    assert head.layers[0].kept_positions.tolist() == [10, 12, 11]  # the stored selection before 14
-    assert tail.layers[0].kept_positions.tolist() == [15, 18, 19, 16, 18, 19]  # the request's own from 14
-    assert tail.layers[0].head_indptr.tolist() == [0, 3, 6]
 
 
 def test_compressed_segment_lists_entries_layer_then_head_then_position_and_splits_by_position():

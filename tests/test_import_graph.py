@@ -2,7 +2,7 @@
 
 Read from the source with ``ast`` (nothing is imported): an edge ``a -> b`` is an import of ``b`` (or
 of a name from ``b``) anywhere in ``a``, inside functions too, except under ``if TYPE_CHECKING:``,
-which never runs. Importing ``pkg.mod`` also runs ``pkg/__init__``, so that counts as an edge too.
+which is false at run time. Importing ``pkg.mod`` also runs ``pkg/__init__``, so that counts as an edge too.
 """
 
 from __future__ import annotations

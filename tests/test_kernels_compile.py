@@ -121,12 +121,12 @@ def compile_cases(torch):
 
     def segment(dtype, group, q_lens, num_kv_splits, index=torch.int32):
         q = torch.zeros(sum(q_lens), 8 * group, 128, dtype=dtype)
-        arena = torch.zeros(4096, 128, dtype=dtype)
+        rows = torch.zeros(4096, 128, dtype=dtype)
         qo_indptr = torch.tensor([0, *q_lens]).cumsum(0).int()
         kv_indptr = torch.arange(8 * len(q_lens) + 1, dtype=index) * 100
         kv_indices = torch.arange(int(kv_indptr[-1]), dtype=index)
         return lambda: segment_attention_triton(
-            q, arena, arena, qo_indptr, kv_indptr, kv_indices, 8, 0.1, max(q_lens), num_kv_splits=num_kv_splits
+            q, rows, rows, qo_indptr, kv_indptr, kv_indices, 8, 0.1, max(q_lens), num_kv_splits=num_kv_splits
         )
 
     def merge(dtype):

@@ -57,29 +57,30 @@ KV_SPLITS = [1, 3, 8]
 
 
 def make_batch(batch: Batch, dtype: torch.dtype, seed: int = 0, device: str = "cpu"):
-    """q ``[N, H_q, D]``, arena ``[cells, D]``, qo_indptr ``[B + 1]``, kv_indptr ``[B * H_kv + 1]``, kv_indices."""
+    """q ``[N, H_q, D]``, k_rows and v_rows ``[cells, D]``, qo_indptr ``[B + 1]``, kv_indptr
+    ``[B * H_kv + 1]``, kv_indices."""
     generator = torch.Generator().manual_seed(seed)
     counts = torch.tensor(batch.cell_counts).flatten()
     kv_indptr = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(torch.int32)
     num_cells = int(counts.sum()) + 9
     kv_indices = torch.randperm(num_cells, generator=generator)[: int(counts.sum())].to(torch.int32)
     qo_indptr = torch.tensor((0, *batch.q_lens)).cumsum(0).to(torch.int32)
-    arena_k = torch.randn(num_cells, batch.head_dim, generator=generator).to(dtype)
-    arena_v = torch.randn(num_cells, batch.head_dim, generator=generator).to(dtype)
+    k_rows = torch.randn(num_cells, batch.head_dim, generator=generator).to(dtype)
+    v_rows = torch.randn(num_cells, batch.head_dim, generator=generator).to(dtype)
     num_q_heads = batch.num_kv_heads * batch.group
     q = torch.randn(sum(batch.q_lens), num_q_heads, batch.head_dim, generator=generator).to(dtype)
-    tensors = (t.to(device) for t in (q, arena_k, arena_v, qo_indptr, kv_indptr, kv_indices))
+    tensors = (t.to(device) for t in (q, k_rows, v_rows, qo_indptr, kv_indptr, kv_indices))
     return *tensors, batch.num_kv_heads, 1 / math.sqrt(batch.head_dim)
 
 
-def naive_segment_attention(q, arena_k, arena_v, qo_indptr, kv_indptr, kv_indices, num_kv_heads, sm_scale):
+def naive_segment_attention(q, k_rows, v_rows, qo_indptr, kv_indptr, kv_indices, num_kv_heads, sm_scale):
     """Per query token and head, softmax over its (request, KV head) cells in float64."""
-    q, arena_k, arena_v, qo_indptr, kv_indptr, kv_indices = (
-        t.cpu() for t in (q, arena_k, arena_v, qo_indptr, kv_indptr, kv_indices)
+    q, k_rows, v_rows, qo_indptr, kv_indptr, kv_indices = (
+        t.cpu() for t in (q, k_rows, v_rows, qo_indptr, kv_indptr, kv_indices)
     )
     num_tokens, num_q_heads, _ = q.shape
     group = num_q_heads // num_kv_heads
-    out = torch.zeros(num_tokens, num_q_heads, arena_v.shape[1], dtype=torch.float64)
+    out = torch.zeros(num_tokens, num_q_heads, v_rows.shape[1], dtype=torch.float64)
     lse = torch.full((num_tokens, num_q_heads), float("-inf"), dtype=torch.float64)
     for request in range(len(qo_indptr) - 1):
         for token in range(int(qo_indptr[request]), int(qo_indptr[request + 1])):
@@ -88,9 +89,9 @@ def naive_segment_attention(q, arena_k, arena_v, qo_indptr, kv_indptr, kv_indice
                 cells = kv_indices[int(kv_indptr[sequence]) : int(kv_indptr[sequence + 1])].long()
                 if len(cells) == 0:
                     continue
-                logits = sm_scale * (arena_k[cells].double() @ q[token, head].double())
+                logits = sm_scale * (k_rows[cells].double() @ q[token, head].double())
                 lse[token, head] = torch.logsumexp(logits, 0)
-                out[token, head] = torch.softmax(logits, 0) @ arena_v[cells].double()
+                out[token, head] = torch.softmax(logits, 0) @ v_rows[cells].double()
     return out, lse
 
 
@@ -162,25 +163,25 @@ def test_max_cells_per_sequence_selects_the_split_path():
 
 @on_kernel_devices
 @pytest.mark.parametrize("num_kv_splits", [1, 2])
-def test_strided_queries_and_arena_rows(num_kv_splits: int, device: str):
+def test_strided_queries_and_kv_rows(num_kv_splits: int, device: str):
     """Queries as a view of a fused [N, H_q + 2 H_kv, D] qkv tensor, as attention backends receive them,
-    and arena rows that are slices of wider rows (a row stride other than D), int64 cell ids."""
+    and K/V rows that are slices of wider rows (a row stride other than D), int64 cell ids."""
     batch = BATCHES[1]
-    q, arena_k, arena_v, qo_indptr, kv_indptr, kv_indices, *rest = make_batch(batch, torch.float32, device=device)
+    q, k_rows, v_rows, qo_indptr, kv_indptr, kv_indices, *rest = make_batch(batch, torch.float32, device=device)
     qkv = torch.randn(q.shape[0], q.shape[1] + 2 * batch.num_kv_heads, batch.head_dim, device=device)
     qkv[:, : q.shape[1]] = q
     strided_q = qkv[:, : q.shape[1]]
     wide_k, wide_v = (
-        torch.full((t.shape[0], t.shape[1] + 16), float("nan"), device=device) for t in (arena_k, arena_v)
+        torch.full((t.shape[0], t.shape[1] + 16), float("nan"), device=device) for t in (k_rows, v_rows)
     )
-    wide_k[:, 8 : 8 + batch.head_dim], wide_v[:, 8 : 8 + batch.head_dim] = arena_k, arena_v
+    wide_k[:, 8 : 8 + batch.head_dim], wide_v[:, 8 : 8 + batch.head_dim] = k_rows, v_rows
     strided_k, strided_v = wide_k[:, 8 : 8 + batch.head_dim], wide_v[:, 8 : 8 + batch.head_dim]
     assert not any(t.is_contiguous() for t in (strided_q, strided_k, strided_v))
     actual = segment_attention_triton(
         strided_q, strided_k, strided_v, qo_indptr, kv_indptr, kv_indices.long(), *rest,
         max_q_len=max(batch.q_lens), num_kv_splits=num_kv_splits,
     )  # fmt: skip
-    expected = segment_attention_torch(q, arena_k, arena_v, qo_indptr, kv_indptr, kv_indices, *rest)
+    expected = segment_attention_torch(q, k_rows, v_rows, qo_indptr, kv_indptr, kv_indices, *rest)
     assert_attention_close(actual, expected, torch.float32)
 
 
@@ -258,7 +259,7 @@ def test_merge_of_splits_matches_naive_and_the_pairwise_merge(out_dtype: torch.d
 @pytest.mark.parametrize("batch", BATCHES[1:3], ids=str)
 def test_merged_halves_equal_attention_over_the_union(batch: Batch, dtype: torch.dtype):
     """Attention over every (request, head)'s cells = merge of attention over a split of them into two sets."""
-    q, arena_k, arena_v, qo_indptr, kv_indptr, kv_indices, num_kv_heads, sm_scale = make_batch(batch, dtype, seed=3)
+    q, k_rows, v_rows, qo_indptr, kv_indptr, kv_indices, num_kv_heads, sm_scale = make_batch(batch, dtype, seed=3)
     counts = (kv_indptr[1:] - kv_indptr[:-1]).long()
     first_counts = counts // 3  # some sequences put every cell in the second set, none in the first
     in_first = torch.cat([torch.arange(int(n)) < int(f) for n, f in zip(counts, first_counts)])
@@ -266,18 +267,18 @@ def test_merged_halves_equal_attention_over_the_union(batch: Batch, dtype: torch
     def sub_batch(mask: torch.Tensor, sub_counts: torch.Tensor):
         sub_indptr = torch.cat([torch.zeros(1, dtype=torch.int64), sub_counts.cumsum(0)]).to(torch.int32)
         sub_cells = kv_indices[mask]
-        return segment_attention_triton(q, arena_k, arena_v, qo_indptr, sub_indptr, sub_cells, num_kv_heads, sm_scale)
+        return segment_attention_triton(q, k_rows, v_rows, qo_indptr, sub_indptr, sub_cells, num_kv_heads, sm_scale)
 
     first, second = sub_batch(in_first, first_counts), sub_batch(~in_first, counts - first_counts)
     merged = merge_attention_states_triton(*first, *second)
-    whole = naive_segment_attention(q, arena_k, arena_v, qo_indptr, kv_indptr, kv_indices, num_kv_heads, sm_scale)
+    whole = naive_segment_attention(q, k_rows, v_rows, qo_indptr, kv_indptr, kv_indices, num_kv_heads, sm_scale)
     fp32_math, via_p_at_v = TOLERANCE[dtype]
     assert_close(merged[0], whole[0], 2 * via_p_at_v)  # two rounded partial outputs, then a rounded merge
     assert_close(merged[1], whole[1], fp32_math)
 
 
 def test_rejects_indptr_that_is_not_per_request_and_head():
-    q, arena_k, arena_v, qo_indptr, kv_indptr, kv_indices, *heads_and_scale = make_batch(BATCHES[0], torch.float32)
+    q, k_rows, v_rows, qo_indptr, kv_indptr, kv_indices, *heads_and_scale = make_batch(BATCHES[0], torch.float32)
     for segment_attention_impl in (segment_attention_torch, segment_attention_triton):
         with pytest.raises(ValueError, match="B \\* H_kv \\+ 1"):
-            segment_attention_impl(q, arena_k, arena_v, qo_indptr, kv_indptr[:-1], kv_indices, *heads_and_scale)
+            segment_attention_impl(q, k_rows, v_rows, qo_indptr, kv_indptr[:-1], kv_indices, *heads_and_scale)

@@ -1,6 +1,6 @@
 """CPU development mode: what SGLang 0.5.23 and transformers need to start on a machine without CUDA.
 
-This is a development and test mode, not a deployment target. ``activate_cpu_mode()`` does three
+This is a development and test mode, not a deployment target. ``activate_cpu_mode()`` does four
 things, each only when the real part is absent, so it never shadows a real installation:
 
 * a stand-in ``sgl_kernel`` module (no CPU build of it exists on PyPI). It provides every name
@@ -8,7 +8,9 @@ things, each only when the real part is absent, so it never shadows a real insta
   a CPU path really calls, and otherwise a function that raises a clear error naming itself;
 * the ``torchvision::nms`` / ``torchvision::qnms`` op schemas, so the CUDA-linked torchvision wheel
   (a hard import of SGLang and of transformers) imports on CPU torch;
-* ``SGLANG_USE_CPU_ENGINE=1``, which makes SGLang pick its CPU platform.
+* ``SGLANG_USE_CPU_ENGINE=1``, which makes SGLang pick its CPU platform;
+* one start-up line naming the SGLang model modules it cannot import here, instead of one warning
+  each (``skipped_models``).
 
 Call it before importing sglang or transformers models. Processes SGLang spawns re-import the
 launcher module, which calls it at import time, so they are covered too.
@@ -25,6 +27,7 @@ import types
 import torch
 
 from sgl_kvevict.compat.sgl_kernel_names import IMPORTED_NAMES
+from sgl_kvevict.compat.skipped_models import summarise_skipped_model_modules
 
 STANDIN_MARKER = "__sgl_kvevict_standin__"
 
@@ -99,7 +102,9 @@ _torchvision_library = None
 def register_torchvision_op_schemas() -> None:
     """Define the two op schemas torchvision's fake registrations need when its C ops cannot load."""
     global _torchvision_library
-    if _torchvision_library is not None or _torchvision_ops_loadable():
+    # Looked up first: finding torchvision runs ``sgl_kvevict.torchvision_hook`` where it is installed,
+    # which registers the schemas itself (a nested call) before this one goes on.
+    if _torchvision_ops_loadable() or _torchvision_library is not None:
         return
     library = torch.library.Library("torchvision", "DEF")
     library.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
@@ -114,6 +119,7 @@ def activate_cpu_mode() -> bool:
     install_sgl_kernel_standin()
     register_torchvision_op_schemas()
     os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+    summarise_skipped_model_modules()
     return True
 
 

@@ -1,8 +1,9 @@
 """Replaying the selection a request reads from the radix tree, in the reference engine.
 
 A request that diverges inside a compressed node does not read one policy's plan: the shared head
-keeps the selection of the request that stored it, and the request's own part keeps its own
-(``sgl_kvevict.plan.diverged``, the rule the SGLang tree applies when it splits the node). The
+keeps the selection of the request that stored it (the stored plan ``restricted`` to the head), and
+the request's own part keeps its own (its plan ``restricted`` to the rest), the rule the SGLang tree
+applies when it splits the node (docs/design.md#scopes-and-the-split-rule). The
 reference engine replays such a composed selection with ``ReplayedPlans``: a policy whose compressor
 for a segment returns the plan given for exactly that span, scoring nothing.
 """
