@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from sgl_kvevict.config import DEFAULT_BUDGET, EvictionConfig
+from sgl_kvevict.config import DEFAULT_BUDGET, Option, eviction_options
 from sgl_kvevict.limits import LIMITS, SGLANG_VERSION
 from sgl_kvevict.policies import PolicyDefaults, get_policy_class, registered_policies
 from sgl_kvevict.scope import DEFAULT_BLOCK_SIZE, SCOPE_NAMES, RequestScope, Scope
@@ -31,11 +31,11 @@ from sgl_kvevict.server.sglang_args import (
     render_defaults,
 )
 from sgl_kvevict.serving import NO_EVICTION, RADIX_CACHE_BACKEND, ServingConfig
-from sgl_kvevict.settings import ConfigError, help_of, settings_of
+from sgl_kvevict.settings import ConfigError, help_of
 
 DEFAULT_PORT = 30000
 DEFAULT_HOST = "127.0.0.1"
-# Our flags that are not EvictionConfig fields (those are the knobs, derived from the dataclass).
+# Our flags that are not eviction options (those are the knobs, derived from their declarations).
 ENGINE_FLAGS = ("--kv-evict-policy", "--kv-evict-scope", "--kv-evict-block-size", "--kv-evict-per-request")
 
 
@@ -61,16 +61,17 @@ def serving_policies() -> list[str]:
 
 
 # --------------------------------------------------------------------------------------------------
-# --kv-evict-<field>: one flag per EvictionConfig field
+# --kv-evict-<name>: one flag per eviction option (config.eviction_options)
 # --------------------------------------------------------------------------------------------------
 
-# Fields whose default each policy declares (PolicyDefaults), rather than EvictionConfig itself.
+# Common knobs whose default each policy declares (PolicyDefaults), rather than their own declaration.
 PER_POLICY_FIELDS = {f.name for f in dataclasses.fields(PolicyDefaults)}
 
 
 def knob_fields() -> list[dataclasses.Field]:
-    """The EvictionConfig fields that have a ``--kv-evict-<field>`` flag (all but the policy)."""
-    return [f for f in settings_of(EvictionConfig) if f.name != "policy"]
+    """The declarations of the options that have a ``--kv-evict-<name>`` flag (all but the policy): the
+    common knobs, then the knobs each score and each policy declares."""
+    return [option.field for option in eviction_options().values()]
 
 
 def knob_flag(name: str) -> str:
@@ -97,6 +98,13 @@ def knob_default(knob: dataclasses.Field) -> str:
     if isinstance(knob.default, tuple):
         return ",".join(map(str, knob.default))
     return str(knob.default)
+
+
+def knob_help(option: Option) -> str:
+    """--help of a knob: what it means, who takes it (a method's own knob) and its default."""
+    takers = "" if option.common else f"; applies to {option.takers()}"
+    # argparse formats help with %: a literal one must be doubled.
+    return f"{help_of(option.field)}{takers} (default {knob_default(option.field)})".replace("%", "%%")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -180,7 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
         "KV-cache eviction",
         "Each prompt is compressed once after its prefill and kept in the radix tree: its own span minus "
         "the observation window, for its next turn (request scope), or its full blocks, for every request "
-        "with the same prefix (block scope). The --kv-evict-* options below need a policy.",
+        "with the same prefix (block scope). The --kv-evict-* options below need a policy; one that does not "
+        "apply to it (a budget for full, a method's knob for another method) is refused.",
     )
     evict.add_argument(
         "--kv-evict-policy",
@@ -217,14 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
         "\"extra_key\": \"kvevict:policy=snapkv,budget=0.5\" (the --kv-evict-* option names); requests with "
         "different options never share compressed nodes. For A/B experiments on one server (default off)",
     )
-    for knob in knob_fields():
-        evict.add_argument(
-            knob_flag(knob.name),
-            dest=f"knob_{knob.name}",
-            metavar="VALUE",
-            # argparse formats help with %: a literal one must be doubled.
-            help=f"{help_of(knob)} (default {knob_default(knob)})".replace("%", "%%"),
-        )
+    for option in eviction_options().values():
+        evict.add_argument(knob_flag(option.name), dest=f"knob_{option.name}", metavar="VALUE", help=knob_help(option))
     return parser
 
 
@@ -303,3 +306,4 @@ def serving_config(args: argparse.Namespace) -> ServingConfig:
         return ServingConfig(policy, options, scope=scope, per_request=bool(args.kv_evict_per_request))
     except ConfigError as error:
         raise FlagError(f"--kv-evict-*: {error}") from None
+

@@ -53,7 +53,7 @@ def with_learned_weights(config: LaunchConfig, model_dir: Path) -> LaunchConfig:
     if eviction is None:
         return config
     try:
-        weights = resolve_learned_weights(eviction, model_dir)
+        weights = resolve_learned_weights(eviction.score_knobs, model_dir)
     except ConfigError as error:
         raise FlagError(f"--kv-evict-score learned: {error}") from None
     if weights is None:

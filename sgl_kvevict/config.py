@@ -1,29 +1,37 @@
-"""EvictionConfig: every knob of KV eviction, its paper default, its help text and its validation.
+"""EvictionConfig: the edge where user input (Python values or CLI strings) becomes the validated,
+immutable settings a policy is built from.
 
-This module is the edge: it turns user input (Python values or CLI strings) into a fully resolved,
-validated, immutable config. Everything downstream (scoring, budget, policies) trusts it; none of
-those modules imports this one (they read the config's attributes), so the dependency runs one way.
+Nothing downstream imports this module: a policy receives narrow settings types, never the config
+(``Policy(common, knobs, score_knobs)``), so the dependency runs one way, type annotations included.
 
-Each field is a ``setting`` (``sgl_kvevict.settings``): its annotation, default and help text are
-declared once here, and the CLI parsing, the launcher's ``--kv-evict-<field>`` flags and ``--help``
-are derived from them. Per-policy paper defaults (window, pooling, GQA reduction, which scores apply,
-whether the policy takes a budget) are declared by each policy class as ``PolicyDefaults``; fields
-left ``None`` here are filled from them, so adding a paper means one new policy module.
+Where each knob is declared (``sgl_kvevict.settings.setting``: type, default, help text, validity):
+
+* the knobs every policy reads: ``CommonSettings`` (``sgl_kvevict.common_settings``); those left
+  ``None`` are resolved here from the policy's ``PolicyDefaults`` and the score's ``ScoreKind``;
+* a method's own knobs: the settings dataclass its module declares, ``Policy.knobs_type`` (Ada-KV's
+  ``alpha``, PyramidKV's ``pyramid_beta``, DBudgetKV's three) or ``Scorer.knobs_type`` (the learned
+  score's ``learned_weights``). A knob two methods share is declared once, by one class both take.
+
+``eviction_options()`` collects them all from the registries (``Option``: the declaration and who
+takes it), so the launcher's ``--kv-evict-<name>`` flags, ``--help`` and the README's flag table
+follow a new method without a line here. A knob given to a policy (and score) that does not take it
+is refused, like a budget given to a policy without one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Mapping, Optional, Union
+from typing import Any, Mapping, Optional
 
+from sgl_kvevict.common_settings import CommonSettings
 from sgl_kvevict.policies import Policy, PolicyDefaults, get_policy_class, registered_policies
-from sgl_kvevict.scoring import LEARNED_SCORE, SCORE_KINDS, SCORES, ScoreKind
-from sgl_kvevict.settings import Budget, ConfigError, parse_text, setting, settings_of
+from sgl_kvevict.scoring import SCORE_KINDS, SCORES
+from sgl_kvevict.settings import Budget, ConfigError, Settings, label_of, parse_text, settings_of
 
-POOLINGS = ("max", "avg", "none")
-GQA_REDUCTIONS = ("mean", "max", "sum")
+DEFAULT_POLICY = "snapkv"
 DEFAULT_BUDGET = "0.25"
+POLICY_OPTION = "policy"
 
 
 def _first_set(*values):
@@ -38,151 +46,146 @@ def _policy_class(policy: str) -> type[Policy]:
 
 
 # --------------------------------------------------------------------------------------------------
-# EvictionConfig
+# Options: every knob, where it is declared and who takes it
 # --------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
+class Option:
+    """One eviction option (one ``--kv-evict-<name>`` flag).
+
+    field: its ``setting`` declaration; owner: a settings dataclass that has it (its type hints parse
+    the option's strings). policies, scores: the policies and scores whose own knobs include it;
+    both empty for a common knob, which every policy takes.
+    """
+
+    field: dataclasses.Field
+    owner: type[Settings]
+    policies: tuple[str, ...] = ()
+    scores: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return self.field.name
+
+    @property
+    def common(self) -> bool:
+        return not (self.policies or self.scores)
+
+    def taken_by(self, policy: str, score: str) -> bool:
+        return self.common or policy in self.policies or score in self.scores
+
+    def takers(self) -> str:
+        """Who takes a method's knob, for messages and ``--help``: ``policies ada-snapkv, lava``."""
+        groups = (("policy", "policies", self.policies), ("score", "scores", self.scores))
+        return " and ".join(
+            f"{one if len(names) == 1 else many} {', '.join(names)}" for one, many, names in groups if names
+        )
+
+
+def eviction_options() -> dict[str, Option]:
+    """Every option but the policy, by name: the common knobs, then each score's and each policy's
+    own, from the registries (a policy registered later is included). Raises ``TypeError`` when two
+    classes declare a knob of the same name: a shared knob is declared once, by one class both take."""
+    options = {field.name: Option(field, CommonSettings) for field in settings_of(CommonSettings)}
+    takers: dict[str, dict[str, list[str]]] = {}
+
+    def add(knobs_type: type[Settings], kind: str, name: str) -> None:
+        for field in settings_of(knobs_type):
+            known = options.get(field.name)
+            if known is not None and known.field is not field:
+                raise TypeError(
+                    f"knob {field.name!r} of {kind} {name!r} ({knobs_type.__qualname__}) is also declared by "
+                    f"{known.owner.__qualname__}: declare it once and let both methods take that class"
+                )
+            options.setdefault(field.name, Option(field, _declaring_class(knobs_type, field.name)))
+            takers.setdefault(field.name, {"policy": [], "score": []})[kind].append(name)
+
+    for score, score_kind in SCORE_KINDS.items():
+        add(score_kind.knobs_type, "score", score)
+    for policy in registered_policies():
+        add(get_policy_class(policy).knobs_type, "policy", policy)
+    for name, by_kind in takers.items():
+        options[name] = dataclasses.replace(options[name], policies=tuple(by_kind["policy"]), scores=tuple(by_kind["score"]))
+    return options
+
+
+def _declaring_class(knobs_type: type[Settings], name: str) -> type[Settings]:
+    """The class of ``knobs_type``'s bases (or itself) whose body declares knob ``name``."""
+    return next(cls for cls in knobs_type.__mro__ if name in cls.__dict__.get("__annotations__", {}))
+
+
+def _option(raw_name: str, options: Mapping[str, Option], valid: list[str]) -> Option:
+    """The option named ``raw_name`` (dashes allowed), or one ``ConfigError`` listing ``valid``."""
+    option = options.get(raw_name.replace("-", "_"))
+    if option is None:
+        raise ConfigError(f"unknown eviction option {raw_name!r}; valid: {', '.join(valid)}")
+    return option
+
+
+# --------------------------------------------------------------------------------------------------
+# EvictionConfig
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, init=False)
 class EvictionConfig:
-    """Every eviction knob; ``None`` fields resolve to the policy's paper default on construction.
-    Each field's help text says what it means (``sgl_kvevict.settings.help_of``)."""
+    """A policy with every knob resolved and checked: ``common`` (``CommonSettings``), ``knobs`` (an
+    instance of the policy's ``knobs_type``) and ``score_knobs`` (its score's).
 
-    policy: str = setting("snapkv", help="registered eviction policy")
-    budget: Union[Budget, str, float, None] = setting(
-        None,
-        help="average entries kept per (layer, KV head) of each compressed prompt span, observation window "
-        "included: a ratio of the span ('0.25' or '25%') or a token count ('128t', the papers' 'budget 128')",
-        parse=str,
-    )
-    window: Optional[int] = setting(
-        None,
-        help="observation window: the span's last W tokens are always kept (never compressed) and their "
-        "queries score the rest",
-    )
-    pooling: Optional[str] = setting(
-        None, help="smoothing of candidate scores along positions before the top-k (max, avg, none)"
-    )
-    pooling_kernel: int = setting(7, help="width of that smoothing, odd (SnapKV / Ada-KV / LAVa use 7)")
-    gqa: Optional[str] = setting(
-        None,
-        help="how the scores of a GQA group's query heads reduce onto their KV head (mean, max, sum); "
-        "OBCache scores default to sum",
-    )
-    score: Optional[str] = setting(
-        None,
-        help="what ranks the candidates: 'attn' (attention the window pays them), an OBCache score "
-        "(obc-value, obc-key, obc-joint), or a question-agnostic one, safe to reuse for any later question: "
-        "'kvzip' (attention a reconstruction of the context pays them; one extra pass over the context) or "
-        "'learned' (a per-layer regressor from hidden states predicting KVzip's score; no extra pass)",
-    )
-    learned_weights: Optional[str] = setting(
-        None,
-        help="score 'learned': the regressor's weights (.safetensors, with its .json manifest beside it); "
-        "unset: the weights bundled for the served model, found by its fingerprint",
-    )
-    sink_tokens: int = setting(
-        4,
-        help="the sequence's first tokens (attention sinks, absolute positions) are never evicted by any "
-        "policy; they count in the budget like the window",
-    )
-    alpha: float = setting(
-        0.2,
-        help="Ada-KV safeguard and LAVa head floor: fraction of the uniform per-head share every KV head is "
-        "guaranteed (ada-snapkv, ada-pyramidkv, lava; the code's meaning, the Ada-KV paper prints it swapped)",
-    )
-    pyramid_beta: int = setting(
-        20, help="PyramidKV: ratio between the average and the last layer's budget (pyramidkv, ada-pyramidkv)"
-    )
-    dbudget_threshold: float = setting(
-        0.01,
-        help="DBudgetKV t: stop keeping tokens once the attention-output norm drops by less than this fraction "
-        "(dbudget)",
-    )
-    dbudget_query_rows: int = setting(
-        1, help="DBudgetKV k: last query rows that measure the norm drop; at most the window (dbudget)"
-    )
-    dbudget_frozen_layers: tuple[int, ...] = setting(
-        (0, 1), help="DBudgetKV: comma-separated layer indices never pruned (dbudget)"
-    )
-    min_segment_length: int = setting(0, help="prompt spans shorter than this many tokens stay dense (all policies)")
+    ``EvictionConfig(policy, **options)`` takes option values by name (``budget`` may be a string;
+    ``None`` = not given: the policy's or the score's default). ``config.<option>`` reads a resolved
+    value by name (``config.window``, ``config.alpha``), for the options this policy takes.
+    """
 
-    def __post_init__(self):
-        policy_class = _policy_class(self.policy)
-        defaults = policy_class.defaults
-        score = defaults.scores[0] if self.score is None else self.score
-        # A score brings its own GQA reduction and pooling defaults (OBCache: sum; KVzip: max, none).
-        score_kind = SCORE_KINDS.get(score, ScoreKind(None))
+    policy: str
+    common: CommonSettings
+    knobs: Settings
+    score_knobs: Settings
+
+    def __init__(self, policy: str = DEFAULT_POLICY, **options: Any):
+        policy_class = _policy_class(policy)
+        known = eviction_options()
+        given = {name: value for name, value in options.items() if value is not None}
+        for name in given:
+            _option(name, known, [POLICY_OPTION, *known])
+        common = _resolve_common(policy, policy_class.defaults, {n: v for n, v in given.items() if known[n].common})
+        knobs: dict[str, Any] = {}
+        score_knobs: dict[str, Any] = {}
+        for name, value in given.items():
+            option = known[name]
+            if not option.taken_by(policy, common.score):
+                raise ConfigError(
+                    f"{label_of(option.field)} {value!r} does not apply to policy {policy!r} with score "
+                    f"{common.score!r} (it applies to {option.takers()})"
+                )
+            if policy in option.policies:
+                knobs[name] = value
+            if common.score in option.scores:
+                score_knobs[name] = value
         resolved = {
-            "budget": self._resolve_budget(defaults),
-            "window": defaults.window if self.window is None else self.window,
-            "score": score,
-            "pooling": _first_set(self.pooling, score_kind.pooling, defaults.pooling),
-            "gqa": _first_set(self.gqa, score_kind.gqa, defaults.gqa),
-            "dbudget_frozen_layers": tuple(self.dbudget_frozen_layers),
+            POLICY_OPTION: policy,
+            "common": common,
+            "knobs": policy_class.knobs_type(**knobs),
+            "score_knobs": SCORE_KINDS[common.score].knobs_type(**score_knobs),
         }
         for name, value in resolved.items():
             object.__setattr__(self, name, value)
-        self._validate(defaults)
-        policy_class.validate_config(self)
+        policy_class.validate_settings(self.common, self.knobs)
 
-    def _resolve_budget(self, defaults: PolicyDefaults) -> Optional[Budget]:
-        if not defaults.takes_budget:
-            if self.budget is not None:
-                raise ConfigError(
-                    f"policy {self.policy!r} takes no budget (it keeps everything or decides per input); "
-                    f"remove budget {str(self.budget)!r}"
-                )
-            return None
-        return Budget.parse(DEFAULT_BUDGET if self.budget is None else self.budget)
+    def option_values(self) -> dict[str, Any]:
+        """Every option this config has, by name, resolved: the policy, the common knobs, the policy's
+        own and its score's."""
+        parts = (self.common, self.knobs, self.score_knobs)
+        return {POLICY_OPTION: self.policy, **{f.name: getattr(p, f.name) for p in parts for f in dataclasses.fields(p)}}
 
-    def _validate(self, defaults: PolicyDefaults) -> None:
-        def check(ok: bool, message: str) -> None:
-            if not ok:
-                raise ConfigError(message)
-
-        check(isinstance(self.window, int) and self.window >= 1, f"window {self.window!r} must be an integer >= 1")
-        check(self.pooling in POOLINGS, f"pooling {self.pooling!r} is not one of {', '.join(POOLINGS)}")
-        check(
-            isinstance(self.pooling_kernel, int) and self.pooling_kernel >= 1 and self.pooling_kernel % 2 == 1,
-            f"pooling kernel {self.pooling_kernel!r} must be an odd integer >= 1 (centred on each position)",
-        )
-        check(self.gqa in GQA_REDUCTIONS, f"gqa reduction {self.gqa!r} is not one of {', '.join(GQA_REDUCTIONS)}")
-        check(self.score in SCORES, f"score {self.score!r} is not one of {', '.join(SCORES)}")
-        check(
-            self.score in defaults.scores,
-            f"score {self.score!r} does not apply to policy {self.policy!r} (valid: {', '.join(defaults.scores)})",
-        )
-        check(
-            0.0 <= self.alpha <= 1.0,
-            f"alpha {self.alpha!r} must be in [0, 1] (the guaranteed uniform share per head)",
-        )
-        check(
-            isinstance(self.pyramid_beta, int) and self.pyramid_beta >= 1,
-            f"pyramid beta {self.pyramid_beta!r} must be an integer >= 1",
-        )
-        check(
-            0.0 < self.dbudget_threshold < 1.0,
-            f"dbudget threshold {self.dbudget_threshold!r} must be in (0, 1) (0.01 = stop at a 1% norm drop)",
-        )
-        check(
-            isinstance(self.dbudget_query_rows, int) and self.dbudget_query_rows >= 1,
-            f"dbudget query rows {self.dbudget_query_rows!r} must be an integer >= 1",
-        )
-        check(
-            all(isinstance(layer, int) and layer >= 0 for layer in self.dbudget_frozen_layers),
-            f"dbudget frozen layers {self.dbudget_frozen_layers!r} must be layer indices >= 0",
-        )
-        check(
-            isinstance(self.sink_tokens, int) and self.sink_tokens >= 0,
-            f"sink tokens {self.sink_tokens!r} must be an integer >= 0",
-        )
-        if self.learned_weights is not None:
-            check(
-                self.score == LEARNED_SCORE,
-                f"learned weights {self.learned_weights!r} apply to score 'learned' only (score is {self.score!r})",
-            )
-            check(Path(self.learned_weights).is_file(), f"learned weights {self.learned_weights!r} is not a file")
-        check(self.min_segment_length >= 0, f"min segment length {self.min_segment_length!r} must be >= 0")
+    def __getattr__(self, name: str) -> Any:
+        # Only called when ordinary lookup fails: an option's value by name.
+        for part in ("common", "knobs", "score_knobs"):
+            settings = self.__dict__.get(part)
+            if settings is not None and name in settings.__dataclass_fields__:
+                return getattr(settings, name)
+        raise AttributeError(f"{type(self).__name__} of policy {self.__dict__.get(POLICY_OPTION)!r} has no option {name!r}")
 
     # ---- constructors ----------------------------------------------------------------------------
 
@@ -193,31 +196,63 @@ class EvictionConfig:
 
     @classmethod
     def from_strings(cls, values: Mapping[str, Optional[str]]) -> "EvictionConfig":
-        """Build from string values keyed by field name (the server's ``--kv-evict-<field>`` flags).
+        """Build from string values keyed by option name (the server's ``--kv-evict-<name>`` flags).
 
         ``None`` values are treated as absent; dashes in keys are accepted (``pooling-kernel``).
         Example: ``{"policy": "lava", "budget": "128t", "window": "32"}``.
         """
-        known = {f.name: f for f in settings_of(cls)}
-        kwargs: dict[str, object] = {}
+        known = eviction_options()
+        kwargs: dict[str, Any] = {}
         for raw_key, text in values.items():
             if text is None:
                 continue
-            key = raw_key.replace("-", "_")
-            if key not in known:
-                raise ConfigError(f"unknown eviction option {raw_key!r}; valid: {', '.join(known)}")
-            kwargs[key] = parse_text(cls, known[key], text)
+            if raw_key == POLICY_OPTION:
+                kwargs[POLICY_OPTION] = text.strip()
+                continue
+            option = _option(raw_key, known, [POLICY_OPTION, *known])
+            kwargs[option.name] = parse_text(option.owner, option.field, text)
         return cls(**kwargs)
 
     def describe(self) -> str:
         """One-line summary for logs and the stats endpoint."""
+        common = self.common
         parts = [f"policy={self.policy}"]
-        if self.budget is not None:
-            parts.append(f"budget={self.budget}")
-        parts += [f"window={self.window}", f"score={self.score}", f"gqa={self.gqa}", f"pooling={self.pooling}"]
+        if common.budget is not None:
+            parts.append(f"budget={common.budget}")
+        parts += [f"window={common.window}", f"score={common.score}", f"gqa={common.gqa}", f"pooling={common.pooling}"]
         return " ".join(parts)
+
+
+def _resolve_common(policy: str, defaults: PolicyDefaults, given: Mapping[str, Any]) -> CommonSettings:
+    """The common knobs: ``given`` ones, the rest from the score (OBCache: GQA sum; KVzip: max, no
+    pooling) or else the policy; each checked by its declaration, the score against the policy."""
+    score = given.get("score", defaults.scores[0])
+    if score not in SCORES:
+        raise ConfigError(f"score {score!r} is not one of {', '.join(SCORES)}")
+    if score not in defaults.scores:
+        raise ConfigError(f"score {score!r} does not apply to policy {policy!r} (valid: {', '.join(defaults.scores)})")
+    score_kind = SCORE_KINDS[score]
+    resolved = {
+        "budget": _resolve_budget(policy, defaults, given.get("budget")),
+        "window": given.get("window", defaults.window),
+        "score": score,
+        "pooling": _first_set(given.get("pooling"), score_kind.pooling, defaults.pooling),
+        "gqa": _first_set(given.get("gqa"), score_kind.gqa, defaults.gqa),
+    }
+    return CommonSettings(**{**given, **resolved})
+
+
+def _resolve_budget(policy: str, defaults: PolicyDefaults, budget: Any) -> Optional[Budget]:
+    if not defaults.takes_budget:
+        if budget is not None:
+            raise ConfigError(
+                f"policy {policy!r} takes no budget (it keeps everything or decides per input); "
+                f"remove budget {str(budget)!r}"
+            )
+        return None
+    return Budget.parse(DEFAULT_BUDGET if budget is None else budget)
 
 
 def build_policy(config: EvictionConfig) -> Policy:
     """The policy object ``config`` describes (one per engine; it serves every request)."""
-    return get_policy_class(config.policy)(config)
+    return get_policy_class(config.policy)(config.common, config.knobs, config.score_knobs)

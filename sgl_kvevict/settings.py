@@ -1,9 +1,12 @@
-"""Settings: how a configuration field declares its type, default and help text, in one place.
+"""Settings: how a knob declares its type, default, help text and validity, in one place.
 
-A typed config dataclass (``EvictionConfig``) declares each field with ``setting(default, help)``;
-its annotation is the type. Everything else is derived from that one declaration: parsing a CLI
-string (``parse_text``), the launcher's ``--kv-evict-<field>`` flags with their ``--help``, and the
-README's table of flags. Adding a setting is therefore one field, nothing else.
+A settings dataclass (a frozen subclass of ``Settings``) declares each knob with
+``setting(default, help, valid=...)``; its annotation is the type. Everything else is derived from
+that one declaration: parsing a CLI string (``parse_text``), the one-line ``ConfigError`` of a bad
+value (checked on construction), the launcher's ``--kv-evict-<name>`` flags with their ``--help``,
+and the README's table of flags. The knobs every policy reads are ``common_settings.CommonSettings``;
+a method's own knobs are a settings dataclass in its own module (``Policy.knobs_type``,
+``Scorer.knobs_type``), so adding a knob is one field of the method that reads it.
 
 Also here: the error type of every user mistake in a configuration (``ConfigError``) and the budget
 types, which both the config and the policies use. This module imports nothing from the package,
@@ -111,20 +114,35 @@ class TokenBudget(Budget):
 
 _HELP = "help"
 _PARSE = "parse"
+_VALID = "valid"
+
+# (holds, message): ``holds(value)`` is true for a valid value; ``message`` is the ConfigError's text,
+# formatted with ``value`` (``"alpha {value!r} must be in [0, 1]"``).
+Rule = tuple[Callable[[Any], bool], str]
 
 
-def setting(default: Any, help: str, parse: Optional[Callable[[str], Any]] = None) -> Any:
+def setting(default: Any, help: str, parse: Optional[Callable[[str], Any]] = None, valid: Optional[Rule] = None) -> Any:
     """A dataclass field with its ``--help`` text; ``parse`` turns a CLI string into the field's value
     when the annotation alone cannot (the default parser follows the annotation: int, float, str,
-    ``tuple[int, ...]``)."""
-    metadata = {_HELP: help, _PARSE: parse}
+    ``tuple[int, ...]``); ``valid`` is checked when a ``Settings`` dataclass is constructed."""
+    metadata = {_HELP: help, _PARSE: parse, _VALID: valid}
     if isinstance(default, (list, dict, set)):
         raise TypeError("mutable defaults are not settings; use a tuple")
     return dataclasses.field(default=default, metadata=metadata)
 
 
+def int_at_least(minimum: int) -> Callable[[Any], bool]:
+    """The check of an integer setting with a lower bound (for ``valid``)."""
+    return lambda value: isinstance(value, int) and value >= minimum
+
+
 def help_of(field: dataclasses.Field) -> str:
     return field.metadata[_HELP]
+
+
+def label_of(field: dataclasses.Field) -> str:
+    """How messages name a setting: ``pyramid_beta`` -> ``pyramid beta``."""
+    return field.name.replace("_", " ")
 
 
 def settings_of(cls: type) -> list[dataclasses.Field]:
@@ -136,9 +154,23 @@ def settings_of(cls: type) -> list[dataclasses.Field]:
     return list(fields)
 
 
+@dataclass(frozen=True)
+class Settings:
+    """Base of every settings dataclass: construction checks each field's ``valid`` rule, in field
+    order, and raises the first failing rule's ``ConfigError``. Itself the empty set of knobs (a
+    method that declares none)."""
+
+    def __post_init__(self):
+        for field in settings_of(type(self)):
+            rule = field.metadata[_VALID]
+            value = getattr(self, field.name)
+            if rule is not None and not rule[0](value):
+                raise ConfigError(rule[1].format(value=value))
+
+
 def parse_text(cls: type, field: dataclasses.Field, text: str) -> Any:
     """One CLI string to the value of ``field`` of settings dataclass ``cls``."""
-    label = field.name.replace("_", " ")
+    label = label_of(field)
     custom = field.metadata.get(_PARSE)
     if custom is not None:
         return custom(text.strip())

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import time
@@ -44,12 +43,12 @@ def generate(
 
 def request_options(config) -> str:
     """The ``extra_key`` options that make a ``--kv-evict-per-request`` server serve ``config``: every
-    field that differs from the policy's defaults, as ``--kv-evict-*`` option strings."""
+    option that differs from the policy's defaults, as ``--kv-evict-*`` option strings."""
     from sgl_kvevict.config import EvictionConfig
 
-    defaults = EvictionConfig.for_policy(config.policy, score=config.score)
-    fields = [f.name for f in dataclasses.fields(config) if getattr(config, f.name) != getattr(defaults, f.name)]
-    return ",".join([f"policy={config.policy}", f"score={config.score}", *(f"{n}={getattr(config, n)}" for n in fields)])
+    defaults = EvictionConfig.for_policy(config.policy, score=config.score).option_values()
+    changed = [f"{name}={value}" for name, value in config.option_values().items() if value != defaults[name]]
+    return ",".join([f"policy={config.policy}", f"score={config.score}", *changed])
 
 
 def abort(server: RunningServer, rid: str) -> None:

@@ -77,9 +77,14 @@ def test_paper_defaults(policy, window, pooling, gqa):
 def test_global_paper_defaults():
     config = EvictionConfig()
     assert config.policy == "snapkv" and config.budget == RatioBudget(0.25) and config.score == "attn"
-    assert config.alpha == 0.2 and config.pyramid_beta == 20 and config.sink_tokens == 4
-    assert (config.dbudget_threshold, config.dbudget_query_rows) == (0.01, 1)
-    assert config.dbudget_frozen_layers == (0, 1) and config.learned_weights is None
+    assert config.sink_tokens == 4
+    # A method's own knobs, on the policies (and score) that take them.
+    ada_pyramid = EvictionConfig.for_policy("ada-pyramidkv")
+    assert ada_pyramid.alpha == 0.2 and ada_pyramid.pyramid_beta == 20
+    dbudget = EvictionConfig.for_policy("dbudget")
+    assert (dbudget.dbudget_threshold, dbudget.dbudget_query_rows) == (0.01, 1)
+    assert dbudget.dbudget_frozen_layers == (0, 1)
+    assert EvictionConfig.for_policy("topk", score="learned").learned_weights is None
 
 
 @pytest.mark.parametrize("policy", sorted(BUILT_IN))
@@ -166,20 +171,31 @@ MISTAKES = [
     (dict(score="obc"), "score 'obc' is not one of attn, obc-value, obc-key, obc-joint, kvzip, learned"),
     (dict(policy="lava", score="obc-value"), "score 'obc-value' does not apply to policy 'lava' (valid: attn, kvzip, learned)"),
     (dict(policy="h2o", score="kvzip"), "score 'kvzip' does not apply to policy 'h2o'"),
-    (dict(policy="snapkv", learned_weights="weights.safetensors"), "learned weights 'weights.safetensors' apply to score 'learned' only"),
+    (
+        dict(policy="snapkv", learned_weights="weights.safetensors"),
+        "learned weights 'weights.safetensors' does not apply to policy 'snapkv' with score 'attn' (it applies to score learned)",
+    ),
     (dict(policy="topk", score="learned", learned_weights="/nonexistent.safetensors"), "learned weights '/nonexistent.safetensors' is not a file"),
     (dict(policy="pyramidkv", score="obc-key"), "score 'obc-key' does not apply to policy 'pyramidkv'"),
     (dict(policy="tova", score="obc-joint", window=8), "use window 1 with tova (got 8)"),
-    (dict(alpha=-0.1), "alpha -0.1 must be in [0, 1]"),
-    (dict(alpha=1.5), "alpha 1.5 must be in [0, 1]"),
-    (dict(pyramid_beta=0), "pyramid beta 0 must be an integer >= 1"),
-    (dict(dbudget_threshold=0.0), "dbudget threshold 0.0 must be in (0, 1)"),
-    (dict(dbudget_threshold=1.0), "dbudget threshold 1.0 must be in (0, 1)"),
-    (dict(dbudget_query_rows=0), "dbudget query rows 0 must be an integer >= 1"),
+    (dict(policy="ada-snapkv", alpha=-0.1), "alpha -0.1 must be in [0, 1]"),
+    (dict(policy="lava", alpha=1.5), "alpha 1.5 must be in [0, 1]"),
+    (dict(policy="pyramidkv", pyramid_beta=0), "pyramid beta 0 must be an integer >= 1"),
+    (dict(policy="dbudget", dbudget_threshold=0.0), "dbudget threshold 0.0 must be in (0, 1)"),
+    (dict(policy="dbudget", dbudget_threshold=1.0), "dbudget threshold 1.0 must be in (0, 1)"),
+    (dict(policy="dbudget", dbudget_query_rows=0), "dbudget query rows 0 must be an integer >= 1"),
     (dict(policy="dbudget", dbudget_query_rows=4), "dbudget query rows (4) must not exceed the window (1)"),
     (dict(sink_tokens=-1), "sink tokens -1 must be an integer >= 0"),
-    (dict(dbudget_frozen_layers=(0, -1)), "dbudget frozen layers (0, -1) must be layer indices >= 0"),
+    (dict(policy="dbudget", dbudget_frozen_layers=(0, -1)), "dbudget frozen layers (0, -1) must be layer indices >= 0"),
     (dict(min_segment_length=-1), "min segment length -1 must be >= 0"),
+    # A method's knob given to a policy that does not take it is refused, like a budget to full.
+    (
+        dict(policy="snapkv", alpha=0.3),
+        "alpha 0.3 does not apply to policy 'snapkv' with score 'attn' (it applies to policies ada-pyramidkv, ada-snapkv, lava)",
+    ),
+    (dict(policy="ada-snapkv", pyramid_beta=10), "pyramid beta 10 does not apply to policy 'ada-snapkv'"),
+    (dict(policy="lava", dbudget_threshold=0.02), "dbudget threshold 0.02 does not apply to policy 'lava' with score 'attn' (it applies to policy dbudget)"),
+    (dict(windw=8), "unknown eviction option 'windw'; valid: policy, budget, window"),
 ]
 
 

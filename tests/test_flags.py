@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -10,13 +9,12 @@ import sys
 
 import pytest
 
-from sgl_kvevict.config import EvictionConfig
 from sgl_kvevict.engine.stats_channel import ADDRESS_ENV_VAR as STATS_ADDRESS_ENV_VAR
 from sgl_kvevict.policies import registered_policies
 from sgl_kvevict.scope import BlockScope
 from sgl_kvevict.serving import ENV_VAR as SERVING_ENV_VAR, ServingConfig
 from sgl_kvevict.limits import limit_flags
-from sgl_kvevict.server.flags import build_parser, knob_flag, parse_args
+from sgl_kvevict.server.flags import build_parser, knob_fields, knob_flag, parse_args
 from sgl_kvevict.server.refusals import FlagError, inspected_flags
 from sgl_kvevict.server.sglang_args import CPU_DEFAULT_MAX_TOTAL_TOKENS, cpu_mode_args, flag_value
 from sgl_kvevict.server.worker import server_env, sglang_command, stats_socket_address
@@ -56,6 +54,7 @@ def test_unknown_flags_pass_through_to_sglang():
             ["--kv-evict-policy", "lava", "--kv-evict-scope", "block", "--kv-evict-budget", "32t"],
             r"block size 512 at budget 32t keeps 32 entries .* raise the budget",
         ),
+        (["--kv-evict-policy", "snapkv", "--kv-evict-alpha", "0.3"], "alpha 0.3 does not apply to policy 'snapkv'"),
         (["--tp", "2"], "--tp abbreviates --tp-size; spell it in full"),
         (["--max-total=100"], "--max-total abbreviates --max-total-tokens"),
     ],
@@ -66,8 +65,8 @@ def test_bad_flags_have_one_clear_message(argv, message):
     assert "\n" not in str(error.value)
 
 
-def test_every_eviction_config_field_has_a_flag_reaching_the_serving_config(tmp_path):
-    knobs = [f for f in dataclasses.fields(EvictionConfig) if f.name != "policy"]
+def test_every_eviction_option_has_a_flag_reaching_the_serving_config(tmp_path):
+    knobs = knob_fields()
     options = {option for action in build_parser()._actions for option in action.option_strings}
     assert {knob_flag(f.name) for f in knobs} <= options
     weights = tmp_path / "weights.safetensors"
@@ -76,13 +75,24 @@ def test_every_eviction_config_field_has_a_flag_reaching_the_serving_config(tmp_
               "score": "learned", "learned_weights": str(weights), "alpha": "0.3", "pyramid_beta": "10", "dbudget_threshold": "0.02",
               "dbudget_query_rows": "2", "dbudget_frozen_layers": "0,3", "sink_tokens": "2",
               "min_segment_length": "16"}  # fmt: skip
-    assert set(values) == {f.name for f in knobs}, "a new EvictionConfig field needs a value in this test"
-    args = [item for name, text in values.items() for item in (knob_flag(name), text)]
-    config = parse("--kv-evict-policy", "ada-snapkv", *args)
-    assert config.sglang_args == []
-    assert dict(config.serving.eviction_options) == values
-    eviction = config.serving.eviction
-    assert (eviction.window, eviction.pooling_kernel, eviction.dbudget_frozen_layers) == (8, 5, (0, 3))
+    assert set(values) == {f.name for f in knobs}, "a new eviction option needs a value in this test"
+    # A policy takes the common options and its own (its score's too): two policies take them all.
+    dbudget_own = {"dbudget_threshold", "dbudget_query_rows", "dbudget_frozen_layers"}
+    by_policy = {
+        "ada-pyramidkv": {name: text for name, text in values.items() if name not in dbudget_own},
+        "dbudget": {name: values[name] for name in [*dbudget_own, "window", "sink_tokens", "min_segment_length"]},
+    }
+    served = {}
+    for policy, given in by_policy.items():
+        args = [item for name, text in given.items() for item in (knob_flag(name), text)]
+        config = parse("--kv-evict-policy", policy, *args)
+        assert config.sglang_args == []
+        assert dict(config.serving.eviction_options) == given
+        served[policy] = config.serving.eviction
+    ada_pyramid, dbudget = served["ada-pyramidkv"], served["dbudget"]
+    assert (ada_pyramid.window, ada_pyramid.pooling_kernel, ada_pyramid.alpha, ada_pyramid.pyramid_beta) == (8, 5, 0.3, 10)
+    assert ada_pyramid.learned_weights == str(weights)
+    assert (dbudget.window, dbudget.dbudget_query_rows, dbudget.dbudget_frozen_layers) == (8, 2, (0, 3))
 
 
 def test_every_library_policy_is_served_and_the_default_is_none():

@@ -59,8 +59,8 @@ def test_the_bundled_weights_are_found_by_fingerprint(trained, tiny_llama_dir, m
     path, _ = trained
     monkeypatch.setattr(learned, "BUNDLED_WEIGHTS_DIR", path.parent)
     config = EvictionConfig.for_policy("topk", score="learned")
-    assert resolve_learned_weights(config, tiny_llama_dir) == path
-    assert resolve_learned_weights(EvictionConfig.for_policy("topk"), tiny_llama_dir) is None  # kvzip: none needed
+    assert resolve_learned_weights(config.score_knobs, tiny_llama_dir) == path
+    assert resolve_learned_weights(EvictionConfig.for_policy("topk").score_knobs, tiny_llama_dir) is None  # kvzip: none needed
     bound = build_policy(config).for_model(tiny_llama_dir)
     assert isinstance(bound.scorer, LearnedScorer) and bound.scorer.weights is LearnedWeights.load(path)
     # Another model (same shapes, other weights) has no weights: one line naming the training command.
@@ -69,7 +69,7 @@ def test_the_bundled_weights_are_found_by_fingerprint(trained, tiny_llama_dir, m
     (other / "config.json").write_text((tiny_llama_dir / "config.json").read_text())
     (other / "model.safetensors").write_bytes(b"other weights")
     with pytest.raises(ConfigError) as error:
-        resolve_learned_weights(config, other)
+        resolve_learned_weights(config.score_knobs, other)
     message = str(error.value)
     assert "no bundled weights" in message and "python -m sgl_kvevict.reference.train_scorer --model" in message
     assert "\n" not in message
@@ -79,7 +79,7 @@ def test_weights_for_another_shape_are_refused_in_one_line(tiny_llama_dir, tmp_p
     wrong = learned_weights_file(tmp_path, num_layers=3, num_kv_heads=2)
     config = EvictionConfig.for_policy("lava", score="learned", learned_weights=str(wrong))
     with pytest.raises(ConfigError) as error:
-        resolve_learned_weights(config, tiny_llama_dir)
+        resolve_learned_weights(config.score_knobs, tiny_llama_dir)
     message = str(error.value)
     assert "are for a model with 3 layers, hidden size 12, 2 KV heads" in message
     assert "has 2 layers, hidden size 64, 2 KV heads" in message and "\n" not in message
@@ -162,7 +162,7 @@ def test_top_overlap_counts_shared_members_of_the_top_fraction():
 def test_the_bundled_smollm2_weights_are_found_and_fit(smollm2_dir):
     """The committed weights belong to the bundled model (fingerprint) and rank like KVzip on
     held-out documents better than chance (their manifest's own measurement)."""
-    path = resolve_learned_weights(EvictionConfig.for_policy("topk", score="learned"), smollm2_dir)
+    path = resolve_learned_weights(EvictionConfig.for_policy("topk", score="learned").score_knobs, smollm2_dir)
     assert path.parent == learned.BUNDLED_WEIGHTS_DIR
     manifest = LearnedWeights.load(path).manifest
     assert manifest["fingerprint"] == model_fingerprint(smollm2_dir)

@@ -25,7 +25,7 @@ QUESTION = "what is the secret number here?"
 
 @dataclass(frozen=True)
 class WindowOnlyConfig:
-    """The one config field the engine reads from a policy."""
+    """The one common setting the engine reads from a policy."""
 
     window: int
 
@@ -64,7 +64,7 @@ class RecordingRandomKeep(SegmentCompressor):
 
     def plan(self) -> CompressionPlan:
         spec = self.spec
-        window = min(self.policy.config.window, spec.length)
+        window = min(self.policy.common.window, spec.length)
         window_positions = torch.arange(spec.end - window, spec.end)
         generator = torch.Generator().manual_seed(self.policy.seed + spec.start)
         layers = []

@@ -297,7 +297,7 @@ def test_obcache_scorer_sums_the_group_then_pools(num_q_heads, num_kv_heads, con
     q_window, keys, values = random_window_inputs(num_q_heads, num_kv_heads, context, window, seed=3 + start)
     stats = window_stats(q_window, keys, values, SCALING, ALL)
     config = EvictionConfig.for_policy("snapkv", score=score)
-    scorer = scorer_for(config)
+    scorer = scorer_for(config.common, config.score_knobs)
     assert isinstance(scorer, OBCacheScorer) and config.gqa == "sum"
     scores = scorer(stats, slice(start, context - window), num_kv_heads, 0)
 
@@ -451,7 +451,7 @@ def test_kvzip_scorer(num_q_heads, num_kv_heads, context, window, start, gqa, po
 
 def test_kvzip_defaults_follow_kvzip():
     config = EvictionConfig.for_policy("ada-snapkv", score="kvzip")
-    scorer = scorer_for(config)
+    scorer = scorer_for(config.common, config.score_knobs)
     assert isinstance(scorer, KVzipScorer) and (config.gqa, config.pooling) == ("max", "none")
     assert scorer.request == StatsRequest(attn_max=True, queries=RECONSTRUCTION_QUERIES)
 
@@ -478,7 +478,8 @@ def test_learned_scorer_is_a_per_layer_linear_map_of_the_hidden_states(pooling):
 
 
 def test_learned_scorer_without_weights_says_how_to_bind_it():
-    scorer = scorer_for(EvictionConfig.for_policy("topk", score="learned"))
+    config = EvictionConfig.for_policy("topk", score="learned")
+    scorer = scorer_for(config.common, config.score_knobs)
     assert isinstance(scorer, LearnedScorer) and scorer.log_scores and scorer.request == StatsRequest(hidden_states=True)
     with pytest.raises(RuntimeError, match=r"policy.for_model\(model_dir\)"):
         scorer(WindowStats(window=1, hidden_states=torch.zeros(3, 2)), slice(0, 3), 1, 0)

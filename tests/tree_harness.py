@@ -92,8 +92,8 @@ class _RuleCompressor(SegmentCompressor):
 class RulePolicy(Policy):
     """The stand-in policy: plans from ``KeepEvery`` without statistics."""
 
-    def __init__(self, config, rule: KeepEvery):
-        super().__init__(config)
+    def __init__(self, common, rule: KeepEvery):
+        super().__init__(common)
         self.rule = rule
 
     def stats_request(self) -> StatsRequest:
@@ -129,7 +129,7 @@ class TreeHarness:
         self.space = CellSpace.of_buffers(self.pool.k_buffer, self.pool.v_buffer)
         self.arena = Arena(self.space, _slot_source(self.allocator, self.space))
         config = EvictionConfig(policy="snapkv", window=WINDOW)
-        policy = RulePolicy(config, rule)
+        policy = RulePolicy(config.common, rule)
         self.stats = EngineStats()
         capture = ScoringCapture(self.space, self.pool, hidden_states=None)
         setups = Setups(EvictionSetup(config, policy, policy.stats_request()))

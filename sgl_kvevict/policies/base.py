@@ -12,7 +12,13 @@ layer's statistics before any layer is cut:
 
 A ``Policy`` is immutable configuration plus a factory of per-segment compressors, so one policy
 object serves every concurrent request of an engine. A new method is one module that subclasses
-``Policy`` and decorates it with ``@register_policy("name")``.
+``Policy`` and decorates it with ``@register_policy("name")``; its own knobs, if any, are a
+``Settings`` dataclass in that module named by ``knobs_type`` (the config, the flags and ``--help``
+find them there).
+
+A policy is built from narrow settings, never from the config (``sgl_kvevict.config``, which imports
+this package): ``common`` (``CommonSettings``, resolved), ``knobs`` (an instance of its
+``knobs_type``) and ``score_knobs`` (those of its score's scorer, ``Scorer.knobs_type``).
 """
 
 from __future__ import annotations
@@ -20,18 +26,17 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, ClassVar, TypeVar
+from typing import Callable, ClassVar, TypeVar
 
+from sgl_kvevict.common_settings import CommonSettings
 from sgl_kvevict.plan import CompressionPlan
 from sgl_kvevict.scoring.window import StatsRequest, WindowStats
-
-if TYPE_CHECKING:  # the config imports this package, never the other way round at run time
-    from sgl_kvevict.config import EvictionConfig
+from sgl_kvevict.settings import Settings
 
 
 @dataclass(frozen=True)
 class PolicyDefaults:
-    """What a policy class declares about itself; ``EvictionConfig`` resolves ``None`` fields from it.
+    """What a policy class declares about the common knobs; the config resolves ``None`` ones from it.
 
     window: observation window (queries that score, tokens always kept).
     pooling: smoothing of candidate scores along positions.
@@ -87,15 +92,21 @@ class SegmentCompressor(abc.ABC):
 
 class Policy(abc.ABC):
     name: ClassVar[str]
-    # Paper defaults the config resolves unset fields from (window, pooling, GQA, valid scores).
+    # Paper defaults the config resolves unset common knobs from (window, pooling, GQA, valid scores).
     defaults: ClassVar[PolicyDefaults] = PolicyDefaults()
+    # The policy's own knobs (a frozen ``Settings`` dataclass); ``Settings`` itself: none. Two
+    # policies sharing a knob share the class that declares it (a base of both knobs types).
+    knobs_type: ClassVar[type[Settings]] = Settings
 
-    def __init__(self, config: "EvictionConfig"):
-        self.config = config
+    def __init__(self, common: CommonSettings, knobs: Settings = Settings(), score_knobs: Settings = Settings()):
+        self.common = common
+        self.knobs = knobs
+        self.score_knobs = score_knobs
 
     @classmethod
-    def validate_config(cls, config: "EvictionConfig") -> None:
-        """Raise ``ConfigError`` for a combination of knobs this policy cannot honour (called by the config)."""
+    def validate_settings(cls, common: CommonSettings, knobs: Settings) -> None:
+        """Raise ``ConfigError`` for a combination of knobs this policy cannot honour (called by the
+        config, after each value passed its own check)."""
 
     @abc.abstractmethod
     def stats_request(self) -> StatsRequest:

@@ -2,7 +2,7 @@
 norm of the last query's attention row would drop by more than ``t`` (1%).
 
 Per layer the kept set is ``sinks ∪ [start_l, end)``: StreamingLLM with a window chosen per layer
-and input. Sinks are the config's ``sink_tokens`` (the paper's m = 4), kept by every policy; they,
+and input. Sinks are the common ``sink_tokens`` (the paper's m = 4), kept by every policy; they,
 the observation window and any prefix before the segment are never evicted, see
 docs/methods/dbudgetkv.md#never-evicted-sinks-window-and-prefix. Layers ``dbudget_frozen_layers`` (0 and 1) are never pruned. All KV
 heads of a layer keep the same positions (one stopping index per layer, heads combined "joint").
@@ -10,27 +10,54 @@ heads of a layer keep the same positions (one stopping index per layer, heads co
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 
 from sgl_kvevict.budget.dbudget import evicted_prefix_length, reduced_attention_mass
+from sgl_kvevict.common_settings import CommonSettings
 from sgl_kvevict.plan import CompressionPlan
 from sgl_kvevict.policies.base import Policy, PolicyDefaults, SegmentCompressor, SegmentSpec, register_policy
 from sgl_kvevict.policies.layout import SegmentLayout
 from sgl_kvevict.scoring.window import StatsRequest, WindowStats
-from sgl_kvevict.settings import ConfigError
+from sgl_kvevict.settings import ConfigError, Settings, int_at_least, setting
 
-if TYPE_CHECKING:
-    from sgl_kvevict.config import EvictionConfig
+
+@dataclass(frozen=True)
+class DBudgetKnobs(Settings):
+    dbudget_threshold: float = setting(
+        0.01,
+        help="DBudgetKV t: stop keeping tokens once the attention-output norm drops by less than this fraction",
+        valid=(
+            lambda threshold: isinstance(threshold, (int, float)) and 0.0 < threshold < 1.0,
+            "dbudget threshold {value!r} must be in (0, 1) (0.01 = stop at a 1% norm drop)",
+        ),
+    )
+    dbudget_query_rows: int = setting(
+        1,
+        help="DBudgetKV k: last query rows that measure the norm drop; at most the window",
+        valid=(int_at_least(1), "dbudget query rows {value!r} must be an integer >= 1"),
+    )
+    dbudget_frozen_layers: tuple[int, ...] = setting(
+        (0, 1),
+        help="DBudgetKV: comma-separated layer indices never pruned",
+        valid=(
+            lambda layers: all(isinstance(layer, int) and layer >= 0 for layer in layers),
+            "dbudget frozen layers {value!r} must be layer indices >= 0",
+        ),
+    )
+
+    def __post_init__(self):
+        object.__setattr__(self, "dbudget_frozen_layers", tuple(self.dbudget_frozen_layers))
+        super().__post_init__()
 
 
 class _NormDropCompressor(SegmentCompressor):
-    def __init__(self, layout: SegmentLayout, config: "EvictionConfig"):
+    def __init__(self, layout: SegmentLayout, knobs: DBudgetKnobs):
         super().__init__(layout.spec)
         self.layout = layout
-        self.threshold = config.dbudget_threshold
-        self.frozen_layers = frozenset(config.dbudget_frozen_layers)
+        self.threshold = knobs.dbudget_threshold
+        self.frozen_layers = frozenset(knobs.dbudget_frozen_layers)
         self.needs_stats = layout.compresses
         # Evictable positions (the candidates), least important (oldest) first.
         self.eviction_order = torch.arange(layout.candidate_start, layout.window_start)
@@ -58,17 +85,19 @@ class _NormDropCompressor(SegmentCompressor):
 @register_policy("dbudget")
 class DBudgetKVPolicy(Policy):
     defaults = PolicyDefaults(window=1, pooling="none", takes_budget=False)
+    knobs_type = DBudgetKnobs
+    knobs: DBudgetKnobs
 
     @classmethod
-    def validate_config(cls, config: "EvictionConfig") -> None:
-        if config.dbudget_query_rows > config.window:
+    def validate_settings(cls, common: CommonSettings, knobs: DBudgetKnobs) -> None:
+        if knobs.dbudget_query_rows > common.window:
             raise ConfigError(
-                f"dbudget query rows ({config.dbudget_query_rows}) must not exceed the window ({config.window}): "
+                f"dbudget query rows ({knobs.dbudget_query_rows}) must not exceed the window ({common.window}): "
                 "the rows are the window's last queries"
             )
 
     def stats_request(self) -> StatsRequest:
-        return StatsRequest(tail_rows=self.config.dbudget_query_rows)
+        return StatsRequest(tail_rows=self.knobs.dbudget_query_rows)
 
     def start(self, spec: SegmentSpec) -> SegmentCompressor:
-        return _NormDropCompressor(SegmentLayout.of(spec, self.config), self.config)
+        return _NormDropCompressor(SegmentLayout.of(spec, self.common), self.knobs)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from sgl_kvevict.budget.layers import entropy_layer_budgets, score_entropy
-from sgl_kvevict.policies.adakv import AdaptiveHeads
+from sgl_kvevict.policies.adakv import AdaptiveHeads, HeadFloorKnobs
 from sgl_kvevict.policies.base import PolicyDefaults, register_policy
 from sgl_kvevict.policies.layout import SegmentLayout
 from sgl_kvevict.policies.scored import ScoredPolicy
@@ -32,11 +32,12 @@ from sgl_kvevict.scoring import QUESTION_AGNOSTIC_SCORES, LavaScorer, Reduction,
 @register_policy("lava")
 class LavaPolicy(AdaptiveHeads, ScoredPolicy):
     defaults = PolicyDefaults(window=32, pooling="max", gqa="max", scores=("attn", *QUESTION_AGNOSTIC_SCORES))
+    knobs_type = HeadFloorKnobs
 
     def build_scorer(self) -> Scorer:
-        if self.config.score == "attn":
-            return LavaScorer(Reduction.from_config(self.config))
-        return scorer_for(self.config)
+        if self.common.score == "attn":
+            return LavaScorer(Reduction.of(self.common))
+        return scorer_for(self.common, self.score_knobs)
 
     def layer_budgets(self, layout: SegmentLayout, layer_scores: list[torch.Tensor]) -> list[int]:
         spec = layout.spec

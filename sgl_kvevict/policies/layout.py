@@ -14,20 +14,18 @@ Sinks and window are part of every plan and count in the budget. ``WindowStats``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
+from sgl_kvevict.common_settings import CommonSettings
 from sgl_kvevict.plan import CompressionPlan, LayerPlan
 from sgl_kvevict.policies.base import SegmentSpec
-
-if TYPE_CHECKING:
-    from sgl_kvevict.config import EvictionConfig
 
 
 @dataclass(frozen=True)
 class SegmentLayout:
-    """Geometry and budget of one segment under one config.
+    """Geometry and budget of one segment under one policy's common settings.
 
     per_head_budget: average kept entries per (layer, KV head), sinks and window included; ``None``
         for policies that decide their budget themselves.
@@ -42,17 +40,17 @@ class SegmentLayout:
     compresses: bool
 
     @classmethod
-    def of(cls, spec: SegmentSpec, config: "EvictionConfig") -> "SegmentLayout":
-        window_start = spec.end - min(config.window, spec.length)
-        candidate_start = min(max(spec.start, config.sink_tokens), window_start)
-        per_head = config.budget.per_head(spec.length) if config.budget is not None else None
+    def of(cls, spec: SegmentSpec, common: CommonSettings) -> "SegmentLayout":
+        window_start = spec.end - min(common.window, spec.length)
+        candidate_start = min(max(spec.start, common.sink_tokens), window_start)
+        per_head = common.budget.per_head(spec.length) if common.budget is not None else None
         num_candidates = window_start - candidate_start
         if per_head is None:
             selects = num_candidates > 0
         else:
             selected = per_head - (spec.end - window_start) - (candidate_start - spec.start)
             selects = 0 < selected < num_candidates
-        compresses = spec.length >= config.min_segment_length and selects
+        compresses = spec.length >= common.min_segment_length and selects
         return cls(spec, candidate_start, window_start, per_head, compresses)
 
     @property

@@ -2,8 +2,8 @@
 
 A score-based method is three choices, each a hook with a default:
 
-* ``build_scorer``: the score hook (default: the window's mean attention, or the score the config
-  names: OBCache, KVzip, learned);
+* ``build_scorer``: the score hook (default: the window's mean attention, or the score the ``score``
+  knob names: OBCache, KVzip, learned);
 * ``layer_budgets``: candidates kept per layer (default: the same in every layer);
 * ``head_counts``: how a layer's budget splits over its KV heads (default: evenly).
 
@@ -16,29 +16,27 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from sgl_kvevict.budget.heads import kept_offsets, rank_candidates, uniform_head_counts
+from sgl_kvevict.common_settings import CommonSettings
 from sgl_kvevict.plan import CompressionPlan
 from sgl_kvevict.policies.base import Policy, SegmentCompressor, SegmentSpec
 from sgl_kvevict.policies.layout import SegmentLayout
 from sgl_kvevict.scoring import RowScorer, Scorer, StatsRequest, WindowStats, scorer_for
-
-if TYPE_CHECKING:
-    from sgl_kvevict.config import EvictionConfig
+from sgl_kvevict.settings import Settings
 
 
 class ScoredPolicy(Policy):
     """Scores candidates with ``self.scorer``, splits the budget over layers, then over KV heads."""
 
-    def __init__(self, config: "EvictionConfig"):
-        super().__init__(config)
+    def __init__(self, common: CommonSettings, knobs: Settings = Settings(), score_knobs: Settings = Settings()):
+        super().__init__(common, knobs, score_knobs)
         self.scorer = self.build_scorer()
 
     def build_scorer(self) -> Scorer:
-        return scorer_for(self.config)
+        return scorer_for(self.common, self.score_knobs)
 
     def layer_budgets(self, layout: SegmentLayout, layer_scores: list[torch.Tensor]) -> list[int]:
         """Candidates kept in each layer, summed over its KV heads (``layer_scores``: ``[H_kv, n]`` each)."""
@@ -60,7 +58,7 @@ class ScoredPolicy(Policy):
         return bound
 
     def start(self, spec: SegmentSpec) -> SegmentCompressor:
-        return ScoredCompressor(self, SegmentLayout.of(spec, self.config))
+        return ScoredCompressor(self, SegmentLayout.of(spec, self.common))
 
 
 class ScoredCompressor(SegmentCompressor):

@@ -42,4 +42,4 @@ class StreamingPolicy(Policy):
         return StatsRequest()
 
     def start(self, spec: SegmentSpec) -> SegmentCompressor:
-        return _SinksAndRecent(SegmentLayout.of(spec, self.config))
+        return _SinksAndRecent(SegmentLayout.of(spec, self.common))

@@ -7,15 +7,11 @@ Scores are the last query's own (attention, OBCache): TOVA is defined by that qu
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from sgl_kvevict.common_settings import CommonSettings
 from sgl_kvevict.policies.base import PolicyDefaults, register_policy
 from sgl_kvevict.policies.scored import ScoredPolicy
 from sgl_kvevict.scoring import OBC_SCORES, WINDOW_SCORES, LastQueryScorer, Scorer, scorer_for
-from sgl_kvevict.settings import ConfigError
-
-if TYPE_CHECKING:
-    from sgl_kvevict.config import EvictionConfig
+from sgl_kvevict.settings import ConfigError, Settings
 
 
 @register_policy("tova")
@@ -23,12 +19,12 @@ class TOVAPolicy(ScoredPolicy):
     defaults = PolicyDefaults(window=1, pooling="none", gqa="mean", scores=WINDOW_SCORES)
 
     @classmethod
-    def validate_config(cls, config: "EvictionConfig") -> None:
-        if config.score in OBC_SCORES and config.window != 1:
+    def validate_settings(cls, common: CommonSettings, knobs: Settings) -> None:
+        if common.score in OBC_SCORES and common.window != 1:
             raise ConfigError(
-                f"tova scores with the last query only, but {config.score} sums over the whole window: "
-                f"use window 1 with tova (got {config.window})"
+                f"tova scores with the last query only, but {common.score} sums over the whole window: "
+                f"use window 1 with tova (got {common.window})"
             )
 
     def build_scorer(self) -> Scorer:
-        return scorer_for(self.config, attention=LastQueryScorer)
+        return scorer_for(self.common, self.score_knobs, attention=LastQueryScorer)

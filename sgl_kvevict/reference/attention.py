@@ -63,7 +63,7 @@ class SegmentScoring:
     @classmethod
     def start(cls, policy: Policy, spec: SegmentSpec) -> "SegmentScoring":
         # The window rule of the policies' SegmentLayout: the last `window` tokens, at most the segment.
-        window = min(policy.config.window, spec.length)
+        window = min(policy.common.window, spec.length)
         return cls(policy.start(spec), window, policy.stats_request())
 
     @property

@@ -42,7 +42,7 @@ class ReplayedPlans(Policy):
     name = "replayed"
 
     def __init__(self, config: EvictionConfig, plans: Iterable[CompressionPlan]):
-        super().__init__(config)
+        super().__init__(config.common)
         self.plans = {(plan.segment_start, plan.segment_end): plan for plan in plans}
 
     def stats_request(self) -> StatsRequest:

@@ -1,8 +1,9 @@
 """Per-layer candidate scores from the statistics an engine computes (``window.py``).
 
-``SCORE_KINDS`` is the registry of the config's ``score`` values: the scorer each builds and the
-GQA reduction and pooling it brings (instead of the policy's). ``scorer_for(config)`` picks the
-scorer; policies override the attention scorer (TOVA: last query; LAVa: value-norm scaled).
+``SCORE_KINDS`` is the registry of the ``score`` knob's values: the scorer each builds and the GQA
+reduction and pooling it brings (instead of the policy's); a scorer with knobs of its own declares
+them (``Scorer.knobs_type``: the learned score's weights). ``scorer_for(common, score_knobs)`` picks
+the scorer; policies override the attention scorer (TOVA: last query; LAVa: value-norm scaled).
 
 * ``attn``: the attention the observation window pays each candidate (the policy's own scorer);
 * ``obc-value``, ``obc-key``, ``obc-joint``: OBCache's output-error scores of that window;
@@ -13,28 +14,32 @@ scorer; policies override the attention scorer (TOVA: last query; LAVa: value-no
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
+from sgl_kvevict.common_settings import CommonSettings
 from sgl_kvevict.scoring.attention import LastQueryScorer, WindowAttentionScorer
 from sgl_kvevict.scoring.base import QueryHeadScorer, Reduction, RowScorer, Scorer
 from sgl_kvevict.scoring.kvzip import KVzipScorer
 from sgl_kvevict.scoring.lava import LavaScorer
-from sgl_kvevict.scoring.learned import LEARNED_SCORE, LearnedScorer, resolve_learned_weights
+from sgl_kvevict.scoring.learned import LEARNED_SCORE, LearnedKnobs, LearnedScorer, resolve_learned_weights
 from sgl_kvevict.scoring.obcache import OBCacheScorer
 from sgl_kvevict.scoring.window import StatsRequest, WindowStats, window_stats
-
-if TYPE_CHECKING:
-    from sgl_kvevict.config import EvictionConfig
+from sgl_kvevict.settings import Settings
 
 
 @dataclass(frozen=True)
 class ScoreKind:
-    """What a ``score`` value builds. scorer: its class (``Scorer.from_config``), or ``None`` for the
+    """What a ``score`` value builds. scorer: its class (``Scorer.of``), or ``None`` for the
     policy's own attention scorer. gqa, pooling: the defaults it brings (``None``: the policy's)."""
 
     scorer: Optional[type[Scorer]]
     gqa: Optional[str] = None
     pooling: Optional[str] = None
+
+    @property
+    def knobs_type(self) -> type[Settings]:
+        """The score's own knobs (none for the policy's attention scorer)."""
+        return Settings if self.scorer is None else self.scorer.knobs_type
 
 
 SCORE_KINDS: dict[str, ScoreKind] = {
@@ -54,11 +59,12 @@ WINDOW_SCORES = ("attn", *OBC_SCORES)
 QUESTION_AGNOSTIC_SCORES = ("kvzip", LEARNED_SCORE)
 
 
-def scorer_for(config: "EvictionConfig", attention: type[Scorer] = WindowAttentionScorer) -> Scorer:
-    """The scorer ``config.score`` names; ``attention`` for ``attn``."""
-    reduction = Reduction.from_config(config)
-    scorer = SCORE_KINDS[config.score].scorer
-    return attention(reduction) if scorer is None else scorer.from_config(config, reduction)
+def scorer_for(common: CommonSettings, knobs: Settings, attention: type[Scorer] = WindowAttentionScorer) -> Scorer:
+    """The scorer ``common.score`` names, with its ``knobs`` (``SCORE_KINDS[score].knobs_type``);
+    ``attention`` for ``attn``."""
+    reduction = Reduction.of(common)
+    scorer = SCORE_KINDS[common.score].scorer
+    return attention(reduction) if scorer is None else scorer.of(common, knobs, reduction)
 
 
 __all__ = [
@@ -70,6 +76,7 @@ __all__ = [
     "KVzipScorer",
     "LastQueryScorer",
     "LavaScorer",
+    "LearnedKnobs",
     "LearnedScorer",
     "OBCacheScorer",
     "QueryHeadScorer",

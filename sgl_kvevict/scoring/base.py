@@ -9,15 +9,14 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 
+from sgl_kvevict.common_settings import CommonSettings
 from sgl_kvevict.scoring.reduce import pool_positions, reduce_gqa
 from sgl_kvevict.scoring.window import StatsRequest, WindowStats
-
-if TYPE_CHECKING:
-    from sgl_kvevict.config import EvictionConfig
+from sgl_kvevict.settings import Settings
 
 
 @dataclass(frozen=True)
@@ -29,8 +28,8 @@ class Reduction:
     kernel: int = 7
 
     @classmethod
-    def from_config(cls, config: "EvictionConfig") -> "Reduction":
-        return cls(gqa=config.gqa, pooling=config.pooling, kernel=config.pooling_kernel)
+    def of(cls, common: CommonSettings) -> "Reduction":
+        return cls(gqa=common.gqa, pooling=common.pooling, kernel=common.pooling_kernel)
 
     def pool(self, scores: torch.Tensor) -> torch.Tensor:
         return pool_positions(scores, self.pooling, self.kernel)
@@ -43,13 +42,15 @@ class Scorer(abc.ABC):
     # True when the scores are logs of a non-negative score (a learned regressor's output): an
     # allocator that needs a distribution over them (LAVa's entropy) exponentiates them first.
     log_scores: ClassVar[bool] = False
+    # The score's own knobs (a frozen ``Settings`` dataclass, like a policy's ``knobs_type``).
+    knobs_type: ClassVar[type[Settings]] = Settings
 
     def __init__(self, reduction: Reduction):
         self.reduction = reduction
 
     @classmethod
-    def from_config(cls, config: "EvictionConfig", reduction: Reduction) -> "Scorer":
-        """The scorer a config's ``score`` names (``scoring.SCORE_KINDS``)."""
+    def of(cls, common: CommonSettings, knobs: Settings, reduction: Reduction) -> "Scorer":
+        """The scorer ``common.score`` names (``scoring.SCORE_KINDS``); ``knobs``: its ``knobs_type``."""
         return cls(reduction)
 
     def for_model(self, model_dir: Path) -> "Scorer":

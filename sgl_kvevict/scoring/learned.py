@@ -17,9 +17,9 @@ layernorm, before the q/k/v projections) at the segment's positions and calls
 the segment in several forwards (chunked prefill) calls it once per forward with that forward's rows,
 in order (``RowScorer``). The scores are computed in fp32 whatever the model's dtype.
 
-Which weights: the config's ``learned_weights`` path, or else the weights bundled in
-``scoring/weights/`` whose manifest has the served model's fingerprint (``model_fingerprint``).
-``resolve_learned_weights(config, model_dir)`` finds and checks them before the model loads (the
+Which weights: the score's own knob ``learned_weights`` (``LearnedKnobs``), or else the weights
+bundled in ``scoring/weights/`` whose manifest has the served model's fingerprint
+(``model_fingerprint``). ``resolve_learned_weights(knobs, model_dir)`` finds and checks them before the model loads (the
 launcher's call: one ``ConfigError`` line for a model without weights or weights that do not fit);
 engines bind the scorer to their model with ``policy.for_model(model_dir)``.
 """
@@ -31,18 +31,16 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Optional, Union
+from typing import Any, ClassVar, Optional, Union
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from sgl_kvevict.common_settings import CommonSettings
 from sgl_kvevict.scoring.base import Reduction, RowScorer
 from sgl_kvevict.scoring.window import StatsRequest, WindowStats
-from sgl_kvevict.settings import ConfigError
-
-if TYPE_CHECKING:
-    from sgl_kvevict.config import EvictionConfig
+from sgl_kvevict.settings import ConfigError, Settings, setting
 
 LEARNED_SCORE = "learned"
 BUNDLED_WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
@@ -205,18 +203,31 @@ def learned_weights_for(model_dir: Path, explicit: Optional[Union[str, Path]]) -
     return path, weights
 
 
-def resolve_learned_weights(config: "EvictionConfig", model_dir: Path) -> Optional[Path]:
-    """For the launcher, before the model loads: the weights file ``config`` will score with on the
-    model in ``model_dir`` (pass it on as ``learned_weights``), or ``None`` when the score is not
-    learned. Raises ``ConfigError`` (one line) when there are none or they do not fit the model."""
-    if config.score != LEARNED_SCORE:
+def resolve_learned_weights(score_knobs: Settings, model_dir: Path) -> Optional[Path]:
+    """For the launcher, before the model loads: the weights file the learned score will use on the
+    model in ``model_dir`` (pass it on as ``learned_weights``), or ``None`` when ``score_knobs`` are
+    another score's (the score is not learned). Raises ``ConfigError`` (one line) when there are none
+    or they do not fit the model."""
+    if not isinstance(score_knobs, LearnedKnobs):
         return None
-    return learned_weights_for(model_dir, config.learned_weights)[0]
+    return learned_weights_for(model_dir, score_knobs.learned_weights)[0]
 
 
 # --------------------------------------------------------------------------------------------------
 # The scorer
 # --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LearnedKnobs(Settings):
+    """The learned score's own knob."""
+
+    learned_weights: Optional[str] = setting(
+        None,
+        help="the learned score's regressor weights (.safetensors, with its .json manifest beside it); unset: the "
+        "weights bundled for the served model, found by its fingerprint",
+        valid=(lambda path: path is None or Path(path).is_file(), "learned weights {value!r} is not a file"),
+    )
 
 
 class LearnedScorer(RowScorer):
@@ -225,6 +236,7 @@ class LearnedScorer(RowScorer):
 
     request = StatsRequest(hidden_states=True)
     log_scores: ClassVar[bool] = True
+    knobs_type = LearnedKnobs
 
     def __init__(self, reduction: Reduction, weights: Optional[LearnedWeights] = None, source: Optional[Path] = None):
         super().__init__(reduction)
@@ -232,10 +244,10 @@ class LearnedScorer(RowScorer):
         self.source = source
 
     @classmethod
-    def from_config(cls, config: "EvictionConfig", reduction: Reduction) -> "LearnedScorer":
-        if config.learned_weights is None:
+    def of(cls, common: CommonSettings, knobs: LearnedKnobs, reduction: Reduction) -> "LearnedScorer":
+        if knobs.learned_weights is None:
             return cls(reduction)
-        source = Path(config.learned_weights)
+        source = Path(knobs.learned_weights)
         return cls(reduction, LearnedWeights.load(source), source)
 
     def for_model(self, model_dir: Path) -> "LearnedScorer":

@@ -13,21 +13,18 @@ group's total output error); that is the config's default ``gqa="sum"`` for thes
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
+from sgl_kvevict.common_settings import CommonSettings
 from sgl_kvevict.scoring.base import QueryHeadScorer, Reduction
 from sgl_kvevict.scoring.window import StatsRequest, WindowStats
-
-if TYPE_CHECKING:
-    from sgl_kvevict.config import EvictionConfig
+from sgl_kvevict.settings import Settings
 
 _FIELD_OF_SCORE = {"obc-value": "obc_value", "obc-key": "obc_key", "obc-joint": "obc_joint"}
 
 
 class OBCacheScorer(QueryHeadScorer):
-    """One of the three OBCache scores, named as the config's ``score`` (``obc-value`` ...)."""
+    """One of the three OBCache scores, named as the ``score`` knob (``obc-value`` ...)."""
 
     def __init__(self, score: str, reduction: Reduction):
         super().__init__(reduction)
@@ -35,8 +32,8 @@ class OBCacheScorer(QueryHeadScorer):
         self.request = StatsRequest(**{self.field: True})
 
     @classmethod
-    def from_config(cls, config: "EvictionConfig", reduction: Reduction) -> "OBCacheScorer":
-        return cls(config.score, reduction)
+    def of(cls, common: CommonSettings, knobs: Settings, reduction: Reduction) -> "OBCacheScorer":
+        return cls(common.score, reduction)
 
     def query_head_scores(self, stats: WindowStats, candidates: slice) -> torch.Tensor:
         return getattr(stats, self.field)[:, candidates]
