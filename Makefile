@@ -15,15 +15,14 @@ STAMP := $(VENV)/.sgl-kvevict-setup
 POLICY ?= topk
 BUDGET ?= 0.25
 # A question-agnostic score, so a reused prefix still answers later questions; topk + learned is the
-# default because it answered as often as stock after reuse (README, "Choosing a policy"). Passed only to the policies that accept one (`--help`, --kv-evict-score); empty = the
+# default because it answered as often as stock after reuse (README, "Choosing a policy"). Empty: the
 # policy's own score.
 SCORE ?= learned
 PORT ?= 30000
 WORKERS ?= 1
-# Policies without a budget (none, full, dbudget) take no --kv-evict-budget.
-BUDGET_FLAG := $(if $(filter none full dbudget,$(POLICY)),,--kv-evict-budget $(BUDGET))
-SCORE_FLAG := $(if $(filter lava snapkv ada-snapkv pyramidkv ada-pyramidkv topk,$(POLICY)),$(if $(SCORE),--kv-evict-score $(SCORE)))
-EVICT_FLAGS := $(if $(filter none,$(POLICY)),,$(BUDGET_FLAG) $(SCORE_FLAG))
+# BUDGET and SCORE go through --kv-evict-default: the launcher applies each only where POLICY takes it
+# (no budget for none, full, dbudget; a score only to the policies that accept it), see its --help.
+EVICT_DEFAULTS := --kv-evict-default budget=$(BUDGET) --kv-evict-default score=$(SCORE)
 
 .PHONY: setup serve test test-fast clean-venv
 
@@ -43,7 +42,7 @@ $(STAMP): requirements/cpu.txt pyproject.toml
 	touch $(STAMP)
 
 serve: setup
-	$(PY) -m sgl_kvevict.server --model smollm2 --port $(PORT) --workers $(WORKERS) --kv-evict-policy $(POLICY) $(EVICT_FLAGS)
+	$(PY) -m sgl_kvevict.server --model smollm2 --port $(PORT) --workers $(WORKERS) --kv-evict-policy $(POLICY) $(EVICT_DEFAULTS)
 
 test: setup
 	$(PY) -m pytest tests -v --durations=15

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from sgl_kvevict.config import DEFAULT_BUDGET, Option, eviction_options
+from sgl_kvevict.config import DEFAULT_BUDGET, Option, eviction_options, with_taken_defaults
 from sgl_kvevict.limits import LIMITS, SGLANG_VERSION
 from sgl_kvevict.policies import PolicyDefaults, get_policy_class, registered_policies
 from sgl_kvevict.scope import DEFAULT_BLOCK_SIZE, SCOPE_NAMES, RequestScope, Scope
@@ -37,6 +37,7 @@ DEFAULT_PORT = 30000
 DEFAULT_HOST = "127.0.0.1"
 # Our flags that are not eviction options (those are the knobs, derived from their declarations).
 ENGINE_FLAGS = ("--kv-evict-policy", "--kv-evict-scope", "--kv-evict-block-size", "--kv-evict-per-request")
+DEFAULT_FLAG = "--kv-evict-default"
 
 
 @dataclass(frozen=True)
@@ -226,6 +227,16 @@ def build_parser() -> argparse.ArgumentParser:
         "\"extra_key\": \"kvevict:policy=snapkv,budget=0.5\" (the --kv-evict-* option names); requests with "
         "different options never share compressed nodes. For A/B experiments on one server (default off)",
     )
+    evict.add_argument(
+        DEFAULT_FLAG,
+        action="append",
+        metavar="NAME=VALUE",
+        help="the option --kv-evict-<NAME> VALUE, used only with a policy it applies to (a budget: policies "
+        "with one; a score: policies accepting it; a method's knob: those listed in its help; the others: "
+        "all) and unless --kv-evict-<NAME> is given; dropped otherwise, and with policy none. One command "
+        "line for every policy: make serve passes BUDGET and SCORE so. Repeatable; an empty VALUE sets "
+        "nothing (default none)",
+    )
     for option in eviction_options().values():
         evict.add_argument(knob_flag(option.name), dest=f"knob_{option.name}", metavar="VALUE", help=knob_help(option))
     return parser
@@ -237,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def our_flags() -> list[str]:
-    return [*ENGINE_FLAGS, *(knob_flag(knob.name) for knob in knob_fields())]
+    return [*ENGINE_FLAGS, DEFAULT_FLAG, *(knob_flag(knob.name) for knob in knob_fields())]
 
 
 def parse_args(argv: list[str]) -> LaunchConfig:
@@ -301,9 +312,27 @@ def serving_config(args: argparse.Namespace) -> ServingConfig:
             raise FlagError(f"{', '.join(given)}: only with a --kv-evict-policy, and it is none (stock SGLang)")
     if args.kv_evict_block_size is not None and args.kv_evict_scope != "block":
         raise FlagError(f"--kv-evict-block-size {args.kv_evict_block_size}: only with --kv-evict-scope block")
+    defaults = default_options(args.kv_evict_default or [])
     try:
+        if policy != NO_EVICTION:
+            options = with_taken_defaults(policy, options, defaults)
         scope = Scope.parse(args.kv_evict_scope or RequestScope.name, args.kv_evict_block_size)
         return ServingConfig(policy, options, scope=scope, per_request=bool(args.kv_evict_per_request))
     except ConfigError as error:
         raise FlagError(f"--kv-evict-*: {error}") from None
 
+
+def default_options(pairs: list[str]) -> dict[str, str]:
+    """``--kv-evict-default NAME=VALUE`` pairs by name (an empty VALUE sets nothing); the names are
+    checked whatever the policy, so a misspelt one is refused even with policy none."""
+    known = eviction_options()
+    options = {}
+    for pair in pairs:
+        name, equals, value = pair.partition("=")
+        if not equals:
+            raise FlagError(f"{DEFAULT_FLAG} {pair!r}: expected NAME=VALUE, e.g. budget=0.25")
+        if name.strip().replace("-", "_") not in known:
+            raise FlagError(f"{DEFAULT_FLAG} {pair!r}: {name.strip()!r} is not an eviction option; valid: {', '.join(known)}")
+        if value.strip():
+            options[name.strip()] = value.strip()
+    return options

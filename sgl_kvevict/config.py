@@ -256,3 +256,33 @@ def _resolve_budget(policy: str, defaults: PolicyDefaults, budget: Any) -> Optio
 def build_policy(config: EvictionConfig) -> Policy:
     """The policy object ``config`` describes (one per engine; it serves every request)."""
     return get_policy_class(config.policy)(config.common, config.knobs, config.score_knobs)
+
+
+# --------------------------------------------------------------------------------------------------
+# Options a policy takes, for a command line shared by every policy
+# --------------------------------------------------------------------------------------------------
+
+
+def with_taken_defaults(policy: str, given: Mapping[str, str], defaults: Mapping[str, str]) -> dict[str, str]:
+    """``given`` (option name -> string, as ``from_strings`` takes them) plus each of ``defaults`` that
+    ``given`` does not set and ``policy`` takes: a budget when the policy has one, a score the policy
+    accepts, any other common knob, a method's knob when the policy or its score declares it. The
+    others are dropped, so one set of defaults serves every policy (the launcher's
+    ``--kv-evict-default``, which ``make serve`` passes its budget and score through)."""
+    policy_class = _policy_class(policy)
+    known = eviction_options()
+    options = dict(given)
+    # The score first: a score's own knobs are taken only with that score.
+    for raw_name in sorted(defaults, key=lambda raw: raw.replace("-", "_") != "score"):
+        option, text = _option(raw_name, known, list(known)), defaults[raw_name]
+        if option.name in options:
+            continue
+        if option.name == "budget":
+            taken = policy_class.defaults.takes_budget
+        elif option.name == "score":
+            taken = text.strip() in policy_class.defaults.scores
+        else:
+            taken = option.taken_by(policy, options.get("score", policy_class.defaults.scores[0]).strip())
+        if taken:
+            options[option.name] = text
+    return options

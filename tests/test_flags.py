@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from sgl_kvevict.engine.stats_channel import ADDRESS_ENV_VAR as STATS_ADDRESS_ENV_VAR
-from sgl_kvevict.policies import registered_policies
+from sgl_kvevict.policies import get_policy_class, registered_policies
 from sgl_kvevict.scope import BlockScope
 from sgl_kvevict.serving import ENV_VAR as SERVING_ENV_VAR, ServingConfig
 from sgl_kvevict.limits import limit_flags
@@ -55,6 +57,10 @@ def test_unknown_flags_pass_through_to_sglang():
             r"block size 512 at budget 32t keeps 32 entries .* raise the budget",
         ),
         (["--kv-evict-policy", "snapkv", "--kv-evict-alpha", "0.3"], "alpha 0.3 does not apply to policy 'snapkv'"),
+        (["--kv-evict-policy", "lava", "--kv-evict-default", "budgte=0.3"], "'budgte' is not an eviction option"),
+        (["--kv-evict-default", "budgte=0.3"], "'budgte' is not an eviction option"),
+        (["--kv-evict-policy", "lava", "--kv-evict-default", "budget"], "--kv-evict-default 'budget': expected NAME=VALUE"),
+        (["--kv-evict-policy", "lava", "--kv-evict-default", "budget=2"], "budget '2' is neither a ratio"),
         (["--tp", "2"], "--tp abbreviates --tp-size; spell it in full"),
         (["--max-total=100"], "--max-total abbreviates --max-total-tokens"),
     ],
@@ -93,6 +99,68 @@ def test_every_eviction_option_has_a_flag_reaching_the_serving_config(tmp_path):
     assert (ada_pyramid.window, ada_pyramid.pooling_kernel, ada_pyramid.alpha, ada_pyramid.pyramid_beta) == (8, 5, 0.3, 10)
     assert ada_pyramid.learned_weights == str(weights)
     assert (dbudget.window, dbudget.dbudget_query_rows, dbudget.dbudget_frozen_layers) == (8, 2, (0, 3))
+
+
+def eviction_options_of(policy: str, *argv: str) -> dict[str, str]:
+    return dict(parse("--kv-evict-policy", policy, *argv).serving.eviction_options)
+
+
+def test_defaults_apply_where_the_policy_takes_them_and_flags_win(tmp_path):
+    defaults = []
+    for pair in ["budget=0.5", "score=learned", "alpha=0.3", "dbudget-threshold=0.02", "window="]:
+        defaults += ["--kv-evict-default", pair]
+    assert eviction_options_of("lava", *defaults) == {"budget": "0.5", "score": "learned", "alpha": "0.3"}
+    assert eviction_options_of("h2o", *defaults) == {"budget": "0.5"}  # no learned score, no alpha
+    assert eviction_options_of("dbudget", *defaults) == {"dbudget_threshold": "0.02"}  # no budget, no score
+    assert parse("--kv-evict-policy", "none", *defaults).serving == ServingConfig()
+    explicit = eviction_options_of("lava", "--kv-evict-budget", "0.1", "--kv-evict-score", "kvzip", *defaults)
+    assert explicit == {"budget": "0.1", "score": "kvzip", "alpha": "0.3"}
+    # A score's own knob follows the score the policy ends up with (topk's own is kvzip).
+    weights = tmp_path / "weights.safetensors"
+    weights.touch()
+    learned_weights = ["--kv-evict-default", f"learned_weights={weights}"]
+    assert "learned_weights" in eviction_options_of("topk", "--kv-evict-score", "learned", *learned_weights)
+    assert "learned_weights" in eviction_options_of("topk", "--kv-evict-default", "score=learned", *learned_weights)
+    assert eviction_options_of("topk", *learned_weights) == {}
+
+
+# The eviction flags `make serve` passed before the launcher decided (the Makefile listed the policies
+# without a budget and those taking a score), per make variables given.
+MAKE_SERVE_BEFORE = {
+    (): ["--kv-evict-policy", "topk", "--kv-evict-budget", "0.25", "--kv-evict-score", "learned"],
+    ("POLICY=none",): ["--kv-evict-policy", "none"],
+    ("POLICY=full",): ["--kv-evict-policy", "full"],
+    ("POLICY=dbudget",): ["--kv-evict-policy", "dbudget"],
+    ("POLICY=snapkv", "SCORE="): ["--kv-evict-policy", "snapkv", "--kv-evict-budget", "0.25"],
+    ("POLICY=h2o",): ["--kv-evict-policy", "h2o", "--kv-evict-budget", "0.25"],
+    ("POLICY=lava", "BUDGET=0.5"): ["--kv-evict-policy", "lava", "--kv-evict-budget", "0.5", "--kv-evict-score", "learned"],
+}
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def make_serve_argv(*variables: str) -> list[str]:
+    """The launcher arguments of the command `make serve` runs (make -n prints it, runs nothing)."""
+    result = subprocess.run(
+        ["make", "--no-print-directory", "-n", "-o", "setup", "serve", *variables],
+        cwd=ROOT, capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    [command] = [line for line in result.stdout.splitlines() if "-m sgl_kvevict.server" in line]
+    words = shlex.split(command)
+    return words[words.index("sgl_kvevict.server") + 1 :]
+
+
+@pytest.mark.parametrize("variables, flags", MAKE_SERVE_BEFORE.items(), ids=lambda v: " ".join(v) or "default")
+def test_make_serve_passes_the_same_effective_flags_as_before(variables, flags):
+    before = parse_args(["--model", "smollm2", "--port", "30000", "--workers", "1", *flags])
+    assert parse_args(make_serve_argv(*variables)) == before
+
+
+def test_make_serve_starts_every_policy_with_the_budget_and_score_it_takes():
+    for policy in registered_policies():
+        defaults = get_policy_class(policy).defaults
+        options = parse_args(make_serve_argv(f"POLICY={policy}")).serving.eviction_options
+        assert ("budget" in options) == defaults.takes_budget
+        assert options.get("score") == ("learned" if "learned" in defaults.scores else None)
 
 
 def test_every_library_policy_is_served_and_the_default_is_none():
