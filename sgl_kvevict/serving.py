@@ -25,8 +25,8 @@ RADIX_CACHE_BACKEND = "sgl_kvevict"
 @dataclass(frozen=True)
 class ServingConfig:
     """policy: a registered policy name or ``none`` (stock SGLang).
-    eviction_options: the ``--kv-evict-<field>`` strings given besides the policy (``EvictionConfig``
-        field names, dashes allowed).
+    eviction_options: the ``--kv-evict-<name>`` strings given besides the policy (option names as
+        ``EvictionConfig.from_strings`` takes them, dashes allowed).
     per_request: requests may name their own eviction options in SGLang's ``extra_key`` request field
         (``"kvevict:policy=snapkv,budget=0.5"``; ``engine.setups.Setups``).
     scope: which spans become compressed radix nodes (``sgl_kvevict.scope``). One scope per server:

@@ -88,7 +88,7 @@ class TrainingConfig:
 
 @dataclass(frozen=True)
 class _RecorderConfig:
-    """The one config field the reference engine reads from a policy."""
+    """The one common setting the reference engine reads from a policy (``policy.common.window``)."""
 
     window: int = 1
 

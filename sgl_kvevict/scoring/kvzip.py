@@ -206,7 +206,7 @@ def merge_chunk_stats(accumulated: Optional[WindowStats], chunk: WindowStats) ->
 
 
 class KVzipScorer(QueryHeadScorer):
-    """``s[h, p] = max_i A[h, i, p]`` over the reconstruction queries ``i``; the config's GQA reduction
+    """``s[h, p] = max_i A[h, i, p]`` over the reconstruction queries ``i``; the common GQA reduction
     (default max, KVzip's) and pooling then apply."""
 
     request = StatsRequest(attn_max=True, queries=RECONSTRUCTION_QUERIES)

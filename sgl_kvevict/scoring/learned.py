@@ -231,7 +231,7 @@ class LearnedKnobs(Settings):
 
 
 class LearnedScorer(RowScorer):
-    """Predicted log KVzip scores of the candidates, per KV head, then the config's pooling (no GQA
+    """Predicted log KVzip scores of the candidates, per KV head, then the common pooling (no GQA
     step: the map predicts per KV head). Unbound (``weights`` None) until ``for_model``."""
 
     request = StatsRequest(hidden_states=True)

@@ -8,7 +8,7 @@ statistics are defined in ``window.py``):
 * joint: ``sum_i A^2 ||(1 + Z) v_p - Z o_i||^2``, both (the compact form of Eq. 6, docs/methods/obcache.md#compact-joint-form).
 
 Under GQA the scores are summed over the query heads of a KV group (Eq. 33-35: the objective is the
-group's total output error); that is the config's default ``gqa="sum"`` for these scores.
+group's total output error); that is the default ``gqa="sum"`` these scores bring (``scoring.SCORE_KINDS``).
 """
 
 from __future__ import annotations
