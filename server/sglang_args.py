@@ -14,10 +14,13 @@ from sgl_kvevict.serving import RADIX_CACHE_BACKEND
 # KV pool on CPU when the user sizes nothing: SGLang would otherwise take ~70% of free RAM (15 GB
 # for SmolLM2 here, 45 s just to zero it). 65,536 tokens of SmolLM2 in bf16 are 1.5 GB.
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 65536
-# SGLang derives this fraction by reserving GPU activation memory for max_prefill_tokens; with chunked
-# prefill off (as compression needs) that reserve exceeds a CPU machine's RAM and the fraction comes
-# out negative. On CPU --max-total-tokens sizes the pool; this only caps it.
+# SGLang derives this fraction by reserving activation memory for max_prefill_tokens, which on a CPU
+# machine can exceed its RAM and make the fraction negative. On CPU --max-total-tokens sizes the pool;
+# this only caps it.
 CPU_MEM_FRACTION_STATIC = 0.5
+# Prefill chunk on CPU (SGLang picks one from GPU memory on CUDA): chosen by measurement, TTFT of a
+# long prompt against the decode stall of running requests (docs/cpu-mode.md, "Chunked prefill").
+CPU_CHUNKED_PREFILL_SIZE = 2048
 
 Defaults = tuple[tuple[str, tuple[str, ...]], ...]
 
@@ -31,6 +34,7 @@ CPU_MODE_DEFAULTS: Defaults = (
     # fp16 prefill is ~3x slower than bf16 on these CPUs.
     ("--dtype", ("bfloat16",)),
     ("--skip-server-warmup", ()),
+    ("--chunked-prefill-size", (str(CPU_CHUNKED_PREFILL_SIZE),)),
 )
 
 # What compression needs (sgl_kvevict.limits), for the flags the user left unset; conflicting values

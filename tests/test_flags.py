@@ -12,13 +12,14 @@ from pathlib import Path
 import pytest
 
 from sgl_kvevict.engine.stats_channel import ADDRESS_ENV_VAR as STATS_ADDRESS_ENV_VAR
+from sgl_kvevict.config import EvictionConfig
 from sgl_kvevict.policies import get_policy_class, registered_policies
 from sgl_kvevict.scope import BlockScope
 from sgl_kvevict.serving import ENV_VAR as SERVING_ENV_VAR, ServingConfig
 from sgl_kvevict.limits import limit_flags
 from sgl_kvevict.server.flags import build_parser, knob_fields, knob_flag, parse_args
 from sgl_kvevict.server.refusals import FlagError, inspected_flags
-from sgl_kvevict.server.sglang_args import CPU_DEFAULT_MAX_TOTAL_TOKENS, cpu_mode_args, flag_value
+from sgl_kvevict.server.sglang_args import CPU_CHUNKED_PREFILL_SIZE, CPU_DEFAULT_MAX_TOTAL_TOKENS, cpu_mode_args, flag_value
 from sgl_kvevict.server.worker import server_env, sglang_command, stats_socket_address
 
 
@@ -238,6 +239,11 @@ def test_flag_value_reads_what_argparse_keeps():
     assert flag_value(args, "--disable-radix-cache") is None
 
 
+def test_the_cpu_chunk_holds_every_policys_window():
+    windows = [EvictionConfig.for_policy(policy).window for policy in registered_policies()]
+    assert CPU_CHUNKED_PREFILL_SIZE >= max(windows)
+
+
 def test_cpu_defaults_yield_to_user_flags():
     added = cpu_mode_args(["--attention-backend", "flex_attention", "--dtype=float32"])
     assert "--attention-backend" not in added and "--dtype" not in added
@@ -259,7 +265,7 @@ def test_sglang_command_with_a_policy_on_cpu():
     # One KV pool: compressed cells borrow SGLang's own slots, so the user's size goes through unchanged.
     assert flag_value(args, "--max-total-tokens") == "10000" and args.count("--max-total-tokens") == 1
     assert flag_value(args, "--radix-cache-backend") == "sgl_kvevict"
-    assert flag_value(args, "--chunked-prefill-size") == "-1"
+    assert flag_value(args, "--chunked-prefill-size") == str(CPU_CHUNKED_PREFILL_SIZE)  # chunked like stock
     for flag in ("--page-size", "--disable-overlap-schedule", "--cuda-graph-backend-decode", "--device"):
         assert args.count(flag) == 1, flag
 

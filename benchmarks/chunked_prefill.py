@@ -1,0 +1,220 @@
+"""Chunked prefill: what a chunk size costs a long prompt, and what it spares the requests already running.
+
+    python -m benchmarks.chunked_prefill                          # SmolLM2: stock and topk:learned@0.25, chunks -1,512,1024,2048
+    python -m benchmarks.chunked_prefill --chunk-sizes -1,1024 --policies topk:learned --scopes request,block
+
+Starts the real launcher (benchmarks/load/servers.py), one server at a time, for stock SGLang and every
+policy variant, each with every ``--chunk-sizes`` value (-1: one forward per prompt), all at the same
+``--max-total-tokens``. On each server:
+
+* **TTFT**: ``--samples`` prompts of ``--prompt-tokens`` random token ids (no two share a prefix), one
+  at a time, one output token each (``/generate``); the median is the time to first token;
+* **decode during a long prefill**: a streamed chat request decodes ``--stream-tokens`` tokens
+  (``ignore_eos``) while, once its first ``--arrive-after`` tokens are out, a ``--arrival-tokens``
+  prompt arrives. The gaps between its streamed tokens (inter-token latency, the first token
+  excluded) give p50, p99 and the maximum: without chunking the longest gap is the whole long
+  prefill; with chunks it is about one chunk.
+
+The report gives each server's figures and, per server kind, TTFT and ITL against the same kind
+unchunked; it writes ``<name>.json`` (every sample and gap) and ``<name>.md`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import aiohttp
+
+from benchmarks.load.client import stream_completion
+from benchmarks.load.metrics import percentile
+from benchmarks.load.report import environment, write_report
+from benchmarks.load.servers import ServerError, ServerVariant, launched_server, server_variants
+
+DEFAULT_OUT = Path(__file__).resolve().parents[1] / "docs" / "results"
+STREAM_PROMPT = "Write a long story about a lighthouse keeper and the ships she guides home."
+# SmolLM2's vocabulary is 49152 ids; ids from this range are ordinary word pieces.
+TOKEN_IDS = range(1000, 40000)
+
+
+@dataclass(frozen=True)
+class ChunkedConfig:
+    model: str
+    chunk_sizes: tuple[int, ...]
+    prompt_tokens: int
+    samples: int
+    arrival_tokens: int
+    stream_tokens: int
+    arrive_after: int
+    pool_tokens: int
+
+    def __post_init__(self):
+        if not self.chunk_sizes or any(size == 0 or size < -1 for size in self.chunk_sizes):
+            raise ValueError("--chunk-sizes: positive token counts, or -1 for no chunking")
+        if self.arrive_after >= self.stream_tokens:
+            raise ValueError("--arrive-after must be smaller than --stream-tokens")
+        for name in ("prompt_tokens", "samples", "arrival_tokens", "pool_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+
+
+def random_prompt(tokens: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.choice(TOKEN_IDS) for _ in range(tokens)]
+
+
+async def generate(session: aiohttp.ClientSession, base_url: str, input_ids: list[int]) -> float:
+    """Seconds to prefill ``input_ids`` and sample one token."""
+    payload = {"input_ids": input_ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+    started = time.perf_counter()
+    async with session.post(base_url + "/generate", json=payload) as response:
+        body = await response.text()
+        if response.status != 200:
+            raise ServerError(f"/generate answered {response.status}: {body[:300]}")
+    return time.perf_counter() - started
+
+
+async def measure(base_url: str, config: ChunkedConfig, seed: int) -> dict:
+    timeout = aiohttp.ClientTimeout(total=3600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        ttfts = [await generate(session, base_url, random_prompt(config.prompt_tokens, seed + i)) for i in range(config.samples)]
+        stream_payload = {
+            "model": "default", "messages": [{"role": "user", "content": STREAM_PROMPT}],
+            "max_tokens": config.stream_tokens, "temperature": 0, "ignore_eos": True,
+        }  # fmt: skip
+        progress: list[float] = []
+        stream = asyncio.ensure_future(
+            stream_completion(session, base_url + "/v1/chat/completions", stream_payload, on_token=progress.append)
+        )
+        while len(progress) < config.arrive_after and not stream.done():
+            await asyncio.sleep(0.01)
+        arrival = asyncio.ensure_future(generate(session, base_url, random_prompt(config.arrival_tokens, seed + 1000)))
+        arrival_sent = progress[-1] if progress else 0.0
+        reply = await stream
+        arrival_seconds = await arrival
+    if reply.error:
+        raise ServerError(f"streamed request failed: {reply.error}")
+    gaps = [later - earlier for earlier, later in zip(reply.token_times, reply.token_times[1:])]
+    return {
+        "ttft_samples": ttfts,
+        "ttft_median": percentile(ttfts, 50),
+        "arrival_prefill_seconds": arrival_seconds,
+        "arrival_sent_at": arrival_sent,
+        "itl_gaps": gaps,
+        "itl_p50": percentile(gaps, 50),
+        "itl_p99": percentile(gaps, 99),
+        "itl_max": max(gaps),
+    }
+
+
+def run(variants: Sequence[ServerVariant], config: ChunkedConfig, log_dir: Path, on_done, log=print) -> list[dict]:
+    """Every variant at every chunk size, one server at a time; ``on_done(runs)`` after each server."""
+    runs: list[dict] = []
+    for variant in variants:
+        for chunk in config.chunk_sizes:
+            extra = ("--chunked-prefill-size", str(chunk))
+            label = f"{variant.label} chunk {chunk}"
+            log(f"{label}: starting")
+            with launched_server(config.model, variant, config.pool_tokens, log_dir, extra=extra) as server:
+                figures = asyncio.run(measure(server.base_url, config, seed=len(runs) * 10))
+            runs.append({"server": variant.label, "vanilla": variant.is_vanilla, "chunk_size": chunk, **figures})
+            log(f"{label}: TTFT {figures['ttft_median']:.2f} s, ITL p99 {figures['itl_p99']:.3f} s, "
+                f"max {figures['itl_max']:.2f} s")  # fmt: skip
+            on_done(runs)
+    return runs
+
+
+def against_unchunked(runs: Sequence[dict]) -> list[dict]:
+    """Per run, its TTFT and ITL p99 / max over the same server's unchunked run (None without one)."""
+    unchunked = {run["server"]: run for run in runs if run["chunk_size"] == -1}
+    rows = []
+    for run in runs:
+        base = unchunked.get(run["server"])
+        rows.append({
+            "server": run["server"], "chunk_size": run["chunk_size"],
+            **{f"{name}_vs_unchunked": (run[name] / base[name] if base and base[name] else None)
+               for name in ("ttft_median", "itl_p99", "itl_max")},
+        })  # fmt: skip
+    return rows
+
+
+def markdown(payload: dict) -> str:
+    meta, runs = payload["meta"], payload["runs"]
+    lines = [
+        "# Chunked prefill: TTFT of a long prompt, and decode while one arrives",
+        "",
+        f"Command: `{meta['command']}`. {meta['environment']['cpu_model']}, {meta['environment']['cpu_cores']} cores, "
+        f"commit {meta['environment']['git_commit']}, {meta['environment']['date']}.",
+        "",
+        f"TTFT: median of {meta['samples']} prompts of {meta['prompt_tokens']} tokens, one at a time. Decode: a "
+        f"streamed request's gaps between tokens while a {meta['arrival_tokens']}-token prompt arrives after its "
+        f"first {meta['arrive_after']} tokens ({meta['stream_tokens']} tokens in all). Pool {meta['pool_tokens']} "
+        "tokens for every server.",
+        "",
+        "| server | chunk | TTFT (s) | TTFT vs unchunked | ITL p50 (s) | ITL p99 (s) | ITL max (s) | max vs unchunked |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for run, ratio in zip(runs, against_unchunked(runs)):
+        chunk = "none" if run["chunk_size"] == -1 else str(run["chunk_size"])
+        lines.append(
+            f"| {run['server']} | {chunk} | {run['ttft_median']:.2f} | {_fmt(ratio['ttft_median_vs_unchunked'])} | "
+            f"{run['itl_p50']:.3f} | {run['itl_p99']:.3f} | {run['itl_max']:.2f} | {_fmt(ratio['itl_max_vs_unchunked'])} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(ratio: Optional[float]) -> str:
+    return "-" if ratio is None else f"x{ratio:.2f}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.chunked_prefill", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2", help="bundled model name or HF folder (default smollm2)")
+    parser.add_argument("--policies", default="topk:learned", help="comma-separated policy[:score] besides stock (default topk:learned)")
+    parser.add_argument("--budget", default="0.25", help="their budget (default 0.25)")
+    parser.add_argument("--scopes", default="request", help="comma-separated scopes of the policies (default request)")
+    parser.add_argument("--block-size", type=int, help="block size in block scope (default: the launcher's)")
+    parser.add_argument("--chunk-sizes", default="-1,512,1024,2048", help="comma-separated --chunked-prefill-size values; -1: none (default -1,512,1024,2048)")
+    parser.add_argument("--prompt-tokens", type=int, default=4096, help="TTFT prompt length (default 4096)")
+    parser.add_argument("--samples", type=int, default=3, help="TTFT prompts per server (default 3)")
+    parser.add_argument("--arrival-tokens", type=int, default=7000, help="the prompt that arrives during the decode (default 7000)")
+    parser.add_argument("--stream-tokens", type=int, default=200, help="tokens the streamed request decodes (default 200)")
+    parser.add_argument("--arrive-after", type=int, default=20, help="its tokens out before the long prompt is sent (default 20)")
+    parser.add_argument("--pool-tokens", type=int, default=16000, help="--max-total-tokens of every server (default 16000)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default docs/results)")
+    parser.add_argument("--name", default="chunked_prefill", help="output file stem (default chunked_prefill)")
+    parser.add_argument("--log-dir", type=Path, default=Path("/tmp/kvevict-chunked-prefill"), help="server logs")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = ChunkedConfig(
+            args.model, tuple(int(size) for size in args.chunk_sizes.split(",")), args.prompt_tokens, args.samples,
+            args.arrival_tokens, args.stream_tokens, args.arrive_after, args.pool_tokens,
+        )  # fmt: skip
+        variants = server_variants(args.policies.split(","), [args.budget], args.scopes.split(","), args.block_size)
+    except (ValueError, ServerError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    meta = {**asdict(config), "command": shlex.join(["python", "-m", "benchmarks.chunked_prefill", *(argv or sys.argv[1:])]),
+            "environment": environment()}  # fmt: skip
+
+    def write(runs: list[dict]) -> None:
+        payload = {"meta": meta, "runs": runs, "against_unchunked": against_unchunked(runs)}
+        write_report(args.out, args.name, payload, markdown(payload), print)
+
+    run(variants, config, args.log_dir, write)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
