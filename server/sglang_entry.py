@@ -16,6 +16,10 @@ activate_cpu_mode()
 STATS_ROUTE = "/kvevict/stats"
 # The scheduler answers between two forward passes at worst; a longer wait means it is not serving.
 STATS_TIMEOUT_SECONDS = 5.0
+# Where every generation request passes in this process (the OpenAI routes, /generate), and the
+# schema check /generate runs before it starts a response (so a streamed request is refused too).
+GENERATE_REQUEST = "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request"
+GENERATE_CONTRACT = "sglang.srt.entrypoints.api_contract.generate_contract_error"
 
 
 def add_stats_route(app, serving) -> None:
@@ -37,6 +41,39 @@ def add_stats_route(app, serving) -> None:
             return JSONResponse({"policy": serving.policy, "error": str(error)}, status_code=503)
 
 
+def add_request_option_checks(serving) -> None:
+    """Refuse, in this (the HTTP) process, a request whose ``extra_key`` names eviction options the
+    server does not serve (``sgl_kvevict.request_options``): HTTP 400 with the one-line reason, before
+    the request reaches the scheduler. Two hooks through SGLang's ``HookRegistry``: the check after
+    ``/generate``'s schema check answers as that check does (``{"error": reason}``, streamed requests
+    included); the one before ``TokenizerManager.generate_request`` covers every other route, where
+    SGLang turns the ``ValueError`` into its 400 (the OpenAI routes start a stream only after their
+    first chunk, so streamed chat requests get the 400 too). Stock SGLang (no policy) is left alone."""
+    if not serving.enabled:
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from sgl_kvevict.request_options import RequestOptionsRefused, check_extra_keys
+
+    allow = serving.request_allow_list
+
+    def check_generate_body(error, body):
+        if error is not None or not isinstance(body, dict):
+            return error
+        try:
+            check_extra_keys(body.get("extra_key"), allow)
+        except RequestOptionsRefused as refusal:
+            return str(refusal)
+        return None
+
+    def check_generate_request(tokenizer_manager, obj, *args, **kwargs):
+        check_extra_keys(getattr(obj, "extra_key", None), allow)
+
+    HookRegistry.register(GENERATE_CONTRACT, check_generate_body, HookType.AFTER)
+    HookRegistry.register(GENERATE_REQUEST, check_generate_request, HookType.BEFORE)
+    HookRegistry.apply_hooks()
+
+
 def main(argv: list[str]) -> None:
     from sglang.launch_server import run_server
     from sglang.srt.entrypoints.http_server import app
@@ -50,7 +87,9 @@ def main(argv: list[str]) -> None:
     server_args = prepare_server_args(argv)
     # SGLang serves this module-level app itself with one tokenizer worker (the launcher refuses more
     # with a policy: extra workers re-import the app by path and would lack the route).
-    add_stats_route(app, ServingConfig.from_env())
+    serving = ServingConfig.from_env()
+    add_stats_route(app, serving)
+    add_request_option_checks(serving)
     try:
         run_server(server_args)
     finally:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
 from sgl_kvevict.config import EvictionConfig
+from sgl_kvevict.request_options import DEFAULT_ALLOW, AllowList
 from sgl_kvevict.scope import BlockScope, RequestScope, Scope
 from sgl_kvevict.settings import ConfigError
 
@@ -28,7 +29,9 @@ class ServingConfig:
     eviction_options: the ``--kv-evict-<name>`` strings given besides the policy (option names as
         ``EvictionConfig.from_strings`` takes them, dashes allowed).
     per_request: requests may name their own eviction options in SGLang's ``extra_key`` request field
-        (``"kvevict:policy=snapkv,budget=0.5"``; ``engine.setups.Setups``).
+        (``"kvevict:policy=snapkv,budget=0.5"``; ``engine.setups.Setups``, bounded by ``sgl_kvevict.request_options``).
+    request_allow: with ``per_request``, which options and values a request may choose (an
+        ``AllowList`` spec; None: ``DEFAULT_ALLOW``).
     scope: which spans become compressed radix nodes (``sgl_kvevict.scope``). One scope per server:
         block scope does not also compress the tail after the last block in request scope. A block
         must hold more than the policy's window.
@@ -38,6 +41,7 @@ class ServingConfig:
     eviction_options: Mapping[str, str] = field(default_factory=dict)
     scope: Scope = RequestScope()
     per_request: bool = False
+    request_allow: Optional[str] = None
 
     def __post_init__(self):
         if self.policy == NO_EVICTION and self.eviction_options:
@@ -45,6 +49,10 @@ class ServingConfig:
                 f"eviction options {', '.join(sorted(self.eviction_options))} need a policy; "
                 f"--kv-evict-policy is {NO_EVICTION!r}"
             )
+        if self.request_allow is not None:
+            if not self.per_request:
+                raise ConfigError("an allow-list of request options needs per-request options (--kv-evict-per-request)")
+            AllowList.parse(self.request_allow)  # refused now, in the process that parsed the flags
         eviction = self.eviction  # validates the options now, in the process that parsed them
         if eviction is not None and isinstance(self.scope, BlockScope):
             _check_blocks_compress(self.scope.block_size, eviction)
@@ -58,6 +66,13 @@ class ServingConfig:
         if not self.enabled:
             return None
         return EvictionConfig.from_strings({"policy": self.policy, **self.eviction_options})
+
+    @property
+    def request_allow_list(self) -> Optional[AllowList]:
+        """What a request may choose, or None when requests choose nothing."""
+        if not (self.enabled and self.per_request):
+            return None
+        return AllowList.parse(DEFAULT_ALLOW if self.request_allow is None else self.request_allow)
 
     def describe(self) -> str:
         """One-line summary for logs: the policy, its budget and window."""
@@ -73,6 +88,7 @@ class ServingConfig:
                 "scope": self.scope.name,
                 "block_size": getattr(self.scope, "block_size", None),
                 "per_request": self.per_request,
+                "request_allow": self.request_allow,
             }
         )
 

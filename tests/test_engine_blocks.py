@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from engine_client import (
+    ANY_REQUEST_OPTIONS,
     TINY_SERVER_FLAGS,
     assert_no_leak_after_flush,
     assert_strict_idle_check_passed,
@@ -67,7 +68,7 @@ def dump_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir, tmp_path_factory, dump_dir):
     flags = ("--kv-evict-policy", "lava", "--kv-evict-budget", "0.5", "--max-total-tokens", "4096",
-             "--kv-evict-per-request", *BLOCK_FLAGS)  # fmt: skip
+             *ANY_REQUEST_OPTIONS, *BLOCK_FLAGS)  # fmt: skip
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(PLAN_DUMP_ENV, str(dump_dir))
         with running_server(tiny_llama_dir, tmp_path_factory.mktemp("blocks"), *flags) as running:

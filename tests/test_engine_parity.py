@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from engine_client import (
+    ANY_REQUEST_OPTIONS,
     TINY_SERVER_FLAGS,
     assert_no_leak_after_flush,
     assert_same_plan,
@@ -81,7 +82,7 @@ def case_id(case) -> str:
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir, tmp_path_factory, dump_dir):
-    flags = ("--kv-evict-policy", "snapkv", "--kv-evict-per-request", "--max-total-tokens", "4096", *TINY_SERVER_FLAGS)
+    flags = ("--kv-evict-policy", "snapkv", *ANY_REQUEST_OPTIONS, "--max-total-tokens", "4096", *TINY_SERVER_FLAGS)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(PLAN_DUMP_ENV, str(dump_dir))
         with running_server(tiny_llama_dir, tmp_path_factory.mktemp("parity"), *flags) as running:

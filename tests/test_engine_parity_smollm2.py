@@ -18,7 +18,14 @@ import pytest
 import torch
 
 from benchmarks.tasks import make_task
-from engine_client import TINY_SERVER_FLAGS, assert_no_leak_after_flush, assert_same_plan, assert_strict_idle_check_passed, generate
+from engine_client import (
+    ANY_REQUEST_OPTIONS,
+    TINY_SERVER_FLAGS,
+    assert_no_leak_after_flush,
+    assert_same_plan,
+    assert_strict_idle_check_passed,
+    generate,
+)
 from serving import running_server
 from sgl_kvevict.config import EvictionConfig, build_policy
 from sgl_kvevict.engine.coordinator import PLAN_DUMP_ENV
@@ -55,7 +62,7 @@ def dump_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, dump_dir):
-    flags = ("--kv-evict-policy", "snapkv", "--kv-evict-per-request", "--max-total-tokens", "8192", *TINY_SERVER_FLAGS)
+    flags = ("--kv-evict-policy", "snapkv", *ANY_REQUEST_OPTIONS, "--max-total-tokens", "8192", *TINY_SERVER_FLAGS)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(PLAN_DUMP_ENV, str(dump_dir))
         with running_server("smollm2", tmp_path_factory.mktemp("smollm2-parity"), *flags) as running:

@@ -100,7 +100,9 @@ def create_compressed_radix_cache(ctx: TreeCacheBuildContext) -> CompressedRadix
     model_dir = Path(runner.model_config.model_path)
     stats = EngineStats()
     default_setup = EvictionSetup.of(serving.eviction, model_dir)
-    setups = Setups(default_setup, serving.per_request, model_dir, refused=lambda: stats.count("request_option_errors"))
+    setups = Setups(
+        default_setup, serving.request_allow_list, model_dir, refused=lambda: stats.count("request_option_errors")
+    )
     # Score sources: when the server's setup needs them, or requests may bring their own.
     request = default_setup.stats_request
     hidden_states = HiddenStateCapture(runner.model) if request.hidden_states or serving.per_request else None
@@ -117,7 +119,7 @@ def create_compressed_radix_cache(ctx: TreeCacheBuildContext) -> CompressedRadix
     )  # fmt: skip
 
     def snapshot() -> dict:
-        return {**coordinator.describe(), **stats.snapshot(), **cache.memory_levels()}
+        return {**coordinator.describe(), **stats.snapshot(), **setups.counters(), **cache.memory_levels()}
 
     serve_stats(snapshot)
     if cache.metrics_collector is not None:  # SGLang's --enable-metrics: export ours with its cache labels

@@ -1,4 +1,5 @@
-"""Which eviction configuration serves a request: the server's, or with ``--kv-evict-per-request`` its own.
+"""Which eviction configuration serves a request: the server's, or with ``--kv-evict-per-request`` its own
+(bounded by ``sgl_kvevict.request_options``).
 
 Pure Python over the policy code: nothing here imports SGLang.
 """
@@ -12,13 +13,10 @@ from typing import Callable, Optional
 
 from sgl_kvevict.config import EvictionConfig, build_policy
 from sgl_kvevict.policies.base import Policy
+from sgl_kvevict.request_options import AllowList, RequestOptionsRefused, RequestSetups, options_text
 from sgl_kvevict.scoring.window import StatsRequest
-from sgl_kvevict.settings import ConfigError
 
 logger = logging.getLogger(__name__)
-
-# A request's ``extra_key`` that starts with this names its own eviction options (``per_request``).
-REQUEST_OPTIONS_PREFIX = "kvevict:"
 
 
 @dataclass(frozen=True)
@@ -46,40 +44,38 @@ class EvictionSetup:
 
 
 class Setups:
-    """The server's setup and, with ``per_request``, the setups requests name in SGLang's ``extra_key``
-    field, ``"kvevict:policy=snapkv,budget=0.5"`` (the ``--kv-evict-*`` option names): A/B experiments
-    and the parity tests serve several policies from one server. SGLang keeps requests with different
-    extra keys in separate subtrees, so a node compressed by one setup is never reused by another.
-    ``refused``: called once per request whose options are invalid (it stays dense)."""
+    """The server's setup and, with ``request_allow``, the setups requests name in SGLang's ``extra_key``
+    field, ``"kvevict:policy=snapkv,budget=0.5"`` (the ``--kv-evict-*`` option names) within that
+    allow-list: A/B experiments and the parity tests serve several policies from one server. SGLang
+    keeps requests with different extra keys in separate subtrees, so a node compressed by one setup is
+    never reused by another. The HTTP process refuses disallowed options first (HTTP 400); here a
+    refused request stays dense and ``refused`` is called once for it."""
 
     def __init__(
         self,
         default: EvictionSetup,
-        per_request: bool = False,
+        request_allow: Optional[AllowList] = None,
         model_dir: Optional[Path] = None,
         refused: Callable[[], None] = lambda: None,
     ):
         self.default = default
-        self.per_request = per_request
-        self.model_dir = model_dir
         self._refused = refused
-        self._by_options: dict[str, Optional[EvictionSetup]] = {}
+        self._requests = None
+        if request_allow is not None:
+            self._requests = RequestSetups(request_allow, lambda config: EvictionSetup.of(config, model_dir))
 
     def for_request(self, extra_key: Optional[str]) -> Optional[EvictionSetup]:
-        """The setup of a request with this ``extra_key`` (None when its options are invalid)."""
-        if not (self.per_request and extra_key and extra_key.startswith(REQUEST_OPTIONS_PREFIX)):
+        """The setup of a request with this ``extra_key`` (None when its options are refused)."""
+        text = options_text(extra_key)
+        if text is None or self._requests is None:
             return self.default
-        if extra_key not in self._by_options:
-            self._by_options[extra_key] = self._parse(extra_key[len(REQUEST_OPTIONS_PREFIX) :])
-        setup = self._by_options[extra_key]
-        if setup is None:
-            self._refused()
-        return setup
-
-    def _parse(self, text: str) -> Optional[EvictionSetup]:
         try:
-            options = dict(item.split("=", 1) for item in text.split(",") if item)
-            return EvictionSetup.of(EvictionConfig.from_strings(options), self.model_dir)
-        except (ConfigError, ValueError) as error:
-            logger.warning("sgl-kvevict: request eviction options %r refused (%s); the request stays dense", text, error)
+            return self._requests.get(text)
+        except RequestOptionsRefused as error:
+            logger.warning("sgl-kvevict: %s; the request stays dense", error)
+            self._refused()
             return None
+
+    def counters(self) -> dict[str, int]:
+        """For ``/kvevict/stats``: per-request setups cached now and built since start."""
+        return RequestSetups.counters(self._requests)
