@@ -18,7 +18,15 @@ from sgl_kvevict.models import ModelError, resolve_model
 from sgl_kvevict.scoring.learned import resolve_learned_weights
 from sgl_kvevict.server import scale_out
 from sgl_kvevict.server.flags import LaunchConfig, parse_args
-from sgl_kvevict.server.processes import ChildGroup, StartupError, StopSignals, check_port_free, log, wait_until_healthy
+from sgl_kvevict.server.processes import (
+    ChildGroup,
+    StartupError,
+    StopSignals,
+    check_port_free,
+    freeze_gc,
+    log,
+    wait_until_healthy,
+)
 from sgl_kvevict.server.refusals import FlagError
 from sgl_kvevict.server.worker import server_env, sglang_command, stats_socket_address
 from sgl_kvevict.settings import ConfigError
@@ -32,6 +40,7 @@ def run_single(config: LaunchConfig, model_dir: Path, cpu_mode: bool, signals: S
         try:
             wait_until_healthy(server, base_url, config.startup_timeout, signals.event)
             if not signals.event.is_set():
+                freeze_gc(base_url, config.control_key)
                 log(f"serving {config.model} at {base_url} (OpenAI API at {base_url}/v1, {config.serving.describe()})")
             while not signals.event.is_set() and server.exit_code() is None:
                 signals.event.wait(1.0)

@@ -1,7 +1,11 @@
 """Child processes of the launcher: each in its own process group, health polling, signal handling.
 
-Every child (an SGLang server, the router) runs in a session of its own, so stopping it is one
-``killpg`` of a group this process owns, whatever state the child's own processes are in.
+Every child (an SGLang server, the router) runs in a session of its own, so stopping it ends with one
+``killpg`` of a group this process owns, whatever state the child's own processes are in. Before
+that, the child's main process alone gets SIGTERM and the grace period to drain: SGLang's HTTP
+process finishes the requests in flight, then stops its scheduler and detokenizer; the router waits
+for the requests it forwarded. A SIGTERM to the whole group would kill SGLang's scheduler at once
+and fail every request in flight.
 """
 
 from __future__ import annotations
@@ -53,6 +57,25 @@ def free_loopback_ports(count: int) -> list[int]:
             sock.close()
 
 
+def authorization(key: Optional[str]) -> dict[str, str]:
+    """The request headers that present ``key`` (none without one)."""
+    return {} if key is None else {"Authorization": f"Bearer {key}"}
+
+
+def freeze_gc(base_url: str, key: Optional[str]) -> None:
+    """Ask a healthy SGLang server to freeze its processes' garbage collectors (``POST /freeze_gc``, an
+    admin route: ``key`` is the admin key or the API key). SGLang asks this of itself after its warm-up,
+    but with ``--skip-server-warmup`` (the CPU default) it asks before its HTTP server listens and the
+    call often fails; unfrozen, every full collection walks the whole heap, and at shutdown the HTTP
+    process took 10-20 s to exit instead of 1-2 (docs/deployment.md)."""
+    request = urllib.request.Request(f"{base_url}/freeze_gc", data=b"", method="POST", headers=authorization(key))
+    try:
+        with urllib.request.urlopen(request, timeout=30):
+            pass
+    except (urllib.error.URLError, OSError) as error:
+        log(f"could not freeze the garbage collector of {base_url} ({error}); serving anyway")
+
+
 def is_healthy(base_url: str, timeout: float = 5.0) -> bool:
     try:
         with urllib.request.urlopen(f"{base_url}/health", timeout=timeout) as response:
@@ -67,6 +90,7 @@ class ChildGroup:
     def __init__(self, name: str, command: list[str], env: Optional[dict[str, str]] = None):
         self.name = name
         self.process = subprocess.Popen(command, env=env, start_new_session=True)
+        self._terminated = False
 
     @property
     def pid(self) -> int:
@@ -75,9 +99,16 @@ class ChildGroup:
     def exit_code(self) -> Optional[int]:
         return self.process.poll()
 
+    def terminate(self) -> None:
+        """SIGTERM to the main process only (once): it drains, then stops its own children."""
+        if not self._terminated and self.process.poll() is None:
+            self._terminated = True
+            self.process.send_signal(signal.SIGTERM)
+
     def stop(self) -> None:
-        """SIGTERM to the whole group, then SIGKILL to whatever is left after the grace period."""
-        self.signal_group(signal.SIGTERM)
+        """``terminate``, then SIGKILL to whatever is left of the group once the main process exited or
+        the grace period ran out."""
+        self.terminate()
         try:
             self.process.wait(timeout=SHUTDOWN_GRACE_SECONDS)
         except subprocess.TimeoutExpired:
@@ -94,9 +125,10 @@ class ChildGroup:
 
 
 def stop_all(children: list[ChildGroup]) -> None:
-    """SIGTERM every group at once (their shutdowns overlap), then stop each in turn."""
+    """SIGTERM every child at once (the router and the workers drain together: every request the router
+    waits for is one a worker finishes), then stop each in turn."""
     for child in children:
-        child.signal_group(signal.SIGTERM)
+        child.terminate()
     for child in children:
         child.stop()
 
