@@ -14,6 +14,7 @@ from typing import Callable, Optional
 from sgl_kvevict.config import DEFAULT_BUDGET, Option, eviction_options, with_taken_defaults
 from sgl_kvevict.limits import LIMITS, SGLANG_VERSION
 from sgl_kvevict.policies import PolicyDefaults, get_policy_class, registered_policies
+from sgl_kvevict.request_options import ALLOW_ALL, DEFAULT_ALLOW, MAX_OPTIONS_LENGTH, SETUP_CACHE_SIZE
 from sgl_kvevict.scope import DEFAULT_BLOCK_SIZE, SCOPE_NAMES, RequestScope, Scope
 from sgl_kvevict.server.refusals import (
     KV_EVICT_PREFIX,
@@ -36,7 +37,9 @@ from sgl_kvevict.settings import ConfigError, help_of
 DEFAULT_PORT = 30000
 DEFAULT_HOST = "127.0.0.1"
 # Our flags that are not eviction options (those are the knobs, derived from their declarations).
-ENGINE_FLAGS = ("--kv-evict-policy", "--kv-evict-scope", "--kv-evict-block-size", "--kv-evict-per-request")
+ENGINE_FLAGS = (
+    "--kv-evict-policy", "--kv-evict-scope", "--kv-evict-block-size", "--kv-evict-per-request", "--kv-evict-request-allow",
+)  # fmt: skip
 DEFAULT_FLAG = "--kv-evict-default"
 
 
@@ -55,6 +58,13 @@ class LaunchConfig:
     sglang_args: list[str] = field(default_factory=list)
     workers: int = 1
     stats_port: Optional[int] = None
+    api_key: Optional[str] = None
+    admin_api_key: Optional[str] = None
+
+    @property
+    def control_key(self) -> Optional[str]:
+        """The key of the admin routes: the admin key, or the API key when there is none (SGLang's rule)."""
+        return self.admin_api_key or self.api_key
 
 
 def serving_policies() -> list[str]:
@@ -163,6 +173,30 @@ def build_parser() -> argparse.ArgumentParser:
         default=900.0,
         help="seconds to wait for the server to become healthy before giving up (default 900)",
     )
+    security = parser.add_argument_group(
+        "Access",
+        "SGLang's two keys, which the launcher puts on everything it starts (docs/deployment.md lists every "
+        "port and route). Clients send 'Authorization: Bearer KEY'.",
+    )
+    security.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="every route needs this key: chat, completions, /generate, /v1/models, /kvevict/stats, and the admin "
+        "routes (/flush_cache, ...) unless --admin-api-key is given; probes answer without it (/health, "
+        "/health_generate, /metrics; on the router /liveness, /readiness, /v1/models, /get_server_info too: "
+        "sglang-router 0.3.2 leaves them open). With --workers above 1 the router checks it on its routes, its "
+        "worker management included unless --admin-api-key is given, the --stats-port checks it, and the router "
+        "presents it to the workers. The key shows in the processes' command lines and SGLang's start-up log "
+        "(default none: every route open)",
+    )
+    security.add_argument(
+        "--admin-api-key",
+        metavar="KEY",
+        help="the admin routes (/flush_cache, /abort_request, weight and LoRA updates, profiling) need this key "
+        "instead of --api-key. With --workers above 1 it is the router's control-plane key (/workers, "
+        "/flush_cache, /get_loads) and needs --api-key too: the router presents its one --api-key to every "
+        "worker, so the workers' own admin routes take that key (default none)",
+    )
     scale_out = parser.add_argument_group(
         "Scale-out",
         "Several workers behind SGLang's cache-aware router (sglang-router), which sends each request to "
@@ -224,8 +258,21 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_const",
         const=True,
         help="let a request choose its own eviction options in SGLang's extra_key request field, e.g. "
-        "\"extra_key\": \"kvevict:policy=snapkv,budget=0.5\" (the --kv-evict-* option names); requests with "
-        "different options never share compressed nodes. For A/B experiments on one server (default off)",
+        "\"extra_key\": \"kvevict:policy=snapkv,budget=0.5\" (the --kv-evict-* option names), within "
+        "--kv-evict-request-allow; a refused choice is answered with HTTP 400 and the reason. Requests with "
+        "different options never share compressed nodes; the scheduler keeps the setups of the last "
+        f"{SETUP_CACHE_SIZE} distinct option strings (least recently used dropped). For A/B experiments on one "
+        "server (default off: an extra_key naming options is refused)",
+    )
+    evict.add_argument(
+        "--kv-evict-request-allow",
+        metavar="SPEC",
+        help="with --kv-evict-per-request: which options a request may set and which values its resolved "
+        "configuration (policy defaults included) may take, as name=alternatives items separated by commas; "
+        "an alternative is a value, '*' (any), or an inclusive range low..high ('16t..4096t' for token "
+        f"budgets). '{ALLOW_ALL}' accepts every option and value: trusted clients only (learned_weights names "
+        "a file on the server, score kvzip costs a second pass over the prompt, a large window costs memory). "
+        f"Option strings longer than {MAX_OPTIONS_LENGTH} characters are refused (default {DEFAULT_ALLOW})",
     )
     evict.add_argument(
         DEFAULT_FLAG,
@@ -263,6 +310,7 @@ def parse_args(argv: list[str]) -> LaunchConfig:
     if serving.enabled:
         check_compression_compatible(sglang_args)
         check_chunked_prefill(serving, sglang_args)
+    check_keys(args)
     return LaunchConfig(
         model=args.model,
         host=args.host,
@@ -272,7 +320,20 @@ def parse_args(argv: list[str]) -> LaunchConfig:
         sglang_args=sglang_args,
         workers=args.workers,
         stats_port=scale_out_stats_port(args),
+        api_key=args.api_key,
+        admin_api_key=args.admin_api_key,
     )
+
+
+def check_keys(args: argparse.Namespace) -> None:
+    for flag, key in (("--api-key", args.api_key), ("--admin-api-key", args.admin_api_key)):
+        if key is not None and (not key.strip() or key != key.strip()):
+            raise FlagError(f"{flag}: the key is empty or starts or ends with white space")
+    if args.admin_api_key is not None and args.api_key is None and args.workers > 1:
+        raise FlagError(
+            "--admin-api-key with --workers above 1 needs --api-key too: the router reaches every worker with one "
+            "key, so the workers' routes would be open on loopback"
+        )
 
 
 def check_port(flag: str, port: int) -> None:
@@ -317,7 +378,9 @@ def serving_config(args: argparse.Namespace) -> ServingConfig:
         if policy != NO_EVICTION:
             options = with_taken_defaults(policy, options, defaults)
         scope = Scope.parse(args.kv_evict_scope or RequestScope.name, args.kv_evict_block_size)
-        return ServingConfig(policy, options, scope=scope, per_request=bool(args.kv_evict_per_request))
+        return ServingConfig(
+            policy, options, scope=scope, per_request=bool(args.kv_evict_per_request), request_allow=args.kv_evict_request_allow
+        )
     except ConfigError as error:
         raise FlagError(f"--kv-evict-*: {error}") from None
 

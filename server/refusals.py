@@ -18,10 +18,11 @@ from sgl_kvevict.serving import ServingConfig
 KV_EVICT_PREFIX = "--kv-evict-"
 # SGLang flags the launcher owns whatever the policy; passing them through would contradict our own.
 RESERVED_SGLANG_FLAGS = ("--model-path", "--host", "--port")
-# SGLang flags the launcher reads or sets (besides the refused ones).
+# SGLang flags the launcher reads or sets (besides the refused ones); the keys are flags of ours that
+# the launcher passes on, listed so that an abbreviation of them is refused rather than passed on.
 READ_SGLANG_FLAGS = (
     "--max-total-tokens", "--mem-fraction-static", "--disable-overlap-schedule", "--device", "--dtype",
-    "--kv-cache-dtype", "--served-model-name", "--base-gpu-id",
+    "--kv-cache-dtype", "--served-model-name", "--base-gpu-id", "--api-key", "--admin-api-key",
 )  # fmt: skip
 
 

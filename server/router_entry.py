@@ -11,13 +11,19 @@ import argparse
 import sys
 
 
-def main(argv: list[str]) -> None:
-    from sglang_router.router import Router
+def router_parser() -> argparse.ArgumentParser:
     from sglang_router.router_args import RouterArgs
 
     parser = argparse.ArgumentParser(prog="python -m sgl_kvevict.server.router_entry")
     RouterArgs.add_cli_args(parser, use_router_prefix=False)
-    Router.from_args(RouterArgs.from_cli_args(parser.parse_args(argv), use_router_prefix=False)).start()
+    return parser
+
+
+def main(argv: list[str]) -> None:
+    from sglang_router.router import Router
+    from sglang_router.router_args import RouterArgs
+
+    Router.from_args(RouterArgs.from_cli_args(router_parser().parse_args(argv), use_router_prefix=False)).start()
 
 
 if __name__ == "__main__":

@@ -10,10 +10,16 @@
   only, so that affinity is what makes a conversation's later turns reuse it.
 * Stats: the router does not forward ``/kvevict/stats``; the launcher serves the aggregate on
   ``--stats-port`` (``stats_aggregate``).
+* Keys: ``--api-key`` goes to every worker, to the router (which then checks it on its routes and
+  sends it to the workers) and to the stats port; ``--admin-api-key`` becomes the router's
+  control-plane key (its worker management, ``/flush_cache``, ``/get_loads``). The workers do not
+  get the admin key: the router reaches them with its one ``--api-key``, and a worker with an admin
+  key would refuse the router's ``/flush_cache`` fan-out.
 * Faults: the launcher polls its children every second. A worker that exits is reported and taken
   out of the router (``DELETE /workers/{id}``), so later requests go to the others; requests it was
   serving fail with the router's error (connection reset), they do not hang. The launcher exits
-  when the router or the last worker exits, and on SIGINT/SIGTERM stops every group.
+  when the router or the last worker exits, and on SIGINT/SIGTERM stops every group: each drains
+  the requests in flight first (``processes.ChildGroup.stop``).
 """
 
 from __future__ import annotations
@@ -28,16 +34,20 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 from sgl_kvevict.server.capacity import available_host_bytes, check_gpus, check_host_memory, worker_footprint
 from sgl_kvevict.server.flags import LaunchConfig
 from sgl_kvevict.server.processes import (
     HEALTH_POLL_SECONDS,
+    SHUTDOWN_GRACE_SECONDS,
     ChildGroup,
     StartupError,
     StopSignals,
+    authorization,
     check_port_free,
     free_loopback_ports,
+    freeze_gc,
     log,
     stop_all,
     wait_until_healthy,
@@ -55,9 +65,12 @@ ROUTER_FLAGS = (
     "--policy", "cache_aware",
     # It logs every request at info level.
     "--log-level", "warn",
-    # Its default waits 180 s for in-flight requests on SIGTERM; the launcher's grace is 30 s.
-    "--shutdown-grace-period-secs", "10",
+    # Its default waits 180 s for in-flight requests on SIGTERM; it must be done before the launcher's
+    # SIGKILL (SHUTDOWN_GRACE_SECONDS).
+    "--shutdown-grace-period-secs", str(int(SHUTDOWN_GRACE_SECONDS) - 5),
 )  # fmt: skip
+# The router's control-plane key entry: id:name:role:key.
+CONTROL_PLANE_KEY_ENTRY = "launcher:sgl-kvevict admin:admin:{key}"
 
 
 @dataclass
@@ -97,7 +110,7 @@ def worker_config(config: LaunchConfig, index: int, cpu_mode: bool) -> LaunchCon
         args += ["--served-model-name", config.model]
     if not cpu_mode:
         args = [*_without_flag(args, "--base-gpu-id"), "--base-gpu-id", str(_base_gpu(config) + index)]
-    return dataclasses.replace(config, sglang_args=args)
+    return dataclasses.replace(config, sglang_args=args, admin_api_key=None)
 
 
 def _base_gpu(config: LaunchConfig) -> int:
@@ -118,31 +131,40 @@ def _without_flag(args: list[str], flag: str) -> list[str]:
 
 
 def router_command(config: LaunchConfig, worker_urls: list[str], metrics_port: int) -> list[str]:
+    keys = []
+    if config.api_key is not None:
+        keys += ["--api-key", config.api_key]
+    if config.admin_api_key is not None:
+        keys += ["--control-plane-api-keys", CONTROL_PLANE_KEY_ENTRY.format(key=config.admin_api_key)]
     return [
         sys.executable, "-m", "sgl_kvevict.server.router_entry", *ROUTER_FLAGS,
         "--host", config.host, "--port", str(config.port),
         # Its Prometheus exporter would take port 29000 on every interface; a free loopback port instead.
         "--prometheus-host", WORKER_HOST, "--prometheus-port", str(metrics_port),
-        "--worker-urls", *worker_urls,
+        *keys, "--worker-urls", *worker_urls,
     ]  # fmt: skip
 
 
-def routed_workers(router_url: str) -> dict[str, dict]:
-    """The router's workers by URL (``GET /workers``); empty while it does not answer."""
+def routed_workers(router_url: str, key: Optional[str]) -> dict[str, dict]:
+    """The router's workers by URL (``GET /workers``, an admin route: ``key`` is the control key);
+    empty while it does not answer."""
     try:
-        with urllib.request.urlopen(f"{router_url}/workers", timeout=10) as response:
+        request = urllib.request.Request(f"{router_url}/workers", headers=authorization(key))
+        with urllib.request.urlopen(request, timeout=10) as response:
             return {worker["url"]: worker for worker in json.loads(response.read())["workers"]}
     except (urllib.error.URLError, OSError, ValueError, KeyError):
         return {}
 
 
-def wait_until_routed(router: ChildGroup, router_url: str, worker_urls: list[str], timeout: float, stop) -> None:
+def wait_until_routed(
+    router: ChildGroup, router_url: str, worker_urls: list[str], key: Optional[str], timeout: float, stop
+) -> None:
     """The router answers /health before it has registered its workers (a background job queue in
     0.3.2; requests meanwhile get 503): wait until it lists every worker as healthy."""
     wait_until_healthy(router, router_url, timeout, stop)
     deadline = time.monotonic() + timeout
     while not stop.is_set():
-        listed = routed_workers(router_url)
+        listed = routed_workers(router_url, key)
         if all(listed.get(url, {}).get("is_healthy") for url in worker_urls):
             return
         if router.exit_code() is not None or time.monotonic() > deadline:
@@ -150,19 +172,21 @@ def wait_until_routed(router: ChildGroup, router_url: str, worker_urls: list[str
         stop.wait(HEALTH_POLL_SECONDS)
 
 
-def remove_from_router(router_url: str, worker_url: str) -> None:
+def remove_from_router(router_url: str, worker_url: str, key: Optional[str]) -> None:
     """Take ``worker_url`` out of the router (its API names workers by the id ``GET /workers`` lists)."""
-    listed = routed_workers(router_url)
+    listed = routed_workers(router_url, key)
     try:
         if worker_url in listed:
-            request = urllib.request.Request(f"{router_url}/workers/{listed[worker_url]['id']}", method="DELETE")
+            request = urllib.request.Request(
+                f"{router_url}/workers/{listed[worker_url]['id']}", method="DELETE", headers=authorization(key)
+            )
             with urllib.request.urlopen(request, timeout=10):
                 pass
     except (urllib.error.URLError, OSError) as error:
         log(f"could not remove {worker_url} from the router ({error}); its health checks will")
 
 
-def supervise(workers: list[Worker], router: ChildGroup, router_url: str, signals: StopSignals) -> int:
+def supervise(workers: list[Worker], router: ChildGroup, router_url: str, key: Optional[str], signals: StopSignals) -> int:
     """Until a signal, the router's exit or the last worker's: report dead workers, take them out."""
     while not signals.event.wait(SUPERVISE_SECONDS):
         if router.exit_code() is not None:
@@ -170,7 +194,7 @@ def supervise(workers: list[Worker], router: ChildGroup, router_url: str, signal
             return router.exit_code() or 1
         for worker in [w for w in workers if w.child.exit_code() is not None]:
             log(f"{worker.name} exited with code {worker.child.exit_code()}; the router no longer sends it requests")
-            remove_from_router(router_url, worker.url)
+            remove_from_router(router_url, worker.url, key)
             workers.remove(worker)
         if not workers:
             log("no worker is left")
@@ -197,7 +221,7 @@ def start_workers(
 
 def serve_stats(config: LaunchConfig, workers: list[Worker]) -> StatsServer:
     try:
-        return StatsServer(config.host, config.stats_port, lambda: [w.url for w in workers])
+        return StatsServer(config.host, config.stats_port, lambda: [w.url for w in workers], config.api_key)
     except OSError as error:  # taken since check_prerequisites looked
         raise StartupError(f"cannot serve {STATS_ROUTE} on {config.host}:{config.stats_port}: {error.strerror}") from None
 
@@ -212,14 +236,17 @@ def run(config: LaunchConfig, model_dir: Path, cpu_mode: bool, signals: StopSign
                 wait_until_healthy(worker.child, worker.url, config.startup_timeout, signals.event)
             if signals.event.is_set():
                 return 0
+            for worker in workers:
+                freeze_gc(worker.url, config.api_key)  # the workers' admin routes take the API key
             [metrics_port] = free_loopback_ports(1)
-            router = ChildGroup("the router", router_command(config, [w.url for w in workers], metrics_port))
+            urls = [w.url for w in workers]
+            router = ChildGroup("the router", router_command(config, urls, metrics_port))
             children.append(router)
-            wait_until_routed(router, router_url, [w.url for w in workers], config.startup_timeout, signals.event)
+            wait_until_routed(router, router_url, urls, config.control_key, config.startup_timeout, signals.event)
             resources.callback(serve_stats(config, workers).close)
             if not signals.event.is_set():
                 log_serving(config, workers, router_url, metrics_port)
-            return supervise(workers, router, router_url, signals)
+            return supervise(workers, router, router_url, config.control_key, signals)
         finally:
             stop_all(children)
             log("stopped")

@@ -2,17 +2,22 @@
 
 The router forwards only the routes it knows (``/kvevict/stats`` answers 404 there), so the launcher
 serves this aggregate on ``--stats-port`` from a thread of its own process (standard library only).
-Each worker's route stays reachable at its own URL, listed in the payload.
+Each worker's route stays reachable at its own URL, listed in the payload. With ``--api-key`` the
+port checks it as SGLang checks its own routes (``Authorization: Bearer KEY``, compared in constant
+time, 401 otherwise) and passes it on to the workers.
 """
 
 from __future__ import annotations
 
 import json
+import secrets
 import threading
 import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable, Optional
+
+from sgl_kvevict.server.processes import authorization
 
 STATS_ROUTE = "/kvevict/stats"
 WORKER_TIMEOUT_SECONDS = 10.0
@@ -20,10 +25,19 @@ WORKER_TIMEOUT_SECONDS = 10.0
 SETTING_FIELDS = ("policy", "budget", "score", "window", "scope", "block_size", "arena_cells_per_slot")
 
 
-def fetch_worker_stats(url: str, timeout: float = WORKER_TIMEOUT_SECONDS) -> dict:
+def presents_key(header: Optional[str], key: Optional[str]) -> bool:
+    """Whether an ``Authorization`` header value carries ``key`` (always, without a key): SGLang's rule."""
+    if key is None:
+        return True
+    scheme, _, token = (header or "").partition(" ")
+    return scheme.lower() == "bearer" and secrets.compare_digest(token.encode(), key.encode())
+
+
+def fetch_worker_stats(url: str, key: Optional[str] = None, timeout: float = WORKER_TIMEOUT_SECONDS) -> dict:
     """One worker's ``/kvevict/stats``, or ``{"error": ...}`` when it does not answer."""
     try:
-        with urllib.request.urlopen(url + STATS_ROUTE, timeout=timeout) as response:
+        request = urllib.request.Request(url + STATS_ROUTE, headers=authorization(key))
+        with urllib.request.urlopen(request, timeout=timeout) as response:
             return json.loads(response.read())
     except urllib.error.HTTPError as error:
         return {"error": f"HTTP {error.code}: {error.read().decode(errors='replace')[:200]}"}
@@ -62,10 +76,11 @@ def aggregate(workers: dict[str, dict]) -> dict:
 
 
 class StatsServer:
-    """The aggregate on ``host:port``, served from a daemon thread until ``close``."""
+    """The aggregate on ``host:port``, served from a daemon thread until ``close``; ``key``: the
+    ``--api-key`` a client must present, and the workers' key."""
 
-    def __init__(self, host: str, port: int, worker_urls: Callable[[], list[str]]):
-        handler = _handler(lambda: aggregate({url: fetch_worker_stats(url) for url in worker_urls()}))
+    def __init__(self, host: str, port: int, worker_urls: Callable[[], list[str]], key: Optional[str] = None):
+        handler = _handler(lambda: aggregate({url: fetch_worker_stats(url, key) for url in worker_urls()}), key)
         self._server = ThreadingHTTPServer((host, port), handler)
         self._server.daemon_threads = True
         self._thread: Optional[threading.Thread] = threading.Thread(target=self._server.serve_forever, daemon=True)
@@ -76,9 +91,12 @@ class StatsServer:
         self._server.server_close()
 
 
-def _handler(payload: Callable[[], dict]) -> type[BaseHTTPRequestHandler]:
+def _handler(payload: Callable[[], dict], key: Optional[str]) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 (the standard library's name)
+            if not presents_key(self.headers.get("Authorization"), key):
+                self._reply(401, {"error": "Unauthorized"})
+                return
             if self.path.split("?", 1)[0] != STATS_ROUTE:
                 self._reply(404, {"error": f"only GET {STATS_ROUTE} is served here; the API is on the router"})
                 return

@@ -25,6 +25,9 @@ def sglang_args(config: LaunchConfig, cpu_mode: bool) -> list[str]:
         args += cpu_mode_args(args)
     if not has_flag(args, "--enable-cache-report"):
         args.append("--enable-cache-report")
+    for flag, key in (("--api-key", config.api_key), ("--admin-api-key", config.admin_api_key)):
+        if key is not None:
+            args += [flag, key]
     return args
 
 

@@ -26,10 +26,11 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Generic, Iterable, Mapping, Optional, TypeVar
 
-from sgl_kvevict.config import GQA_REDUCTIONS, POOLINGS, EvictionConfig
+from sgl_kvevict.common_settings import GQA_REDUCTIONS, POOLINGS
+from sgl_kvevict.config import POLICY_OPTION, EvictionConfig, eviction_options
 from sgl_kvevict.policies import registered_policies
 from sgl_kvevict.scoring import SCORES
-from sgl_kvevict.settings import ConfigError, settings_of
+from sgl_kvevict.settings import ConfigError
 
 REQUEST_OPTIONS_PREFIX = "kvevict:"
 # Longer than any useful combination of the options (every option set is about 300 characters).
@@ -49,8 +50,8 @@ class RequestOptionsRefused(ConfigError):
     """A request's eviction options the server does not serve; the message is one line for the client."""
 
 
-def _field_names() -> list[str]:
-    return [f.name for f in settings_of(EvictionConfig)]
+def _option_names() -> list[str]:
+    return [POLICY_OPTION, *eviction_options()]
 
 
 def _choices() -> dict[str, tuple[str, ...]]:
@@ -113,7 +114,7 @@ class AllowList:
         spec = spec.strip()
         if spec == ALLOW_ALL:
             return cls(None, spec)
-        names = _field_names()
+        names = _option_names()
         rules: dict[str, tuple[Alternative, ...]] = {}
         for item in filter(None, (part.strip() for part in spec.split(","))):
             name, separator, values = item.partition("=")
@@ -141,9 +142,10 @@ class AllowList:
     def check_values(self, config: EvictionConfig) -> None:
         """Raises ``RequestOptionsRefused`` unless every ruled field of the resolved ``config`` (the
         request's choices and the defaults they imply) is accepted."""
+        values = config.option_values()
         for name, alternatives in (self.rules or {}).items():
-            value = getattr(config, name)
-            if value is None:  # a policy without a budget
+            value = values.get(name)
+            if value is None:  # a policy without a budget, or an option this policy does not take
                 continue
             text = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
             if not any(alternative.accepts(text) for alternative in alternatives):

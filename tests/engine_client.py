@@ -11,18 +11,33 @@ import urllib.request
 import torch
 
 from serving import RunningServer
-from sgl_kvevict.engine.setups import REQUEST_OPTIONS_PREFIX
+from sgl_kvevict.request_options import REQUEST_OPTIONS_PREFIX
+from sgl_kvevict.server.processes import authorization
 
 # With a policy the launcher passes SGLang a shrunk --max-total-tokens, from which SGLang's CPU memory
 # profiling derives a negative --mem-fraction-static and refuses to start; an explicit one avoids it.
 MEMORY_FLAGS = ("--mem-fraction-static", "0.3")
 # Parity needs the reference's fp32 numerics.
 TINY_SERVER_FLAGS = ("--dtype", "float32", *MEMORY_FLAGS)
+# A test server whose requests choose any eviction options (the tests are trusted clients).
+ANY_REQUEST_OPTIONS = ("--kv-evict-per-request", "--kv-evict-request-allow", "all")
 
 
 def get(server: RunningServer, path: str) -> dict:
-    with urllib.request.urlopen(server.base_url + path, timeout=60) as response:
+    with urllib.request.urlopen(urllib.request.Request(server.base_url + path, headers=server.headers()), timeout=60) as response:
         return json.loads(response.read())
+
+
+def status_of(url: str, method: str = "GET", key: str | None = None, payload: dict | None = None) -> int:
+    """The HTTP status ``url`` answers ``method`` with, presenting ``key`` (or none)."""
+    data = None if payload is None else json.dumps(payload).encode()
+    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json", **authorization(key)})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            response.read()
+            return response.status
+    except urllib.error.HTTPError as error:
+        return error.code
 
 
 def stats(server: RunningServer) -> dict:
@@ -53,9 +68,8 @@ def request_options(config) -> str:
 
 def abort(server: RunningServer, rid: str) -> None:
     request = urllib.request.Request(
-        server.base_url + "/abort_request", data=json.dumps({"rid": rid}).encode(),
-        headers={"Content-Type": "application/json"},
-    )  # fmt: skip
+        server.base_url + "/abort_request", data=json.dumps({"rid": rid}).encode(), headers=server.headers(admin=True)
+    )
     with urllib.request.urlopen(request, timeout=60):
         pass
 
@@ -63,7 +77,9 @@ def abort(server: RunningServer, rid: str) -> None:
 def flush(server: RunningServer, attempts: int = 60) -> None:
     """``/flush_cache``, retried while aborted requests are still draining (SGLang refuses it then)."""
     for _ in range(attempts):
-        request = urllib.request.Request(server.base_url + "/flush_cache", data=b"", method="POST")
+        request = urllib.request.Request(
+            server.base_url + "/flush_cache", data=b"", method="POST", headers=server.headers(admin=True)
+        )
         try:
             with urllib.request.urlopen(request, timeout=60):
                 return
@@ -90,7 +106,7 @@ def assert_strict_idle_check_passed(server: RunningServer) -> None:
     log = server.log()
     for marker in ("KV double free", "use-after-free", "memory leak", "token_to_kv_pool_allocator memory leak"):
         assert marker not in log, marker
-    with urllib.request.urlopen(server.base_url + "/health", timeout=60) as response:
+    with urllib.request.urlopen(server.base_url + "/health", timeout=60) as response:  # open to probes
         assert response.status == 200
 
 

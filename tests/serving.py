@@ -13,9 +13,12 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 import psutil
+
+from sgl_kvevict.server.sglang_args import flag_value
+from sgl_kvevict.server.processes import authorization
 
 STARTUP_TIMEOUT_SECONDS = 300
 STOP_TIMEOUT_SECONDS = 60
@@ -33,17 +36,24 @@ def launcher_command(*args: str) -> list[str]:
 
 @dataclass
 class RunningServer:
+    """api_key, admin_api_key: the keys the server was started with; requests present them."""
+
     base_url: str
     process: subprocess.Popen
     log_path: Path
+    api_key: Optional[str] = None
+    admin_api_key: Optional[str] = None
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def headers(self, admin: bool = False) -> dict[str, str]:
+        """JSON and the key of a normal route, or with ``admin`` of an admin route (SGLang's rule)."""
+        key = (self.admin_api_key or self.api_key) if admin else self.api_key
+        return {"Content-Type": "application/json", **authorization(key)}
+
     def post(self, path: str, payload: dict, timeout: float = 300) -> dict:
-        request = urllib.request.Request(
-            self.base_url + path, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"}
-        )
+        request = urllib.request.Request(self.base_url + path, data=json.dumps(payload).encode(), headers=self.headers())
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return json.loads(response.read())
 
@@ -98,6 +108,7 @@ def running_server(model: str | Path, tmp_path: Path, *extra: str) -> Iterator[R
         )
     try:
         _wait_for_serving_line(process, log_path)
-        yield RunningServer(f"http://127.0.0.1:{port}", process, log_path)
+        keys = flag_value(list(extra), "--api-key"), flag_value(list(extra), "--admin-api-key")
+        yield RunningServer(f"http://127.0.0.1:{port}", process, log_path, *keys)
     finally:
         stop_launcher(process)

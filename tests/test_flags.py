@@ -337,6 +337,35 @@ def test_bad_scale_out_flags_have_one_clear_message(argv, message):
         parse(*argv)
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--api-key", " "], "--api-key: the key is empty or starts or ends with white space"),
+        (["--admin-api-key", "k "], "--admin-api-key: the key is empty"),
+        (["--workers", "2", "--admin-api-key", "a"], "--admin-api-key with --workers above 1 needs --api-key too"),
+        (["--api-k", "k"], "--api-k abbreviates --api-key; spell it in full"),
+        (["--kv-evict-request-allow", "all"], "--kv-evict-request-allow: only with a --kv-evict-policy"),
+        (["--kv-evict-policy", "lava", "--kv-evict-request-allow", "all"], "needs per-request options"),
+        (
+            ["--kv-evict-policy", "lava", "--kv-evict-per-request", "--kv-evict-request-allow", "window=64..1"],
+            r"window=64..1: the range is empty",
+        ),
+    ],
+)
+def test_bad_access_flags_have_one_clear_message(argv, message):
+    with pytest.raises(FlagError, match=message):
+        parse(*argv)
+
+
+def test_both_keys_reach_a_lone_server_and_requests_choose_within_the_allow_list():
+    config = parse("--kv-evict-policy", "lava", "--kv-evict-per-request", "--kv-evict-request-allow", "policy=lava",
+                   "--api-key", "k", "--admin-api-key", "a")  # fmt: skip
+    args = sglang_command(config, "/m", cpu_mode=True)
+    assert (flag_value(args, "--api-key"), flag_value(args, "--admin-api-key")) == ("k", "a")
+    assert config.control_key == "a" and parse("--api-key", "k").control_key == "k"
+    assert ServingConfig.from_env({SERVING_ENV_VAR: config.serving.to_env()}).request_allow == "policy=lava"
+
+
 def test_scale_out_defaults_put_the_aggregate_stats_beside_the_router():
     config = parse("--workers", "3", "--port", "31000", "--kv-evict-policy", "lava")
     assert (config.workers, config.stats_port) == (3, 31001)
@@ -359,3 +388,23 @@ def test_each_worker_gets_the_same_flags_its_served_name_and_on_cuda_its_own_gpu
     assert flag_value(command, "--policy") == "cache_aware" and flag_value(command, "--port") == "30000"
     assert command[command.index("--worker-urls") + 1 :] == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
     assert flag_value(command, "--prometheus-port") == "3"
+    assert "--api-key" not in command and "--control-plane-api-keys" not in command
+
+
+def test_the_router_checks_the_api_key_and_takes_the_admin_key_for_its_control_plane():
+    """Read back through the router's own parser: the API key guards its routes and reaches the workers;
+    the admin key is its one control-plane key, with the admin role. The workers get the API key only."""
+    from sglang_router.router_args import RouterArgs
+
+    from sgl_kvevict.server.router_entry import router_parser
+    from sgl_kvevict.server.scale_out import router_command, worker_config
+
+    config = parse("--workers", "2", "--kv-evict-policy", "lava", "--api-key", "k:1", "--admin-api-key", "a:2")
+    command = router_command(config, ["http://127.0.0.1:1"], metrics_port=3)
+    module = command.index("sgl_kvevict.server.router_entry")
+    router = RouterArgs.from_cli_args(router_parser().parse_args(command[module + 1 :]), use_router_prefix=False)
+    assert router.api_key == "k:1"
+    assert [(key, role) for _, _, key, role in router.control_plane_api_keys] == [("a:2", "admin")]
+    worker = worker_config(config, 0, cpu_mode=True)
+    args = sglang_command(worker, "/m", cpu_mode=True)
+    assert flag_value(args, "--api-key") == "k:1" and "--admin-api-key" not in args

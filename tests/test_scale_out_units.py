@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import threading
 import urllib.error
 import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -47,6 +49,45 @@ def test_the_stats_server_answers_the_route_and_nothing_else(tmp_path):
         assert error.value.code == 404
     finally:
         server.close()
+
+
+def test_the_stats_port_asks_for_the_api_key_and_presents_it_to_the_workers():
+    """A worker that answers only with the key (as an SGLang worker started with --api-key does)."""
+    seen = []
+
+    class Worker(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (the standard library's name)
+            seen.append(self.headers.get("Authorization"))
+            allowed = self.headers.get("Authorization") == "Bearer s3cret"
+            body = json.dumps(worker_stats(2, {}, 0) if allowed else {"error": "Unauthorized"}).encode()
+            self.send_response(200 if allowed else 401)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_args):
+            pass
+
+    worker_port, port = free_loopback_ports(2)
+    worker = ThreadingHTTPServer(("127.0.0.1", worker_port), Worker)
+    threading.Thread(target=worker.serve_forever, daemon=True).start()
+    server = StatsServer("127.0.0.1", port, lambda: [f"http://127.0.0.1:{worker_port}"], key="s3cret")
+    url = f"http://127.0.0.1:{port}/kvevict/stats"
+    try:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=30)
+            assert refused.value.code == 401
+        assert seen == []  # nothing reached the workers
+        request = urllib.request.Request(url, headers={"Authorization": "Bearer s3cret"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            payload = json.loads(response.read())
+        assert payload["workers_answering"] == 1 and payload["total"]["reuse_hits"] == 2
+        assert seen == ["Bearer s3cret"]
+    finally:
+        server.close()
+        worker.shutdown()
+        worker.server_close()
 
 
 def test_the_footprint_of_a_worker_follows_its_pool_dtype_and_weights(tmp_path):
