@@ -31,6 +31,7 @@ class StreamedReply:
     completion_tokens: Optional[int] = None
     finish_reason: Optional[str] = None
     content_chunks: int = 0
+    token_times: list[float] = field(default_factory=list)  # seconds from sending to each content chunk
     done: bool = False  # the stream ended with ``data: [DONE]``
     status: Optional[int] = None
     error: Optional[str] = None
@@ -63,8 +64,9 @@ def _apply_chunk(reply: StreamedReply, chunk: dict, started: float) -> None:
         delta = choice.get("delta") or {}
         content = delta.get("content") if "delta" in choice else choice.get("text")
         if content:
+            reply.token_times.append(time.perf_counter() - started)
             if reply.ttft is None:
-                reply.ttft = time.perf_counter() - started
+                reply.ttft = reply.token_times[0]
             reply.text += content
             reply.content_chunks += 1
         if choice.get("finish_reason"):
