@@ -3,7 +3,8 @@
 #   make serve   set up if needed, then serve SmolLM2 on 127.0.0.1:30000, 25% of each prompt kept,
 #                ranked by the learned question-agnostic score (POLICY=topk SCORE=learned BUDGET=0.25
 #                PORT=30000; POLICY=none serves stock SGLang; WORKERS=2 starts two workers behind
-#                SGLang's cache-aware router, each with its own KV pool)
+#                SGLang's cache-aware router, each with its own KV pool; API_KEY=... ADMIN_API_KEY=...
+#                protect every port it opens: docs/deployment.md)
 #   make test    set up if needed, then run the whole test suite
 #   make test-fast  the suite without the tests that start a server (a few minutes)
 
@@ -23,6 +24,9 @@ WORKERS ?= 1
 # BUDGET and SCORE go through --kv-evict-default: the launcher applies each only where POLICY takes it
 # (no budget for none, full, dbudget; a score only to the policies that accept it), see its --help.
 EVICT_DEFAULTS := --kv-evict-default budget=$(BUDGET) --kv-evict-default score=$(SCORE)
+API_KEY ?=
+ADMIN_API_KEY ?=
+KEY_FLAGS := $(if $(API_KEY),--api-key $(API_KEY)) $(if $(ADMIN_API_KEY),--admin-api-key $(ADMIN_API_KEY))
 
 .PHONY: setup serve test test-fast clean-venv
 
@@ -42,7 +46,7 @@ $(STAMP): requirements/cpu.txt pyproject.toml
 	touch $(STAMP)
 
 serve: setup
-	$(PY) -m sgl_kvevict.server --model smollm2 --port $(PORT) --workers $(WORKERS) --kv-evict-policy $(POLICY) $(EVICT_DEFAULTS)
+	$(PY) -m sgl_kvevict.server --model smollm2 --port $(PORT) --workers $(WORKERS) --kv-evict-policy $(POLICY) $(EVICT_DEFAULTS) $(KEY_FLAGS)
 
 test: setup
 	$(PY) -m pytest tests -v --durations=15
