@@ -43,7 +43,7 @@ import aiohttp
 
 from benchmarks.load.client import STATS_PATH, StreamedReply, get_json, stream_completion
 from benchmarks.load.conversations import Conversation, ConversationSpec, build_conversations, model_token_counter
-from benchmarks.load.report import environment
+from benchmarks.load.report import environment, write_report
 from benchmarks.load.servers import VANILLA_POLICY, ServerError, ServerVariant, launched_server
 from benchmarks.load.soak import flush_when_idle, stats_leaks
 
@@ -342,10 +342,7 @@ def run(config: OverheadConfig, out: Path, name: str, log_dir: Path, argv: Seque
         **results,
         "ratios": ratios(results["vanilla"]["summary"], results["policy"]["summary"]),
     }
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
-    (out / f"{name}.md").write_text(markdown(report))
-    log(f"wrote {out / (name + '.json')}, {name}.md")
+    write_report(out, name, report, markdown(report), log)
     return report
 
 

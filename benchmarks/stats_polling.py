@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import multiprocessing
 import os
 import shlex
@@ -39,7 +38,7 @@ from typing import Callable, Optional, Sequence
 import aiohttp
 
 from benchmarks.load.client import STATS_PATH, stream_completion
-from benchmarks.load.report import environment
+from benchmarks.load.report import environment, write_report
 from benchmarks.load.servers import VANILLA_POLICY, ServerError, ServerVariant, launched_server
 from benchmarks.load.metrics import percentile
 
@@ -223,10 +222,7 @@ def run(config: PollingConfig, out: Path, name: str, log_dir: Path, argv: Sequen
         },
         "servers": servers,
     }
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
-    (out / f"{name}.md").write_text(markdown(report))
-    log(f"wrote {out / (name + '.json')}, {name}.md")
+    write_report(out, name, report, markdown(report), log)
     return report
 
 

@@ -52,6 +52,14 @@ def _git(*args: str) -> Optional[str]:
         return None
 
 
+def write_report(out: Path, name: str, report: dict, text: str, log) -> None:
+    """``<name>.json`` (every sample) and ``<name>.md`` (``text``) into ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / f"{name}.md").write_text(text)
+    log(f"wrote {out / (name + '.json')}, {name}.md")
+
+
 def environment() -> dict:
     """The machine and versions a result was measured with."""
     status = _git("status", "--porcelain")
