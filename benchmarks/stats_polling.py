@@ -189,7 +189,7 @@ def markdown(report: dict) -> str:
         "",
         "Reading it: the stats route is a plain FastAPI handler on the HTTP process's thread pool; with a policy it "
         "asks the scheduler's stats thread over a ZeroMQ socket, and that thread builds the snapshot from counters "
-        "under a lock (`EngineState.stats_snapshot`). On a 2-core machine the poller, the HTTP process and the "
+        "under a lock (`engine.stats.EngineStats`). On a 2-core machine the poller, the HTTP process and the "
         "scheduler share the cores, so part of any slowdown is CPU contention rather than the route itself; "
         "vanilla's row (the route answers without the scheduler) measures that share. Ratios from one run on a "
         "shared machine; compare them, not absolute numbers across runs.",

@@ -1,5 +1,5 @@
 """Client-chosen eviction options, in-process: the allow-list, the refusals a client reads, the bounded
-cache of setups, and the scheduler's safety net (``EngineState.setup_for``)."""
+cache of setups, and the scheduler's safety net (``engine.setups.Setups``)."""
 
 from __future__ import annotations
 
