@@ -38,15 +38,17 @@ def client(address):
 
 
 class CountingProvider:
-    """Counts calls and records the thread each ran on; sleeps ``delays[call]`` seconds if given."""
+    """Counts calls and records the thread and time of each; sleeps ``delays[call]`` seconds if given."""
 
     def __init__(self, delays: dict[int, float] | None = None):
         self.calls = 0
         self.threads: set[str] = set()
+        self.times: list[float] = []
         self.delays = delays or {}
 
     def __call__(self) -> dict:
         self.calls += 1
+        self.times.append(time.monotonic())
         self.threads.add(threading.current_thread().name)
         time.sleep(self.delays.get(self.calls, 0.0))
         return {"policy": "lava", "calls": self.calls}
@@ -63,12 +65,36 @@ def test_fetch_returns_the_providers_dict_computed_on_the_serving_thread(address
         server.close()
 
 
-def test_concurrent_handlers_share_one_client(address, client):
-    server = StatsServer(CountingProvider(), address)
+def test_concurrent_handlers_share_one_client_and_each_gets_a_snapshot_taken_after_it_asked(address, client):
+    provider = CountingProvider()
+    server = StatsServer(provider, address)
+
+    def fetch(_):
+        before = provider.calls
+        return before, client.fetch(timeout_s=5)["calls"]
+
     try:
         with ThreadPoolExecutor(8) as pool:
-            replies = list(pool.map(lambda _: client.fetch(timeout_s=5), range(32)))
-        assert sorted(reply["calls"] for reply in replies) == list(range(1, 33))
+            replies = list(pool.map(fetch, range(32)))
+        assert all(calls > before for before, calls in replies)
+        # Handlers waiting while a snapshot is taken share the next one.
+        assert provider.calls < 32
+    finally:
+        server.close()
+
+
+def test_a_tight_loop_of_fetches_asks_the_scheduler_once_per_interval(address, client):
+    """Every fetch is fresh, but the scheduler takes at most one snapshot per ``MIN_FETCH_INTERVAL_S``."""
+    provider = CountingProvider()
+    server = StatsServer(provider, address)
+    try:
+        replies, deadline = [], time.monotonic() + 0.5
+        while time.monotonic() < deadline:
+            replies.append(client.fetch(timeout_s=5)["calls"])
+        assert replies == list(range(1, len(replies) + 1))
+        gaps = [later - earlier for earlier, later in zip(provider.times, provider.times[1:])]
+        assert min(gaps) >= 0.9 * stats_channel.MIN_FETCH_INTERVAL_S
+        assert len(replies) <= 0.5 / stats_channel.MIN_FETCH_INTERVAL_S + 2
     finally:
         server.close()
 

@@ -12,7 +12,12 @@ address (a socket file in a private temporary directory it removes at shutdown) 
   apart may straddle one scheduler step, which is fine for monitoring.
 * HTTP process: ``fetch_stats(timeout_s)`` asks over a REQ socket and raises ``StatsUnavailable`` if
   no answer comes in time (the REQ socket is then replaced: a REQ socket that sent without receiving
-  cannot send again).
+  cannot send again). It asks the scheduler at most once per ``MIN_FETCH_INTERVAL_S``: every answer
+  is a snapshot taken after its request arrived, but requests that arrive while one is being taken
+  share the next one, and a request arriving sooner after the last one waits for the interval. A
+  client polling in a tight loop therefore costs the scheduler at most 20 snapshots a second: each
+  takes the scheduler process's GIL from the scheduler thread, and unthrottled (about 240 a second)
+  they doubled decode's inter-token latency p99 (docs/deployment.md#signals-and-faults).
 
 The provider returns a JSON-serialisable dict (the factory's ``snapshot``; the README lists every
 field). The ones monitoring needs most:
@@ -39,12 +44,14 @@ import json
 import logging
 import os
 import threading
+import time
 from typing import Callable, Optional
 
 import zmq
 
 ADDRESS_ENV_VAR = "KVEVICT_STATS_ADDRESS"
 REQUEST = b"stats"
+MIN_FETCH_INTERVAL_S = 0.05
 # How often the serving thread wakes to see whether it was closed.
 POLL_INTERVAL_MS = 200
 
@@ -90,26 +97,43 @@ class StatsServer:
 
 
 class StatsClient:
-    """The REQ side; thread-safe (HTTP handlers run on a thread pool)."""
+    """The REQ side; thread-safe (HTTP handlers run on a thread pool). ``min_interval_s``: the least time
+    between two snapshots asked of the scheduler (module docstring)."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, min_interval_s: float = MIN_FETCH_INTERVAL_S):
         self._address = address
+        self._min_interval_s = min_interval_s
         self._lock = threading.Lock()
         self._socket: Optional[zmq.Socket] = None
+        self._last: Optional[tuple[float, dict]] = None  # (when the last snapshot was asked for, it)
 
     def fetch(self, timeout_s: float) -> dict:
+        """A snapshot the scheduler took after this call began."""
+        arrived = time.monotonic()
         with self._lock:
-            if self._socket is None:
-                self._socket = zmq.Context.instance().socket(zmq.REQ)
-                self._socket.connect(self._address)
-            # Connecting never waits for the peer: the request is queued until the REP side binds.
-            self._socket.send(REQUEST)
-            if not self._socket.poll(int(timeout_s * 1000), zmq.POLLIN):
-                self._discard_socket()
-                raise StatsUnavailable(
-                    f"the scheduler did not answer within {timeout_s:g} s (is the sgl_kvevict engine loaded?)"
-                )
-            reply = json.loads(self._socket.recv())
+            if self._last is not None:
+                asked, stats = self._last
+                if asked >= arrived:  # asked for while this call waited for the lock: fresh enough
+                    return stats
+                time.sleep(max(0.0, asked + self._min_interval_s - time.monotonic()))
+            asked = time.monotonic()
+            stats = self._ask(timeout_s)
+            self._last = (asked, stats)
+            return stats
+
+    def _ask(self, timeout_s: float) -> dict:
+        """One round trip to the scheduler; the caller holds the lock."""
+        if self._socket is None:
+            self._socket = zmq.Context.instance().socket(zmq.REQ)
+            self._socket.connect(self._address)
+        # Connecting never waits for the peer: the request is queued until the REP side binds.
+        self._socket.send(REQUEST)
+        if not self._socket.poll(int(timeout_s * 1000), zmq.POLLIN):
+            self._discard_socket()
+            raise StatsUnavailable(
+                f"the scheduler did not answer within {timeout_s:g} s (is the sgl_kvevict engine loaded?)"
+            )
+        reply = json.loads(self._socket.recv())
         if "error" in reply:
             raise StatsUnavailable(reply["error"])
         return reply["stats"]
