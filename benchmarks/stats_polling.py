@@ -188,8 +188,10 @@ def markdown(report: dict) -> str:
     lines += [
         "",
         "Reading it: the stats route is a plain FastAPI handler on the HTTP process's thread pool; with a policy it "
-        "asks the scheduler's stats thread over a ZeroMQ socket, and that thread builds the snapshot from counters "
-        "under a lock (`engine.stats.EngineStats`). On a 2-core machine the poller, the HTTP process and the "
+        "asks the scheduler's stats thread over a ZeroMQ socket, at most once per 50 ms (`engine/stats_channel.py`: "
+        "every answer is a snapshot taken after its request arrived, polls that come faster wait), so the polls "
+        "answered per second are the rate the route allows, not the poller's. Each snapshot takes the scheduler "
+        "process's GIL from the scheduler thread. On a 2-core machine the poller, the HTTP process and the "
         "scheduler share the cores, so part of any slowdown is CPU contention rather than the route itself; "
         "vanilla's row (the route answers without the scheduler) measures that share. Ratios from one run on a "
         "shared machine; compare them, not absolute numbers across runs.",
