@@ -12,7 +12,7 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import aiohttp
 
@@ -84,13 +84,15 @@ async def stream_completion(
     payload: dict,
     abort_after_chunks: Optional[int] = None,
     abort_after_seconds: Optional[float] = None,
+    on_token: Optional[Callable[[float], None]] = None,
 ) -> StreamedReply:
     """POST a streaming (chat) completion and read it to the end.
 
     ``abort_after_chunks``: close the connection once that many content chunks arrived (a client
     that gives up mid-decode). ``abort_after_seconds``: close it that long after sending if no token
     arrived yet (a client that gives up mid-prefill). An aborted reply has ``error`` starting with
-    ``aborted``.
+    ``aborted``. ``on_token(seconds)``: called as each content chunk arrives, with its time since
+    sending (a caller that acts mid-stream, e.g. sends another request once N tokens are out).
     """
     payload = {**payload, "stream": True, "stream_options": {"include_usage": True}}
     reply = StreamedReply()
@@ -127,7 +129,10 @@ async def stream_completion(
                 if "error" in chunk:
                     reply.error = f"error in stream: {str(chunk['error'])[:300]}"
                     return reply
+                chunks_before = reply.content_chunks
                 _apply_chunk(reply, chunk, started)
+                if on_token is not None and reply.content_chunks > chunks_before:
+                    on_token(reply.token_times[-1])
                 if abort_after_chunks is not None and reply.content_chunks >= abort_after_chunks:
                     response.close()
                     reply.error = f"aborted after {reply.content_chunks} tokens"
