@@ -40,6 +40,16 @@ def status_of(url: str, method: str = "GET", key: str | None = None, payload: di
         return error.code
 
 
+def post_status(server: RunningServer, payload: dict, path: str = "/generate") -> tuple[int, str]:
+    """POST ``payload``; the HTTP status and body, an error status included."""
+    request = urllib.request.Request(server.base_url + path, data=json.dumps(payload).encode(), headers=server.headers())
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
 def stats(server: RunningServer) -> dict:
     return get(server, "/kvevict/stats")
 

@@ -10,7 +10,8 @@ last bit may order differently; the fp32 tiny model has none on these prompts (t
 
 Block scope: a later chunk reads the blocks of earlier chunks compressed (they were stored and their
 dense slots freed: compress while prefilling), which is the reference engine's block schedule fed in
-the same forwards (``Schedule`` steps at the chunk ends).
+the same forwards (``Schedule`` steps at the chunk ends). With it a prompt longer than the pool is
+served, and a request that cannot fit even compressed is refused rather than left waiting.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from engine_client import (
     assert_same_plan,
     assert_strict_idle_check_passed,
     generate,
+    post_status,
     request_options,
     stats,
 )
@@ -94,33 +96,63 @@ def test_a_chunked_prompt_keeps_what_the_unchunked_reference_keeps(
     assert_no_leak_after_flush(server)
 
 
-@pytest.mark.parametrize("policy,score", [("topk", "attn"), ("ada-snapkv", "learned")])
-def test_block_scope_compresses_each_block_at_its_chunk(policy, score, tiny_llama_dir, tmp_path, reference, learned_weights):
-    """Chunks of 256 tokens, blocks of 128: blocks 0-1 are stored after the first chunk, so the second
-    chunk's prefill and scoring read them compressed, as the reference's schedule with the same steps."""
-    block, chunk, length = 128, 256, 700
-    overrides = {"score": score, "budget": "0.3", **({"learned_weights": learned_weights} if score == "learned" else {})}
-    config = EvictionConfig.for_policy(policy, **overrides)
-    flags = ("--kv-evict-policy", "snapkv", "--kv-evict-budget", "0.3", "--kv-evict-per-request", "--kv-evict-scope",
-             "block", "--kv-evict-block-size", str(block), "--chunked-prefill-size", str(chunk), "--max-total-tokens", "4096",
-             *TINY_SERVER_FLAGS)  # fmt: skip
-    prompt = random_prompt(length, seed=3)
+BLOCK, BLOCK_CHUNK, BLOCK_POOL, BLOCK_BUDGET = 128, 256, 1000, "0.3"
+
+
+@pytest.fixture(scope="module")
+def block_server(tiny_llama_dir, tmp_path_factory):
+    """Block scope, chunks of 256 tokens, blocks of 128, a pool of 1000 slots: a fresh prompt of up to
+    ~2170 tokens fits compressed while prefilling (``PrefillFootprint.longest_prompt``)."""
+    dump_dir = tmp_path_factory.mktemp("block-plans")
+    flags = ("--kv-evict-policy", "snapkv", "--kv-evict-budget", BLOCK_BUDGET, "--kv-evict-per-request",
+             "--kv-evict-scope", "block", "--kv-evict-block-size", str(BLOCK), "--chunked-prefill-size", str(BLOCK_CHUNK),
+             "--max-total-tokens", str(BLOCK_POOL), *TINY_SERVER_FLAGS)  # fmt: skip
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(PLAN_DUMP_ENV, str(tmp_path))
-        with running_server(tiny_llama_dir, tmp_path, *flags) as server:
-            response = generate(server, prompt, 4, rid="blocks", options=request_options(config))
-            blocks = [Segment(start, start + block) for start in range(0, length - 1 - block + 1, block)]
-            ends = [*range(chunk, length, chunk), length]
-            steps = [
-                PrefillStep(end, tuple(b for b in blocks if begin < b.end <= end)) for begin, end in zip([0, *ends], ends)
-            ]
-            expected = reference.generate_scheduled(
-                Prompt.from_ids(prompt), build_policy(config).for_model(tiny_llama_dir), Schedule(tuple(steps)), 4
-            )
-            assert len(expected.plans) == len(blocks) == 5
-            for index, plan in enumerate(expected.plans):
-                assert_same_plan(torch.load(tmp_path / f"blocks.block{index}.pt"), plan)
-            assert tuple(response["output_ids"]) == expected.output_ids
-            assert stats(server)["chunked_prefills"] == 1
-            assert_no_leak_after_flush(server)
-            assert_strict_idle_check_passed(server)
+        patch.setenv(PLAN_DUMP_ENV, str(dump_dir))
+        with running_server(tiny_llama_dir, tmp_path_factory.mktemp("blocks"), *flags) as running:
+            yield running, dump_dir
+            assert_strict_idle_check_passed(running)
+
+
+@pytest.mark.parametrize("policy,score", [("topk", "attn"), ("ada-snapkv", "learned")])
+def test_block_scope_compresses_each_block_at_its_chunk(policy, score, block_server, reference, learned_weights, tiny_llama_dir):
+    """Blocks 0-1 are stored after the first chunk, so the second chunk's prefill and scoring read them
+    compressed, as the reference's schedule with the same steps."""
+    server, dump_dir = block_server
+    length = 700
+    overrides = {"score": score, "budget": BLOCK_BUDGET, **({"learned_weights": learned_weights} if score == "learned" else {})}
+    config = EvictionConfig.for_policy(policy, **overrides)
+    prompt = random_prompt(length, seed=3)
+    chunked_before = stats(server)["chunked_prefills"]
+    rid = f"blocks-{policy}-{score}"
+    response = generate(server, prompt, 4, rid=rid, options=request_options(config))
+    blocks = [Segment(start, start + BLOCK) for start in range(0, length - 1 - BLOCK + 1, BLOCK)]
+    ends = [*range(BLOCK_CHUNK, length, BLOCK_CHUNK), length]
+    steps = [PrefillStep(end, tuple(b for b in blocks if begin < b.end <= end)) for begin, end in zip([0, *ends], ends)]
+    expected = reference.generate_scheduled(
+        Prompt.from_ids(prompt), build_policy(config).for_model(tiny_llama_dir), Schedule(tuple(steps)), 4
+    )
+    assert len(expected.plans) == len(blocks) == 5
+    for index, plan in enumerate(expected.plans):
+        assert_same_plan(torch.load(dump_dir / f"{rid}.block{index}.pt"), plan)
+    assert tuple(response["output_ids"]) == expected.output_ids
+    assert stats(server)["chunked_prefills"] == chunked_before + 1
+    assert_no_leak_after_flush(server)
+
+
+def test_a_prompt_longer_than_the_pool_is_served_and_one_that_cannot_fit_is_refused(block_server):
+    """Compress while prefilling: a 1600-token prompt in a 1000-slot pool is served (stock SGLang refuses
+    any prompt longer than its pool). A follow-up whose cached prefix (compressed blocks plus the dense
+    tail and reply) and new tokens exceed the pool at their peak is refused with an error instead of
+    waiting forever for room that can never come."""
+    server, _ = block_server
+    prompt = random_prompt(1600, seed=5)
+    first = generate(server, prompt, 2)
+    assert first["meta_info"]["finish_reason"]["type"] == "length", first["meta_info"]
+    after = stats(server)
+    assert after["compressed_nodes"] == (len(prompt) - 1) // BLOCK, after  # every block ends before the last token
+    follow_up = [*prompt, *first["output_ids"], *random_prompt(500, seed=6)]
+    status, body = post_status(server, {"input_ids": follow_up, "sampling_params": {"max_new_tokens": 2}})
+    assert status == 400, (status, body[:500])
+    assert "the KV pool holds" in body, body[:500]
+    assert_no_leak_after_flush(server)

@@ -10,9 +10,11 @@ not patched):
   the maximum allowed length (M tokens)").
 * ``admit_by_footprint`` (AROUND ``PrefillAdder._check_prefill_budget``): a prompt is admitted when its
   peak, not its dense length, fits what the pool has left (SGLang then prefills it chunk by chunk; a
-  continuing chunk only needs room for itself). A request whose own eviction options
-  (``--kv-evict-per-request``) hold it dense and whose prompt can never fit is finished with an error
-  instead of waiting forever.
+  continuing chunk only needs room for itself). A request that can never fit is finished with an error
+  instead of waiting forever: one whose own eviction options (``--kv-evict-per-request``) hold it dense
+  and whose prompt is longer than the pool, and one whose matched prefix plus the peak of its new
+  tokens exceed the pool (a cached prefix may hold dense what a fresh prefill would have compressed:
+  the tail of its last block and earlier replies).
 
 Both do nothing unless the served setup compresses while prefilling (block scope, chunked prefill, a
 budget, scores from the prefill itself).
@@ -65,14 +67,21 @@ def admit_by_footprint(original, adder, req, *, extend_input_len: int, total_tok
 
     tree = adder.tree_cache
     if isinstance(tree, CompressedRadixCache):
+        pool = tree.token_to_kv_pool_allocator.size
         footprint = tree.coordinator.footprint_of(req)
         if footprint is not None:
-            total_tokens += footprint.peak_slots(req.prefix_len, req.prefix_len + extend_input_len) - extend_input_len
-        elif served_footprint() is not None and extend_input_len + 1 > tree.token_to_kv_pool_allocator.size:
-            req.set_finish_with_abort(
-                f"Input length ({extend_input_len} tokens) exceeds what the KV pool holds with this request's own "
-                f"eviction options, which keep a prompt dense while it is prefilled "
-                f"({tree.token_to_kv_pool_allocator.size} tokens)"
-            )
-            return False, None  # it is admitted next round as SGLang's one-token stub of an aborted request
+            peak = footprint.peak_slots(req.prefix_len, req.prefix_len + extend_input_len)
+            held = tree.path_slots(req.last_node)
+            if held + peak > pool:
+                return _refuse(req, f"Input length ({req.prefix_len + extend_input_len} tokens) needs {held + peak} KV "
+                                    f"slots at its peak with its cached prefix ({held} of them); the KV pool holds {pool}")  # fmt: skip
+            total_tokens += peak - extend_input_len
+        elif served_footprint() is not None and extend_input_len + 1 > pool:
+            return _refuse(req, f"Input length ({extend_input_len} tokens) exceeds what the KV pool holds with this "
+                                f"request's own eviction options, which keep a prompt dense while it is prefilled ({pool} tokens)")  # fmt: skip
     return original(adder, req, extend_input_len=extend_input_len, total_tokens=total_tokens, **kwargs)
+
+
+def _refuse(req, reason: str):
+    req.set_finish_with_abort(reason)
+    return False, None  # it is admitted next round as SGLang's one-token stub of an aborted request

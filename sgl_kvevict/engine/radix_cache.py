@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import math
 import time
 from typing import Optional
 
@@ -275,6 +276,14 @@ class CompressedRadixCache(RadixCache):
         segment = node_record(node).segment
         slots = len(node.value) if segment is None else segment.num_cells / self.arena.cells_per_slot
         return NodeCost(len(node.key), slots)
+
+    def path_slots(self, node: TreeNode) -> int:
+        """Slots the path from the root to ``node`` holds (what a request that matched it keeps locked)."""
+        slots = 0.0
+        while node is not self.root_node:
+            slots += self._cost(node).slots
+            node = node.parent
+        return math.ceil(slots)
 
     def evict(self, params: EvictParams) -> EvictResult:
         """Free ``params.num_tokens`` slots into SGLang's allocator: moves first (nothing is lost), then
