@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from engine_client import (
+    ANY_REQUEST_OPTIONS,
     TINY_SERVER_FLAGS,
     assert_no_leak_after_flush,
     assert_same_plan,
@@ -68,7 +69,7 @@ def random_prompt(length: int, seed: int) -> list[int]:
 @pytest.fixture(scope="module", params=CHUNK_SIZES, ids=lambda size: f"chunk{size}")
 def chunked_server(request, tiny_llama_dir, tmp_path_factory):
     dump_dir = tmp_path_factory.mktemp("plans")
-    flags = ("--kv-evict-policy", "snapkv", "--kv-evict-per-request", "--max-total-tokens", "8192",
+    flags = ("--kv-evict-policy", "snapkv", *ANY_REQUEST_OPTIONS, "--max-total-tokens", "8192",
              "--chunked-prefill-size", str(request.param), *TINY_SERVER_FLAGS)  # fmt: skip
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(PLAN_DUMP_ENV, str(dump_dir))
@@ -104,7 +105,7 @@ def block_server(tiny_llama_dir, tmp_path_factory):
     """Block scope, chunks of 256 tokens, blocks of 128, a pool of 1000 slots: a fresh prompt of up to
     ~2170 tokens fits compressed while prefilling (``PrefillFootprint.longest_prompt``)."""
     dump_dir = tmp_path_factory.mktemp("block-plans")
-    flags = ("--kv-evict-policy", "snapkv", "--kv-evict-budget", BLOCK_BUDGET, "--kv-evict-per-request",
+    flags = ("--kv-evict-policy", "snapkv", "--kv-evict-budget", BLOCK_BUDGET, *ANY_REQUEST_OPTIONS,
              "--kv-evict-scope", "block", "--kv-evict-block-size", str(BLOCK), "--chunked-prefill-size", str(BLOCK_CHUNK),
              "--max-total-tokens", str(BLOCK_POOL), *TINY_SERVER_FLAGS)  # fmt: skip
     with pytest.MonkeyPatch.context() as patch:
