@@ -1,7 +1,7 @@
 """Chunked prefill: what a chunk size costs a long prompt, and what it spares the requests already running.
 
     python -m benchmarks.chunked_prefill                          # SmolLM2: stock and topk:learned@0.25, chunks -1,512,1024,2048
-    python -m benchmarks.chunked_prefill --chunk-sizes -1,1024 --policies topk:learned --scopes request,block
+    python -m benchmarks.chunked_prefill --chunk-sizes=-1,1024 --policies topk:learned --scopes request,block
 
 Starts the real launcher (benchmarks/load/servers.py), one server at a time, for stock SGLang and every
 policy variant, each with every ``--chunk-sizes`` value (-1: one forward per prompt), all at the same
@@ -181,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--budget", default="0.25", help="their budget (default 0.25)")
     parser.add_argument("--scopes", default="request", help="comma-separated scopes of the policies (default request)")
     parser.add_argument("--block-size", type=int, help="block size in block scope (default: the launcher's)")
-    parser.add_argument("--chunk-sizes", default="-1,512,1024,2048", help="comma-separated --chunked-prefill-size values; -1: none (default -1,512,1024,2048)")
+    parser.add_argument("--chunk-sizes", default="-1,512,1024,2048", help="comma-separated --chunked-prefill-size values, -1: none; a list that starts with -1 needs the = form, --chunk-sizes=-1,512 (default -1,512,1024,2048)")
     parser.add_argument("--prompt-tokens", type=int, default=4096, help="TTFT prompt length (default 4096)")
     parser.add_argument("--samples", type=int, default=3, help="TTFT prompts per server (default 3)")
     parser.add_argument("--arrival-tokens", type=int, default=7000, help="the prompt that arrives during the decode (default 7000)")
