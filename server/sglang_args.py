@@ -18,8 +18,9 @@ CPU_DEFAULT_MAX_TOTAL_TOKENS = 65536
 # machine can exceed its RAM and make the fraction negative. On CPU --max-total-tokens sizes the pool;
 # this only caps it.
 CPU_MEM_FRACTION_STATIC = 0.5
-# Prefill chunk on CPU (SGLang picks one from GPU memory on CUDA): chosen by measurement, TTFT of a
-# long prompt against the decode stall of running requests (docs/cpu-mode.md, "Chunked prefill").
+# Prefill chunk on CPU: SGLang picks one from GPU memory on CUDA (2048 below 20 GB,
+# arg_groups/memory_hook.py) and none on CPU; we take its smallest GPU default, so a long prompt no
+# longer stalls running decodes for its whole prefill (docs/cpu-mode.md, "Chunked prefill").
 CPU_CHUNKED_PREFILL_SIZE = 2048
 
 Defaults = tuple[tuple[str, tuple[str, ...]], ...]
