@@ -312,6 +312,7 @@ def test_request_scope_holds_a_chunked_span_until_its_last_chunk():
     (node,) = harness.compressed_nodes()
     assert (node_record(node).segment.start, node_record(node).segment.end) == (0, 150 - WINDOW)
     harness.finish(req)
+    assert harness.stats.chunked_prefills == 1 and harness.stats.chunked_prefills_aborted == 0
     harness.assert_cells_hold_their_entries()
     harness.assert_ledger()
 
@@ -323,6 +324,7 @@ def test_an_abort_between_chunks_frees_everything_the_request_held():
     harness.next_chunk(req, 64)  # blocks 0-1 stored, block 2 in progress
     assert len(harness.compressed_nodes()) == 2
     harness.abort(req)
+    assert harness.stats.chunked_prefills_aborted == 1 and harness.stats.chunked_prefills == 0
     harness.assert_ledger()
     assert harness.coordinator.reconstructor is None
     harness.flush()

@@ -124,6 +124,8 @@ class CompressionCoordinator:
         record = request_record(req)
         if record is None:
             return
+        if record.prefill_forwards and not record.prefilled:
+            self.stats.count("chunked_prefills_aborted")
         if self.reconstructor is not None:
             self.reconstructor.drop(req, self.store)
         record.compressions.clear()

@@ -45,6 +45,7 @@ COUNTERS = {
     "dense_nodes_evicted": "Dense radix nodes evicted under memory pressure (/flush_cache not counted).",
     "arena_cells_moved": "Cells moved to give whole slots back to SGLang's allocator.",
     "chunked_prefills": "Requests whose prompt took more than one prefill forward (chunked prefill).",
+    "chunked_prefills_aborted": "Requests released between two prefill forwards of their prompt (aborted between chunks).",
 }
 DEFAULT_INTERVAL_SECONDS = 1.0
 

@@ -32,8 +32,10 @@ class EngineStats:
     such reuse); ``compressed_nodes_created`` (a split's head counts as a new node);
     ``compression_races_lost`` (spans a request scored but found compressed by a concurrent request
     at its checkpoint: its plan is dropped before any cell is taken); ``chunked_prefills`` (requests
-    whose prompt took more than one forward); ``reconstructions_skipped`` (spans left dense because
-    running requests held every slot a KVzip pass needed); evictions by kind
+    whose prompt took more than one forward); ``chunked_prefills_aborted`` (requests released after
+    some but not all of their prompt's forwards: a client abort between chunks);
+    ``reconstructions_skipped`` (spans left dense because running requests held every slot a KVzip
+    pass needed); evictions by kind
     (``dense_nodes_evicted``, ``dense_slots_evicted``, ``compressed_nodes_evicted``,
     ``compressed_cells_evicted``; ``/flush_cache`` not counted). ``served_histogram`` maps "distinct
     requests a node served" to the number of nodes, over every node created since start.
@@ -49,6 +51,7 @@ class EngineStats:
     compressed_nodes_created: int = 0
     compression_races_lost: int = 0
     chunked_prefills: int = 0
+    chunked_prefills_aborted: int = 0
     reconstructions_skipped: int = 0
     request_option_errors: int = 0
     dense_nodes_evicted: int = 0
