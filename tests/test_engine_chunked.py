@@ -150,6 +150,7 @@ def test_a_prompt_longer_than_the_pool_is_served_and_one_that_cannot_fit_is_refu
     prompt = random_prompt(1600, seed=5)
     first = generate(server, prompt, 2)
     assert first["meta_info"]["finish_reason"]["type"] == "length", first["meta_info"]
+    assert len(first["output_ids"]) == 2  # SGLang alone would clip the answer to nothing (prompt + answer > pool)
     after = stats(server)
     assert after["compressed_nodes"] == (len(prompt) - 1) // BLOCK, after  # every block ends before the last token
     follow_up = [*prompt, *first["output_ids"], *random_prompt(500, seed=6)]

@@ -1,6 +1,6 @@
 """Compress while prefilling, as SGLang's admission and length checks see it (``sgl_kvevict.footprint``).
 
-Two hooks through SGLang's plugin ``HookRegistry`` (registered by ``engine.plugin``; SGLang's source is
+Three hooks through SGLang's plugin ``HookRegistry`` (registered by ``engine.plugin``; SGLang's source is
 not patched):
 
 * ``raise_length_limits`` (AFTER ``TpModelWorker.get_worker_info``): the longest prompt SGLang accepts
@@ -15,8 +15,12 @@ not patched):
   and whose prompt is longer than the pool, and one whose matched prefix plus the peak of its new
   tokens exceed the pool (a cached prefix may hold dense what a fresh prefill would have compressed:
   the tail of its last block and earlier replies).
+* ``clip_answer_by_footprint`` (AROUND ``BaseTokenToKVPoolAllocator.max_new_tokens_for_memory``): SGLang
+  clips a request's answer so that its prompt and answer fit the empty pool dense, which leaves no
+  answer at all to a prompt longer than the pool; such a prompt (only ever served compressed) holds
+  its peak instead.
 
-Both do nothing unless the served setup compresses while prefilling (block scope, chunked prefill, a
+All three do nothing unless the served setup compresses while prefilling (block scope, chunked prefill, a
 budget, scores from the prefill itself).
 """
 
@@ -60,6 +64,13 @@ def raise_length_limits(info: tuple, worker, *args, **kwargs) -> Optional[tuple]
     patched = list(info)
     patched[_MAX_REQ_LEN], patched[_MAX_REQ_INPUT_LEN] = max_req_len, max_req_len - _INPUT_MARGIN
     return tuple(patched)
+
+
+def clip_answer_by_footprint(original, allocator, input_tokens: int, max_new_tokens: int, *, token_capacity: int, **kwargs):
+    footprint = served_footprint()
+    if footprint is not None and input_tokens + 1 >= token_capacity:
+        input_tokens = min(input_tokens, footprint.peak_slots(0, input_tokens))
+    return original(allocator, input_tokens, max_new_tokens, token_capacity=token_capacity, **kwargs)
 
 
 def admit_by_footprint(original, adder, req, *, extend_input_len: int, total_tokens: int, **kwargs):

@@ -12,8 +12,8 @@ entry point is how ours get there (docs/sglang.md#processes-and-plugin-loading).
 * hooks through SGLang's ``HookRegistry`` (applied by its plugin loader; SGLang's source is not
   patched): AFTER the scheduler's ``process_batch_result``, the coordinator runs one piece of queued
   KVzip reconstruction work (``CompressionCoordinator.between_batches``), as work of its own between
-  batches; and the two hooks of compress-while-prefilling (``engine.admission``) on the longest prompt
-  SGLang accepts and on its prefill admission.
+  batches; and the three hooks of compress-while-prefilling (``engine.admission``) on the longest prompt
+  SGLang accepts, on its prefill admission and on the answer length it allows.
 
 Everything heavy is imported inside the factories, which run only in the scheduler process.
 """
@@ -26,9 +26,11 @@ from sgl_kvevict.serving import RADIX_CACHE_BACKEND, ServingConfig
 
 # Called once per scheduler batch, after its results (and the checkpoints of its requests) are processed.
 SCHEDULER_BATCH_DONE = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
-# Compress while prefilling (engine.admission): the longest prompt SGLang accepts, and its admission.
+# Compress while prefilling (engine.admission): the longest prompt SGLang accepts, its admission, and
+# the answer length it allows a prompt.
 WORKER_INFO = "sglang.srt.managers.tp_worker.TpModelWorker.get_worker_info"
 PREFILL_BUDGET_CHECK = "sglang.srt.managers.schedule_policy.PrefillAdder._check_prefill_budget"
+ANSWER_CLIP = "sglang.srt.mem_cache.allocator.base.BaseTokenToKVPoolAllocator.max_new_tokens_for_memory"
 
 
 def register() -> None:
@@ -40,7 +42,7 @@ def register() -> None:
     from sglang.srt.mem_cache.registry import register_radix_cache_backend, registered_radix_cache_backends
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sgl_kvevict.engine.admission import admit_by_footprint, raise_length_limits
+    from sgl_kvevict.engine.admission import admit_by_footprint, clip_answer_by_footprint, raise_length_limits
     from sgl_kvevict.engine.pool import install_contiguous_kv_buffers
 
     install_contiguous_kv_buffers()
@@ -51,6 +53,7 @@ def register() -> None:
     HookRegistry.register(SCHEDULER_BATCH_DONE, _after_batch, HookType.AFTER)
     HookRegistry.register(WORKER_INFO, raise_length_limits, HookType.AFTER)
     HookRegistry.register(PREFILL_BUDGET_CHECK, admit_by_footprint, HookType.AROUND)
+    HookRegistry.register(ANSWER_CLIP, clip_answer_by_footprint, HookType.AROUND)
 
 
 def _after_batch(_result, scheduler, *args, **kwargs) -> None:
