@@ -35,10 +35,10 @@ import aiohttp
 
 from benchmarks.load.client import stream_completion
 from benchmarks.load.metrics import percentile
+from benchmarks.cli import add_output_args, log_folder
 from benchmarks.load.report import environment, write_report
 from benchmarks.load.servers import ServerError, ServerVariant, launched_server, server_variants
 
-DEFAULT_OUT = Path(__file__).resolve().parents[1] / "docs" / "results"
 STREAM_PROMPT = "Write a long story about a lighthouse keeper and the ships she guides home."
 # SmolLM2's vocabulary is 49152 ids; ids from this range are ordinary word pieces.
 TOKEN_IDS = range(1000, 40000)
@@ -188,9 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stream-tokens", type=int, default=200, help="tokens the streamed request decodes (default 200)")
     parser.add_argument("--arrive-after", type=int, default=20, help="its tokens out before the long prompt is sent (default 20)")
     parser.add_argument("--pool-tokens", type=int, default=16000, help="--max-total-tokens of every server (default 16000)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default docs/results)")
-    parser.add_argument("--name", default="chunked_prefill", help="output file stem (default chunked_prefill)")
-    parser.add_argument("--log-dir", type=Path, default=Path("/tmp/kvevict-chunked-prefill"), help="server logs")
+    add_output_args(parser, "chunked_prefill")
     return parser
 
 
@@ -212,7 +210,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         payload = {"meta": meta, "runs": runs, "against_unchunked": against_unchunked(runs)}
         write_report(args.out, args.name, payload, markdown(payload), print)
 
-    run(variants, config, args.log_dir, write)
+    run(variants, config, log_folder(args.log_dir, "chunked-prefill"), write)
     return 0
 
 

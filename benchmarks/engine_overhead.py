@@ -34,7 +34,6 @@ import os
 import shlex
 import statistics
 import sys
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -43,11 +42,11 @@ import aiohttp
 
 from benchmarks.load.client import STATS_PATH, StreamedReply, get_json, stream_completion
 from benchmarks.load.conversations import Conversation, ConversationSpec, build_conversations, model_token_counter
+from benchmarks.cli import add_output_args, benchmark_parser, log_folder
 from benchmarks.load.report import environment, write_report
 from benchmarks.load.servers import VANILLA_POLICY, ServerError, ServerVariant, launched_server
 from benchmarks.load.soak import flush_when_idle, stats_leaks
 
-DEFAULT_OUT = Path(__file__).resolve().parents[1] / "docs" / "results"
 CHAT_PATH = "/v1/chat/completions"
 # A short first request: the server skips SGLang's warm-up, so the first forward pays one-off costs.
 WARM_UP_MESSAGE = "Say hello."
@@ -347,12 +346,7 @@ def run(config: OverheadConfig, out: Path, name: str, log_dir: Path, argv: Seque
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.engine_overhead",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__.split("\n\n", 1)[1],
-    )
+    parser = benchmark_parser("engine_overhead", __doc__)
     parser.add_argument("--model", default="smollm2", help="bundled model name or HF folder (default smollm2)")
     parser.add_argument("--policy", default="lava", help="--kv-evict-policy of the compressing server (default lava)")
     parser.add_argument("--budget", default="0.25", help="--kv-evict-budget of the compressing server (default 0.25)")
@@ -367,13 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--turn2-runs", type=int, default=3, help="conversations timed at turn 2, with and without reuse (default 3)")
     parser.add_argument("--answer-tokens", type=int, default=16, help="turn-1 answer cap, part of turn 2's history (default 16)")
     parser.add_argument("--seed", type=int, default=0, help="document seed (default 0)")
-    parser.add_argument(
-        "--server-arg", action="append", default=[],
-        help="extra launcher/SGLang flag for both servers, e.g. --server-arg=--kv-evict-window=64 (repeatable)",
-    )  # fmt: skip
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
-    parser.add_argument("--name", default="engine_overhead", help="output file stem (default engine_overhead)")
-    parser.add_argument("--log-dir", type=Path, help="server logs (default: a new temporary folder)")
+    add_output_args(parser, "engine_overhead", server_arg_for="both servers")
     return parser
 
 
@@ -390,8 +378,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         )  # fmt: skip
     except ValueError as error:
         parser.error(str(error))
-    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="engine-overhead-logs-"))
-    print(f"server logs in {log_dir}", flush=True)
+    log_dir = log_folder(args.log_dir, "engine-overhead")
     try:
         report = run(config, args.out, args.name, log_dir, argv, lambda m: print(m, flush=True))
     except (ServerError, MeasurementError) as error:

@@ -51,12 +51,12 @@ from benchmarks.load.driver import (
     sweep_pools,
     workload,
 )
+from benchmarks.cli import RESULTS_DIR, add_output_args, benchmark_parser, log_folder
 from benchmarks.load.report import environment, load_comparison, write_comparison
 from benchmarks.load.servers import VANILLA_POLICY, ServerError, ServerVariant, launched_server, server_variants
 from benchmarks.load.soak import SoakConfig, SoakError, flush_when_idle, run_soak
 from benchmarks.load.users import LoadError, LoadSettings, run_users
 
-DEFAULT_OUT = Path(__file__).resolve().parents[1] / "docs" / "results"
 # --quick: 4 users x 4 turns over ~1,000-token documents, every turn a fact question.
 QUICK = {"users": 4, "turns": 4, "document_tokens": 1000, "fact_every": 1}
 FULL = {"users": 8, "turns": 6, "document_tokens": 2000, "fact_every": 2}
@@ -95,7 +95,7 @@ def _add_workload_flags(parser: argparse.ArgumentParser, preset: dict) -> None:
         "--request-timeout", type=float, default=900.0, help="seconds before a request counts as failed (default 900)"
     )
     parser.add_argument("--model", default="smollm2", help="bundled model name or HF folder (default smollm2)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="output folder (default docs/results)")
     parser.set_defaults(preset=preset)
 
 
@@ -138,12 +138,7 @@ def _workload(args: argparse.Namespace) -> tuple[ConversationSpec, LoadSettings]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.multiturn",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__.split("\n\n", 1)[1],
-    )
+    parser = benchmark_parser("multiturn", __doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
     comparison = commands.add_parser(
@@ -194,9 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="longest chat prompt, also the size of prompts aborted mid-prefill; keep it below the pool (default 1200)",
     )
     soak.add_argument("--seed", type=int, default=0, help="fault and prompt seed (default 0)")
-    soak.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
-    soak.add_argument("--name", default="soak", help="output file stem (default soak)")
-    soak.add_argument("--log-dir", type=Path, help="server log (default: a new temporary folder)")
+    add_output_args(soak, "soak")
     return parser
 
 
@@ -367,8 +360,8 @@ def run_soak_command(args: argparse.Namespace, argv: Sequence[str]) -> int:
     else:
         variant = ServerVariant(args.policy, args.budget)
         server_description = f"{variant.label}, --max-total-tokens {args.pool_tokens}, model {args.model}"
-        log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="soak-logs-"))
-        log(f"starting {server_description} (log in {log_dir})")
+        log_dir = log_folder(args.log_dir, "soak")
+        log(f"starting {server_description}")
         with launched_server(args.model, variant, args.pool_tokens, log_dir) as server:
             report = asyncio.run(run_soak(server.base_url, config, count_tokens, log))
             report.server_alive = server.is_running()

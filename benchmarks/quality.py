@@ -46,6 +46,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from benchmarks.cli import RESULTS_DIR, benchmark_parser
 from benchmarks.numerics import numerics_environment, numerics_probe, tasks_fingerprint
 from benchmarks.quality_report import FULL, CellKey, CellResult, SampleResult, load_report, write_outputs
 from benchmarks.tasks import TASK_KINDS, Task, task_suite
@@ -53,7 +54,6 @@ from sgl_kvevict.config import ConfigError, EvictionConfig, build_policy
 from sgl_kvevict.policies import Policy, get_policy_class, registered_policies
 from sgl_kvevict.reference import Mode, Prompt, ReferenceEngine
 
-DEFAULT_OUT = Path(__file__).resolve().parents[1] / "docs" / "results"
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -376,12 +376,7 @@ def _csv(text: str) -> tuple[str, ...]:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[GridConfig, argparse.Namespace]:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.quality",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__.split("\n\n", 1)[1],
-    )
+    parser = benchmark_parser("quality", __doc__)
     parser.add_argument("--quick", action="store_true", help="small grid, a few minutes: " + str(QUICK_DEFAULTS))
     parser.add_argument(
         "--policies",
@@ -406,7 +401,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[GridConfig, argpar
     parser.add_argument(
         "--threads", type=int, default=1, help="torch intra-op threads (default 1: fastest on a shared 2-core machine)"
     )
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     parser.add_argument(
         "--resume", action="store_true", help="continue the run checkpointed in --out/quality.json (same grid)"
     )

@@ -31,7 +31,6 @@ import os
 import shlex
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -42,12 +41,12 @@ import aiohttp
 from benchmarks.intervals import wilson
 from benchmarks.load.client import STATS_PATH, StreamedReply, get_json, numeric_fields, stream_completion
 from benchmarks.load.conversations import model_token_counter
+from benchmarks.cli import add_output_args, benchmark_parser, log_folder
 from benchmarks.load.report import environment
 from benchmarks.load.servers import ServerError, ServerVariant, check_launcher_accepts, launched_server, server_variants
 from benchmarks.load.soak import flush_when_idle
 from benchmarks.tasks import TASK_KINDS, Task, task_suite
 
-DEFAULT_OUT = Path(__file__).resolve().parents[1] / "docs" / "results"
 CHAT_PATH = "/v1/chat/completions"
 SUMMARY_INSTRUCTION = "Summarise the text above in one sentence."
 
@@ -279,12 +278,7 @@ def write_outputs(servers: list[dict], meta: dict, out: Path, name: str) -> list
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.reuse_quality",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__.split("\n\n", 1)[1],
-    )
+    parser = benchmark_parser("reuse_quality", __doc__)
     parser.add_argument("--model", default="smollm2", help="bundled model name or HF folder (default smollm2)")
     parser.add_argument("--policies", default="lava", help="comma-separated name[:score] besides stock (default lava)")
     parser.add_argument("--budget", default="0.25", help="--kv-evict-budget of every policy server (default 0.25)")
@@ -295,10 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--summary-tokens", type=int, default=48, help="turn 1's answer cap (default 48)")
     parser.add_argument("--answer-tokens", type=int, default=8, help="turn 2's answer cap (default 8)")
     parser.add_argument("--pool-tokens", type=int, default=16384, help="--max-total-tokens of every server (default 16384)")
-    parser.add_argument("--server-arg", action="append", default=[], help="extra launcher flag for every server (repeatable)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
-    parser.add_argument("--name", default="reuse_quality", help="output file stem (default reuse_quality)")
-    parser.add_argument("--log-dir", type=Path, help="server logs (default: a new temporary folder)")
+    add_output_args(parser, "reuse_quality", server_arg_for="every server")
     parser.add_argument("--resume", action="store_true", help="keep the finished servers of --out/<name>.json")
     return parser
 
@@ -342,7 +333,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(str(error))
     tasks = task_suite(config.seed, config.samples, config.document_tokens, model_token_counter(config.model), config.kinds)
     meta = {"command": "python -m benchmarks.reuse_quality " + " ".join(shlex.quote(a) for a in argv), "config": asdict(config)}
-    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="reuse-quality-logs-"))
+    log_dir = log_folder(args.log_dir, "reuse-quality")
     servers: list[dict] = []
     try:
         for index, variant in enumerate(variants, 1):

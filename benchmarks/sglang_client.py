@@ -29,7 +29,6 @@ import json
 import os
 import shlex
 import sys
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -37,6 +36,7 @@ from typing import Callable, Optional, Sequence
 import aiohttp
 
 from benchmarks.load.client import STATS_PATH, StatsSampler, get_json, stream_completion
+from benchmarks.cli import add_output_args, benchmark_parser, log_folder
 from benchmarks.load.report import _pyplot, environment
 from benchmarks.load.servers import (
     ServerError,
@@ -47,7 +47,6 @@ from benchmarks.load.servers import (
 )
 from benchmarks.load.soak import flush_when_idle, stats_leaks
 
-DEFAULT_OUT = Path("docs/results")
 CHAT_PATH = "/v1/chat/completions"
 # The client's result fields kept per server (it also reports the server's whole configuration).
 CLIENT_FIELDS = (
@@ -312,12 +311,7 @@ def _csv(text: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.sglang_client",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__.split("\n\n", 1)[1],
-    )
+    parser = benchmark_parser("sglang_client", __doc__)
     defaults = Workload()
     parser.add_argument("--model", default="smollm2", help="bundled model name or HF folder (default smollm2)")
     parser.add_argument(
@@ -340,13 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         default = getattr(defaults, flag.replace("-", "_"))
         workload.add_argument(f"--{flag}", type=int, default=default, help=f"{help_text} (default {default})")
-    parser.add_argument(
-        "--server-arg", action="append", default=[],
-        help="extra launcher/SGLang flag for every server, e.g. --server-arg=--kv-evict-window=16 (repeatable)",
-    )  # fmt: skip
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
-    parser.add_argument("--name", default="sglang_client", help="output file stem (default sglang_client)")
-    parser.add_argument("--log-dir", type=Path, help="server and client logs (default: a new temporary folder)")
+    add_output_args(parser, "sglang_client", server_arg_for="every server")
     return parser
 
 
@@ -365,9 +353,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             check_launcher_accepts(args.model, variant, args.pool_tokens, tuple(args.server_arg))
     except (ValueError, ServerError) as error:
         parser.error(str(error))
-    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="sglang-client-logs-"))
-    log_dir.mkdir(parents=True, exist_ok=True)
-    print(f"server and client logs in {log_dir}", flush=True)
+    log_dir = log_folder(args.log_dir, "sglang-client")
     report = run(
         args.model, variants, args.pool_tokens, workload, tuple(args.server_arg), args.out, args.name, log_dir, argv,
         lambda message: print(message, flush=True),

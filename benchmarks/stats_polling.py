@@ -27,7 +27,6 @@ import multiprocessing
 import os
 import shlex
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -38,11 +37,11 @@ from typing import Callable, Optional, Sequence
 import aiohttp
 
 from benchmarks.load.client import STATS_PATH, stream_completion
+from benchmarks.cli import add_output_args, benchmark_parser, log_folder
 from benchmarks.load.report import environment, write_report
 from benchmarks.load.servers import VANILLA_POLICY, ServerError, ServerVariant, launched_server
 from benchmarks.load.metrics import percentile
 
-DEFAULT_OUT = Path(__file__).resolve().parents[1] / "docs" / "results"
 CHAT_PATH = "/v1/chat/completions"
 PHASES = ("quiet", "polled")
 # About 600 tokens of SmolLM2's tokenizer: long enough that the policy compresses the prompt.
@@ -229,21 +228,14 @@ def run(config: PollingConfig, out: Path, name: str, log_dir: Path, argv: Sequen
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.stats_polling",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__.split("\n\n", 1)[1],
-    )
+    parser = benchmark_parser("stats_polling", __doc__)
     parser.add_argument("--model", default="smollm2", help="bundled model name or HF folder (default smollm2)")
     parser.add_argument("--policy", default="topk:learned", help="policy[:score] of the compressing server (default topk:learned)")
     parser.add_argument("--budget", default="0.25", help="--kv-evict-budget of the compressing server (default 0.25)")
     parser.add_argument("--pool-tokens", type=int, default=16384, help="--max-total-tokens of both servers (default 16384)")
     parser.add_argument("--tokens", type=int, default=128, help="output tokens per request (default 128)")
     parser.add_argument("--rounds", type=int, default=5, help="quiet + polled request pairs per server (default 5)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
-    parser.add_argument("--name", default="stats_polling", help="output file stem (default stats_polling)")
-    parser.add_argument("--log-dir", type=Path, help="server logs (default: a new temporary folder)")
+    add_output_args(parser, "stats_polling")
     return parser
 
 
@@ -255,8 +247,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         config = PollingConfig(args.model, args.policy, args.budget, args.pool_tokens, args.tokens, args.rounds)
     except ValueError as error:
         parser.error(str(error))
-    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="stats-polling-logs-"))
-    print(f"server logs in {log_dir}", flush=True)
+    log_dir = log_folder(args.log_dir, "stats-polling")
     try:
         run(config, args.out, args.name, log_dir, argv, lambda m: print(m, flush=True))
     except (ServerError, MeasurementError) as error:

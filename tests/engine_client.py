@@ -28,26 +28,26 @@ def get(server: RunningServer, path: str) -> dict:
         return json.loads(response.read())
 
 
-def status_of(url: str, method: str = "GET", key: str | None = None, payload: dict | None = None) -> int:
-    """The HTTP status ``url`` answers ``method`` with, presenting ``key`` (or none)."""
+def reply_of(url: str, method: str = "GET", key: str | None = None, payload: dict | None = None) -> tuple[int, str]:
+    """The HTTP status and body ``url`` answers ``method`` with (an error status included), presenting
+    ``key`` (or none)."""
     data = None if payload is None else json.dumps(payload).encode()
     request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json", **authorization(key)})
-    try:
-        with urllib.request.urlopen(request, timeout=120) as response:
-            response.read()
-            return response.status
-    except urllib.error.HTTPError as error:
-        return error.code
-
-
-def post_status(server: RunningServer, payload: dict, path: str = "/generate") -> tuple[int, str]:
-    """POST ``payload``; the HTTP status and body, an error status included."""
-    request = urllib.request.Request(server.base_url + path, data=json.dumps(payload).encode(), headers=server.headers())
     try:
         with urllib.request.urlopen(request, timeout=120) as response:
             return response.status, response.read().decode()
     except urllib.error.HTTPError as error:
         return error.code, error.read().decode()
+
+
+def status_of(url: str, method: str = "GET", key: str | None = None, payload: dict | None = None) -> int:
+    """The HTTP status ``url`` answers ``method`` with, presenting ``key`` (or none)."""
+    return reply_of(url, method, key, payload)[0]
+
+
+def post_status(server: RunningServer, payload: dict, path: str = "/generate") -> tuple[int, str]:
+    """POST ``payload`` with the server's key; the HTTP status and body, an error status included."""
+    return reply_of(server.base_url + path, "POST", server.api_key, payload)
 
 
 def stats(server: RunningServer) -> dict:

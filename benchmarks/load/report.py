@@ -26,8 +26,6 @@ from benchmarks.load.servers import ServerVariant
 from benchmarks.load.users import outcome_from_json, outcome_to_json
 
 REPO = Path(__file__).resolve().parents[2]
-
-
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
