@@ -54,6 +54,7 @@ class ChunkedConfig:
     stream_tokens: int
     arrive_after: int
     pool_tokens: int
+    launcher_extra: tuple[str, ...] = ()
 
     def __post_init__(self):
         if not self.chunk_sizes or any(size == 0 or size < -1 for size in self.chunk_sizes):
@@ -119,7 +120,7 @@ def run(variants: Sequence[ServerVariant], config: ChunkedConfig, log_dir: Path,
     runs: list[dict] = []
     for variant in variants:
         for chunk in config.chunk_sizes:
-            extra = ("--chunked-prefill-size", str(chunk))
+            extra = (*config.launcher_extra, "--chunked-prefill-size", str(chunk))
             label = f"{variant.label} chunk {chunk}"
             log(f"{label}: starting")
             with launched_server(config.model, variant, config.pool_tokens, log_dir, extra=extra) as server:
@@ -188,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stream-tokens", type=int, default=200, help="tokens the streamed request decodes (default 200)")
     parser.add_argument("--arrive-after", type=int, default=20, help="its tokens out before the long prompt is sent (default 20)")
     parser.add_argument("--pool-tokens", type=int, default=16000, help="--max-total-tokens of every server (default 16000)")
-    add_output_args(parser, "chunked_prefill")
+    add_output_args(parser, "chunked_prefill", server_arg_for="every server")
     return parser
 
 
@@ -197,7 +198,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         config = ChunkedConfig(
             args.model, tuple(int(size) for size in args.chunk_sizes.split(",")), args.prompt_tokens, args.samples,
-            args.arrival_tokens, args.stream_tokens, args.arrive_after, args.pool_tokens,
+            args.arrival_tokens, args.stream_tokens, args.arrive_after, args.pool_tokens, tuple(args.server_arg),
         )  # fmt: skip
         variants = server_variants(args.policies.split(","), [args.budget], args.scopes.split(","), args.block_size)
     except (ValueError, ServerError) as error:

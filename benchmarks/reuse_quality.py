@@ -15,7 +15,8 @@ rate), and ``/kvevict/stats`` read before and after turn 2 shows what the engine
 fields that changed). The cache is flushed before each sample.
 
 Servers: stock SGLang (``--kv-evict-policy none``), then each policy ``name[:score]`` at ``--budget``,
-started by the real launcher one at a time with the same ``--max-total-tokens``. Reported per server:
+started by the real launcher one at a time with the same ``--max-total-tokens`` (``--policy-pool-tokens``
+gives the policy servers another, e.g. a pool smaller than the document). Reported per server:
 accuracy with its 95% Wilson interval, the ratio to stock, the reuse rate, and the median TTFT of both
 turns: turn 1 pays for the compression (first-turn TTFT ratio), turn 2 gains from the reuse; the net
 cost per reuse is turn 1's extra TTFT minus turn 2's saving. Writes ``<name>.json`` (every sample) and
@@ -68,8 +69,13 @@ class ReuseConfig:
     answer_tokens: int  # turn 2's answer cap
     pool_tokens: int
     launcher_extra: tuple[str, ...] = ()
+    scopes: tuple[str, ...] = ("request",)
+    block_size: Optional[int] = None
+    policy_pool_tokens: Optional[int] = None  # the policy servers' pool, when not stock's
 
     def __post_init__(self):
+        if self.policy_pool_tokens is not None and self.policy_pool_tokens < 1:
+            raise ReuseError("--policy-pool-tokens must be >= 1")
         if self.samples < 1 or self.summary_tokens < 1 or self.answer_tokens < 1:
             raise ReuseError("--samples, --summary-tokens and --answer-tokens must be >= 1")
         if self.document_tokens < 64:
@@ -79,7 +85,11 @@ class ReuseConfig:
             raise ReuseError(f"unknown task kinds {unknown}; valid: {', '.join(TASK_KINDS)}")
 
     def variants(self) -> tuple[ServerVariant, ...]:
-        return server_variants(self.policies, (self.budget,))
+        return server_variants(self.policies, (self.budget,), self.scopes, self.block_size)
+
+    def pool_of(self, variant: ServerVariant) -> int:
+        """``--max-total-tokens`` of ``variant``'s server."""
+        return self.pool_tokens if variant.is_vanilla or self.policy_pool_tokens is None else self.policy_pool_tokens
 
 
 @dataclass(frozen=True)
@@ -190,8 +200,9 @@ def run_server(
     config: ReuseConfig, variant: ServerVariant, tasks: Sequence[Task], log_dir: Path, log: Callable[[str], None]
 ) -> dict:
     load_average = os.getloadavg()
-    log(f"{variant.label}: starting the server (--max-total-tokens {config.pool_tokens}; load average {load_average[0]:.2f})")
-    with launched_server(config.model, variant, config.pool_tokens, log_dir, config.launcher_extra) as server:
+    pool = config.pool_of(variant)
+    log(f"{variant.label}: starting the server (--max-total-tokens {pool}; load average {load_average[0]:.2f})")
+    with launched_server(config.model, variant, pool, log_dir, config.launcher_extra) as server:
         records = asyncio.run(run_samples(server.base_url, config, tasks, log))
     summary = summarize(records)
     log(
@@ -201,6 +212,7 @@ def run_server(
     return {
         "label": variant.label,
         "variant": asdict(variant),
+        "pool_tokens": pool,
         "load_average": load_average,
         "summary": summary,
         "samples": [asdict(r) for r in records],
@@ -217,7 +229,7 @@ def markdown(payload: dict) -> str:
         "",
         f"Machine: {env['cpu_model']}, {env['cpu_cores']} cores, no GPU (CPU development mode). SGLang {env['sglang']}, "
         f"sgl-kvevict {env['git_commit']}{' (uncommitted changes)' if env['git_worktree_dirty'] else ''}, {env['date']}. "
-        f"Model `{config['model']}`, every server with `--max-total-tokens {config['pool_tokens']}`.",
+        f"Model `{config['model']}`, " + pools_sentence(config) + ".",
         "",
         f"{config['samples']} samples (kinds {', '.join(config['kinds'])}, seed {config['seed']}), documents of "
         f"~{config['document_tokens']} tokens. Turn 1: document + \"{SUMMARY_INSTRUCTION}\" (up to "
@@ -259,6 +271,13 @@ def markdown(payload: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def pools_sentence(config: dict) -> str:
+    pool, policy_pool = config["pool_tokens"], config.get("policy_pool_tokens")
+    if policy_pool is None or policy_pool == pool:
+        return f"every server with `--max-total-tokens {pool}`"
+    return f"stock with `--max-total-tokens {pool}`, the policy servers with {policy_pool}"
+
+
 def _fmt(value: Optional[float]) -> str:
     return "-" if value is None else f"{value:.2f}"
 
@@ -288,7 +307,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kinds", default="passkey,multikey,fact", help="task kinds (default passkey,multikey,fact)")
     parser.add_argument("--summary-tokens", type=int, default=48, help="turn 1's answer cap (default 48)")
     parser.add_argument("--answer-tokens", type=int, default=8, help="turn 2's answer cap (default 8)")
+    parser.add_argument("--scopes", default="request", help="comma-separated scopes of every policy: request, block (default request)")
+    parser.add_argument("--block-size", type=int, help="--kv-evict-block-size in block scope (default: the launcher's)")
     parser.add_argument("--pool-tokens", type=int, default=16384, help="--max-total-tokens of every server (default 16384)")
+    parser.add_argument(
+        "--policy-pool-tokens", type=int,
+        help="--max-total-tokens of the policy servers instead, e.g. a pool smaller than the document (default: --pool-tokens)",
+    )  # fmt: skip
     add_output_args(parser, "reuse_quality", server_arg_for="every server")
     parser.add_argument("--resume", action="store_true", help="keep the finished servers of --out/<name>.json")
     return parser
@@ -324,10 +349,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             answer_tokens=args.answer_tokens,
             pool_tokens=args.pool_tokens,
             launcher_extra=tuple(args.server_arg),
+            scopes=tuple(s.strip() for s in args.scopes.split(",") if s.strip()),
+            block_size=args.block_size,
+            policy_pool_tokens=args.policy_pool_tokens,
         )
         variants = config.variants()
         for variant in variants:  # the launcher's own refusal, before minutes of stock's samples
-            check_launcher_accepts(config.model, variant, config.pool_tokens, config.launcher_extra)
+            check_launcher_accepts(config.model, variant, config.pool_of(variant), config.launcher_extra)
         done = {server["label"]: server for server in _resumed(args, config)}
     except (ReuseError, ServerError) as error:
         parser.error(str(error))
