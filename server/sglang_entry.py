@@ -11,7 +11,7 @@ import sys
 
 from sgl_kvevict.compat import activate_cpu_mode
 
-CPU_MODE = activate_cpu_mode()
+activate_cpu_mode()
 
 STATS_ROUTE = "/kvevict/stats"
 # The scheduler answers between two forward passes at worst; a longer wait means it is not serving.
@@ -74,42 +74,6 @@ def add_request_option_checks(serving) -> None:
     HookRegistry.apply_hooks()
 
 
-# What a fork server imports once for SGLang's child processes, when forking this process is unsafe.
-FORKSERVER_PRELOAD = ["__main__", "sglang.srt.managers.scheduler", "sglang.srt.managers.detokenizer_manager"]
-
-
-def native_thread_count() -> int:
-    """Threads of this process, native ones (OpenMP, ZMQ) included."""
-    return len(os.listdir("/proc/self/task"))
-
-
-def fork_sglang_children() -> None:
-    """CPU mode: SGLang starts its scheduler and detokenizer with ``spawn`` (a CUDA context cannot be
-    forked), and every spawned child imports SGLang again: ~12 s of CPU each on these machines, two
-    thirds of a server's start. Without CUDA nothing forbids forking, so right after SGLang sets its
-    start method this hook sets ``fork`` (the children inherit this process's imports, hooks and
-    plugins, as spawned ones rebuild them) when this process has no thread but its main one, which
-    makes a fork safe (no lock held by another thread); otherwise ``forkserver`` with SGLang's
-    process modules preloaded (one import for both children). Measured on the tiny test model: 45 s
-    of CPU per server start with spawn, 33 s with the fork server, 22 s with fork."""
-    import multiprocessing
-
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    from sgl_kvevict.server.processes import log
-
-    def choose_start_method(*args, **kwargs):
-        threads = native_thread_count()
-        method = "fork" if threads == 1 else "forkserver"
-        multiprocessing.set_start_method(method, force=True)
-        if method == "forkserver":
-            multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
-        log(f"CPU mode: SGLang's scheduler and detokenizer start by {method} ({threads} thread(s) here), not spawn")
-
-    HookRegistry.register("sglang.srt.entrypoints.engine._set_envs_and_config", choose_start_method, HookType.AFTER)
-    HookRegistry.apply_hooks()
-
-
 def main(argv: list[str]) -> None:
     from sglang.launch_server import run_server
     from sglang.srt.entrypoints.http_server import app
@@ -126,8 +90,6 @@ def main(argv: list[str]) -> None:
     serving = ServingConfig.from_env()
     add_stats_route(app, serving)
     add_request_option_checks(serving)
-    if CPU_MODE:
-        fork_sglang_children()
     try:
         run_server(server_args)
     finally:

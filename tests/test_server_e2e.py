@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import random
 import re
 
-import psutil
 import pytest
 
 from serving import running_server
@@ -31,15 +29,6 @@ def pass_key_prompt(pass_key: str, depth: float, filler_sentences: int, seed: in
     )
 
 
-def command_lines(processes: list) -> list[str]:
-    """The command lines of those of ``processes`` still running (a short-lived one may be gone)."""
-    lines = []
-    for process in processes:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            lines.append(" ".join(process.cmdline()).strip())
-    return lines
-
-
 def test_tiny_model_chat_and_prefix_cache(tiny_llama_dir, tmp_path):
     prompt = "remember the document about the radix tree and the cache " * 12
     with running_server(tiny_llama_dir, tmp_path) as server:
@@ -55,12 +44,7 @@ def test_tiny_model_chat_and_prefix_cache(tiny_llama_dir, tmp_path):
         assert 0.5 * first["usage"]["prompt_tokens"] < cached < second["usage"]["prompt_tokens"]
         log = server.log()
         assert "policy=none" in log
-        children = command_lines(psutil.Process(server.process.pid).children(recursive=True))
     if cpu_mode_needed():
-        # SGLang's children forked, not spawned: no spawn child, no resource tracker (server/sglang_entry.py).
-        assert "CPU mode: SGLang's scheduler and detokenizer start by fork (1 thread(s) here), not spawn" in log
-        assert not [c for c in children if "multiprocessing" in c], children
-        assert {"sglang::scheduler", "sglang::detokenizer"} <= set(children), children
         # SGLang's warning per model module the CPU mode cannot import, folded into one line
         # (sgl_kvevict/compat/skipped_models.py).
         assert "Ignore import error" not in log
