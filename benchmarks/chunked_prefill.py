@@ -55,13 +55,14 @@ class ChunkedConfig:
     arrive_after: int
     pool_tokens: int
     launcher_extra: tuple[str, ...] = ()
+    arrival_output_tokens: int = 1  # tokens the arriving prompt decodes (ignore_eos)
 
     def __post_init__(self):
         if not self.chunk_sizes or any(size == 0 or size < -1 for size in self.chunk_sizes):
             raise ValueError("--chunk-sizes: positive token counts, or -1 for no chunking")
         if self.arrive_after >= self.stream_tokens:
             raise ValueError("--arrive-after must be smaller than --stream-tokens")
-        for name in ("prompt_tokens", "samples", "arrival_tokens", "pool_tokens"):
+        for name in ("prompt_tokens", "samples", "arrival_tokens", "pool_tokens", "arrival_output_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
 
@@ -71,9 +72,10 @@ def random_prompt(tokens: int, seed: int) -> list[int]:
     return [rng.choice(TOKEN_IDS) for _ in range(tokens)]
 
 
-async def generate(session: aiohttp.ClientSession, base_url: str, input_ids: list[int]) -> float:
-    """Seconds to prefill ``input_ids`` and sample one token."""
-    payload = {"input_ids": input_ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+async def generate(session: aiohttp.ClientSession, base_url: str, input_ids: list[int], output_tokens: int = 1) -> float:
+    """Seconds to prefill ``input_ids`` and sample ``output_tokens`` tokens."""
+    sampling = {"max_new_tokens": output_tokens, "temperature": 0, "ignore_eos": True}
+    payload = {"input_ids": input_ids, "sampling_params": sampling}
     started = time.perf_counter()
     async with session.post(base_url + "/generate", json=payload) as response:
         body = await response.text()
@@ -96,7 +98,8 @@ async def measure(base_url: str, config: ChunkedConfig, seed: int) -> dict:
         )
         while len(progress) < config.arrive_after and not stream.done():
             await asyncio.sleep(0.01)
-        arrival = asyncio.ensure_future(generate(session, base_url, random_prompt(config.arrival_tokens, seed + 1000)))
+        arrival_ids = random_prompt(config.arrival_tokens, seed + 1000)
+        arrival = asyncio.ensure_future(generate(session, base_url, arrival_ids, config.arrival_output_tokens))
         arrival_sent = progress[-1] if progress else 0.0
         reply = await stream
         arrival_seconds = await arrival
