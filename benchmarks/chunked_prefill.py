@@ -33,9 +33,9 @@ from typing import Optional, Sequence
 
 import aiohttp
 
+from benchmarks.cli import add_output_args, log_folder
 from benchmarks.load.client import stream_completion
 from benchmarks.load.metrics import percentile
-from benchmarks.cli import add_output_args, log_folder
 from benchmarks.load.report import environment, write_report
 from benchmarks.load.servers import ServerError, ServerVariant, launched_server, server_variants
 
