@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import shlex
 import sys
@@ -36,9 +37,11 @@ import aiohttp
 from benchmarks.cli import add_output_args, log_folder
 from benchmarks.load.client import stream_completion
 from benchmarks.load.metrics import percentile
-from benchmarks.load.report import environment, write_report
+from benchmarks.load.report import _pyplot, environment, provenance_line, save_figure, titled_with_legend, write_report
 from benchmarks.load.servers import ServerError, ServerVariant, launched_server, server_variants
 
+# A gap between streamed tokens this long is a stall (decode alone takes ~0.1-0.2 s here).
+STALL_SECONDS = 1.0
 STREAM_PROMPT = "Write a long story about a lighthouse keeper and the ships she guides home."
 # SmolLM2's vocabulary is 49152 ids; ids from this range are ordinary word pieces.
 TOKEN_IDS = range(1000, 40000)
@@ -118,13 +121,21 @@ async def measure(base_url: str, config: ChunkedConfig, seed: int) -> dict:
     }
 
 
-def run(variants: Sequence[ServerVariant], config: ChunkedConfig, log_dir: Path, on_done, log=print) -> list[dict]:
-    """Every variant at every chunk size, one server at a time; ``on_done(runs)`` after each server."""
+def run(
+    variants: Sequence[ServerVariant], config: ChunkedConfig, log_dir: Path, on_done, log=print, done: Sequence[dict] = ()
+) -> list[dict]:
+    """Every variant at every chunk size, one server at a time; ``on_done(runs)`` after each server.
+    ``done``: runs of an earlier invocation with the same config, kept instead of measured again."""
+    kept = {(run["server"], run["chunk_size"]): run for run in done}
     runs: list[dict] = []
     for variant in variants:
         for chunk in config.chunk_sizes:
             extra = (*config.launcher_extra, "--chunked-prefill-size", str(chunk))
             label = f"{variant.label} chunk {chunk}"
+            if (variant.label, chunk) in kept:
+                log(f"{label}: kept from the checkpoint")
+                runs.append(kept[variant.label, chunk])
+                continue
             log(f"{label}: starting")
             with launched_server(config.model, variant, config.pool_tokens, log_dir, extra=extra) as server:
                 figures = asyncio.run(measure(server.base_url, config, seed=len(runs) * 10))
@@ -154,24 +165,45 @@ def markdown(payload: dict) -> str:
     lines = [
         "# Chunked prefill: TTFT of a long prompt, and decode while one arrives",
         "",
-        f"Command: `{meta['command']}`. {meta['environment']['cpu_model']}, {meta['environment']['cpu_cores']} cores, "
-        f"commit {meta['environment']['git_commit']}, {meta['environment']['date']}.",
+        provenance_line(meta),
         "",
         f"TTFT: median of {meta['samples']} prompts of {meta['prompt_tokens']} tokens, one at a time. Decode: a "
         f"streamed request's gaps between tokens while a {meta['arrival_tokens']}-token prompt arrives after its "
         f"first {meta['arrive_after']} tokens ({meta['stream_tokens']} tokens in all). Pool {meta['pool_tokens']} "
         "tokens for every server.",
         "",
-        "| server | chunk | TTFT (s) | TTFT vs unchunked | ITL p50 (s) | ITL p99 (s) | ITL max (s) | max vs unchunked |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        f"The long prompt stalls the stream in one or a few gaps, so p99 over ~{meta['stream_tokens']} gaps can miss "
+        f"it: the longest gap and the gaps over {STALL_SECONDS:g} s (count, sum) show the stall. "
+        f"![gaps between streamed tokens]({payload['plot']})" if payload.get("plot") else "",
+        "",
+        "| server | chunk | TTFT (s) | TTFT vs unchunked | ITL p50 (s) | ITL p99 (s) | ITL max (s) | max vs unchunked "
+        f"| gaps > {STALL_SECONDS:g} s (sum s) | long prompt's latency (s) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for run, ratio in zip(runs, against_unchunked(runs)):
         chunk = "none" if run["chunk_size"] == -1 else str(run["chunk_size"])
+        stalls = [gap for gap in run["itl_gaps"] if gap > STALL_SECONDS]
         lines.append(
             f"| {run['server']} | {chunk} | {run['ttft_median']:.2f} | {_fmt(ratio['ttft_median_vs_unchunked'])} | "
-            f"{run['itl_p50']:.3f} | {run['itl_p99']:.3f} | {run['itl_max']:.2f} | {_fmt(ratio['itl_max_vs_unchunked'])} |"
+            f"{run['itl_p50']:.3f} | {run['itl_p99']:.3f} | {run['itl_max']:.2f} | {_fmt(ratio['itl_max_vs_unchunked'])} | "
+            f"{len(stalls)} ({sum(stalls):.1f}) | {run['arrival_prefill_seconds']:.1f} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def plot(runs: Sequence[dict], path: Path) -> None:
+    """Each server's gaps between streamed tokens against the token's index, one panel per server kind."""
+    plt = _pyplot()
+    kinds = list(dict.fromkeys(run["server"] for run in runs))
+    fig, axes = plt.subplots(1, len(kinds), figsize=(6 * len(kinds), 3.8), squeeze=False)
+    for axis, kind in zip(axes[0], kinds):
+        for run in (r for r in runs if r["server"] == kind):
+            label = "unchunked" if run["chunk_size"] == -1 else f"chunk {run['chunk_size']}"
+            axis.plot(range(2, len(run["itl_gaps"]) + 2), run["itl_gaps"], label=label, linewidth=1.2)
+        axis.set_xlabel("token index", fontsize=9)
+        axis.set_ylabel("seconds since the previous token", fontsize=9)
+        titled_with_legend(axis, f"{kind}: gaps between streamed tokens")
+    save_figure(plt, fig, path)
 
 
 def _fmt(ratio: Optional[float]) -> str:
@@ -193,7 +225,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--arrive-after", type=int, default=20, help="its tokens out before the long prompt is sent (default 20)")
     parser.add_argument("--pool-tokens", type=int, default=16000, help="--max-total-tokens of every server (default 16000)")
     add_output_args(parser, "chunked_prefill", server_arg_for="every server")
+    parser.add_argument("--resume", action="store_true", help="keep the finished servers of --out/<name>.json")
     return parser
+
+
+def resumed_runs(path: Path, config: ChunkedConfig) -> list[dict]:
+    """The runs of the report at ``path``, which must be of the same configuration."""
+    if not path.exists():
+        raise ValueError(f"--resume: {path} does not exist")
+    previous = json.loads(path.read_text())
+    if {name: previous["meta"].get(name) for name in asdict(config)} != json.loads(json.dumps(asdict(config))):
+        raise ValueError(f"--resume: {path} is of another configuration")
+    return previous["runs"]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -204,6 +247,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             args.arrival_tokens, args.stream_tokens, args.arrive_after, args.pool_tokens, tuple(args.server_arg),
         )  # fmt: skip
         variants = server_variants(args.policies.split(","), [args.budget], args.scopes.split(","), args.block_size)
+        done = resumed_runs(args.out / f"{args.name}.json", config) if args.resume else []
     except (ValueError, ServerError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -211,10 +255,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "environment": environment()}  # fmt: skip
 
     def write(runs: list[dict]) -> None:
-        payload = {"meta": meta, "runs": runs, "against_unchunked": against_unchunked(runs)}
+        args.out.mkdir(parents=True, exist_ok=True)
+        plot(runs, args.out / f"{args.name}.png")
+        payload = {"meta": meta, "runs": runs, "against_unchunked": against_unchunked(runs), "plot": f"{args.name}.png"}
         write_report(args.out, args.name, payload, markdown(payload), print)
 
-    run(variants, config, log_folder(args.log_dir, "chunked-prefill"), write)
+    run(variants, config, log_folder(args.log_dir, "chunked-prefill"), write, done=done)
     return 0
 
 

@@ -54,7 +54,7 @@ from benchmarks.load.driver import (
 from benchmarks.cli import RESULTS_DIR, add_output_args, benchmark_parser, log_folder
 from benchmarks.load.report import environment, load_comparison, write_comparison
 from benchmarks.load.servers import VANILLA_POLICY, ServerError, ServerVariant, launched_server, server_variants
-from benchmarks.load.soak import SoakConfig, SoakError, flush_when_idle, run_soak
+from benchmarks.load.soak import SoakConfig, SoakError, SoakReport, combined_summary, flush_when_idle, run_soak
 from benchmarks.load.users import LoadError, LoadSettings, run_users
 
 # --quick: 4 users x 4 turns over ~1,000-token documents, every turn a fact question.
@@ -62,6 +62,10 @@ QUICK = {"users": 4, "turns": 4, "document_tokens": 1000, "fact_every": 1}
 FULL = {"users": 8, "turns": 6, "document_tokens": 2000, "fact_every": 2}
 # The sweep's default: histories longer than its smallest pool (a quarter of all of them).
 SWEEP = {"users": 6, "turns": 4, "document_tokens": 1750, "fact_every": 1}
+# How far past the pool the soak's beyond-pool prompt goes.
+BEYOND_POOL_MARGIN = 256
+# The engine's chunked-prefill counters the soak report quotes.
+CHUNK_COUNTERS = ("chunked_prefills", "chunked_prefills_aborted")
 SETTING_ERRORS = (ConversationError, DriverError, LoadError, SoakError, ValueError)
 
 
@@ -188,8 +192,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-prompt-tokens", type=int, default=1200,
         help="longest chat prompt, also the size of prompts aborted mid-prefill; keep it below the pool (default 1200)",
     )
+    soak.add_argument(
+        "--long-prompt-tokens", type=int,
+        help="also send fresh prompts this long (longer than a prefill chunk), some aborted between chunks, and one "
+        "longer than the pool (needs a started server); default: no long prompts",
+    )  # fmt: skip
+    soak.add_argument("--scopes", default="request", help="comma-separated scopes of the policy, one server each (default request)")
+    soak.add_argument("--block-size", type=int, help="block size in block scope (default: the launcher's)")
     soak.add_argument("--seed", type=int, default=0, help="fault and prompt seed (default 0)")
-    add_output_args(soak, "soak")
+    add_output_args(soak, "soak", server_arg_for="every started server")
     return parser
 
 
@@ -307,15 +318,29 @@ def run_single(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return 0
 
 
-def soak_markdown(summary: dict, meta: dict) -> str:
+def soak_markdown(payload: dict) -> str:
+    meta, summary = payload["meta"], payload["summary"]
     lines = [
         "# Soak: concurrent load with client aborts and invalid requests",
         "",
         f"`{meta['command']}`",
         "",
-        f"Server: {meta['server']}. Machine: {meta['environment']['cpu_model']}, {meta['environment']['cpu_cores']} "
-        f"cores; SGLang {meta['environment']['sglang']}, sgl-kvevict {meta['environment']['git_commit']}, "
-        f"{meta['environment']['date']}.",
+        f"Machine: {meta['environment']['cpu_model']}, {meta['environment']['cpu_cores']} cores; SGLang "
+        f"{meta['environment']['sglang']}, sgl-kvevict {meta['environment']['git_commit']}, {meta['environment']['date']}.",
+        "",
+        f"**{'PASSED' if summary['passed'] else 'FAILED'}**: {summary['requests']} requests on {len(payload['runs'])} "
+        f"server(s) in {summary['seconds']} s; malformed replies {len(summary['malformed'])}, violations "
+        f"{len(summary['violations'])}, leaks {summary['leaks']}.",
+    ]
+    for run in payload["runs"]:
+        lines += ["", *soak_run_markdown(run, meta["server_log_checked"])]
+    return "\n".join(lines) + "\n"
+
+
+def soak_run_markdown(run: dict, log_checked: bool) -> list[str]:
+    summary, stats = run["summary"], run["summary"]["stats_after_flush"]
+    lines = [
+        f"## {run['server']}",
         "",
         f"**{'PASSED' if summary['passed'] else 'FAILED'}**: {summary['requests']} requests in {summary['seconds']} s; "
         f"malformed replies {len(summary['malformed'])}, violations {len(summary['violations'])}, leaks {summary['leaks']}; "
@@ -328,59 +353,80 @@ def soak_markdown(summary: dict, meta: dict) -> str:
     for kind, sent in summary["injected"].items():
         outcomes = ", ".join(f"{k.split(': ', 1)[1]} {n}" for k, n in summary["outcomes"].items() if k.startswith(kind + ": "))
         lines.append(f"| {kind} | {sent} | {outcomes} |")
-    stats = summary["stats_after_flush"]
+    chunked = {name: stats[name] for name in CHUNK_COUNTERS if stats and name in stats}
     lines += [
         "",
-        "Leak checks after `POST /flush_cache`: "
+        ("Chunked prefills (engine counters): " + ", ".join(f"{k} {v}" for k, v in chunked.items()) + ". " if chunked else "")
+        + "Leak checks after `POST /flush_cache`: "
         + (f"`/kvevict/stats` = `{json.dumps(stats)}`; " if stats else "`/kvevict/stats` not served (vanilla); ")
         + "SGLang's idle self-check warnings in the server log: "
-        + (str(len(summary["log_leak_warnings"])) if meta["server_log_checked"] else "not checked (external server)")
+        + (str(len(summary["log_leak_warnings"])) if log_checked else "not checked (external server)")
         + ".",
     ]
     for title, items in (("Violations", summary["violations"]), ("Malformed replies", summary["malformed"])):
         if items:
             lines += ["", f"{title}:", *[f"* {item}" for item in items[:20]]]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
-def run_soak_command(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    config = SoakConfig(
+def _soak_config(args: argparse.Namespace, beyond_pool_tokens: Optional[int]) -> SoakConfig:
+    return SoakConfig(
         seconds=args.seconds,
         max_requests=args.max_requests,
         concurrency=args.concurrency,
         prompt_tokens=(min(40, args.max_prompt_tokens), args.max_prompt_tokens),
         seed=args.seed,
+        long_prompt_tokens=args.long_prompt_tokens,
+        beyond_pool_tokens=beyond_pool_tokens if args.long_prompt_tokens else None,
     )
+
+
+def run_soak_command(args: argparse.Namespace, argv: Sequence[str]) -> int:
     count_tokens = model_token_counter(args.model)
     log = lambda m: print(m, flush=True)  # noqa: E731
-    if args.url:
-        server_description = f"external {args.url}"
-        report = asyncio.run(run_soak(args.url.rstrip("/"), config, count_tokens, log))
-        log_checked = False
-    else:
-        variant = ServerVariant(args.policy, args.budget)
-        server_description = f"{variant.label}, --max-total-tokens {args.pool_tokens}, model {args.model}"
-        log_dir = log_folder(args.log_dir, "soak")
-        log(f"starting {server_description}")
-        with launched_server(args.model, variant, args.pool_tokens, log_dir) as server:
-            report = asyncio.run(run_soak(server.base_url, config, count_tokens, log))
-            report.server_alive = server.is_running()
-            report.log_leak_warnings = server.leak_warnings()
-        log_checked = True
-    summary = report.to_json()
     meta = {
         "command": _command_line(argv),
-        "server": server_description,
-        "server_log_checked": log_checked,
-        "config": asdict(config),
+        "server_log_checked": not args.url,
+        "launcher_extra": list(args.server_arg),
         "environment": environment(),
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.name}.json").write_text(json.dumps({"meta": meta, "summary": summary}, indent=1) + "\n")
-    (args.out / f"{args.name}.md").write_text(soak_markdown(summary, meta))
-    print(f"soak {'passed' if report.passed else 'FAILED'}: {summary['requests']} requests, injected {summary['injected']}")
+    runs: list[tuple[str, SoakConfig, SoakReport]] = []
+    if args.url:
+        config = _soak_config(args, None)
+        report = asyncio.run(run_soak(args.url.rstrip("/"), config, count_tokens, log))
+        runs.append((f"external {args.url}", config, report))
+    else:
+        # A prompt past the pool: served only where the server compresses while prefilling.
+        config = _soak_config(args, args.pool_tokens + BEYOND_POOL_MARGIN)
+        log_dir = log_folder(args.log_dir, "soak")
+        scopes = ["request"] if args.policy == VANILLA_POLICY else _csv(args.scopes)
+        variants = server_variants([args.policy], [args.budget], scopes, args.block_size)
+        for variant in variants[1:] or variants:
+            description = f"{variant.label}, --max-total-tokens {args.pool_tokens}, model {args.model}"
+            log(f"starting {description}")
+            with launched_server(args.model, variant, args.pool_tokens, log_dir, extra=tuple(args.server_arg)) as server:
+                report = asyncio.run(run_soak(server.base_url, config, count_tokens, log))
+                report.server_alive = server.is_running()
+                report.log_leak_warnings = server.leak_warnings()
+            runs.append((description, config, report))
+            _write_soak(args, meta, runs)  # after each server: a later one may not finish
+    summary = _write_soak(args, meta, runs)
+    print(f"soak {'passed' if summary['passed'] else 'FAILED'}: {summary['requests']} requests, injected {summary['injected']}")
     print(f"wrote {args.out / (args.name + '.json')}, {args.name}.md")
-    return 0 if report.passed else 1
+    return 0 if summary["passed"] else 1
+
+
+def _write_soak(args: argparse.Namespace, meta: dict, runs: list[tuple[str, SoakConfig, SoakReport]]) -> dict:
+    """``<name>.json`` and ``.md`` of the servers soaked so far; returns the combined summary."""
+    payload = {
+        "meta": meta,
+        "summary": combined_summary([report for _, _, report in runs]),
+        "runs": [{"server": name, "config": asdict(config), "summary": report.to_json()} for name, config, report in runs],
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{args.name}.json").write_text(json.dumps(payload, indent=1) + "\n")
+    (args.out / f"{args.name}.md").write_text(soak_markdown(payload))
+    return payload["summary"]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

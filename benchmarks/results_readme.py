@@ -221,16 +221,18 @@ OPTIONAL_PARTS = (
 def soak_part(report: dict) -> list[str]:
     meta, s = report["meta"], report["summary"]
     injected = ", ".join(f"{kind} {count}" for kind, count in s["injected"].items())
+    servers = "; ".join(run["server"] for run in report["runs"])
     return [
         "### Soak: faults under load, then leak checks",
         "",
-        f"`{meta['command']}` ({meta['server']}; {_provenance(meta['environment'])}; details: "
+        f"`{meta['command']}` ({servers}; {_provenance(meta['environment'])}; details: "
         "[docs/results/soak.md](docs/results/soak.md))",
         "",
         f"**{'Passed' if s['passed'] else 'FAILED'}**: {s['requests']} requests in {s['seconds']} s ({injected}); "
         f"malformed replies {len(s['malformed'])}, violations {len(s['violations'])}, leaks {s['leaks']} "
-        f"(after `POST /flush_cache`: {json.dumps(s['stats_after_flush'])}), SGLang idle-check warnings "
-        f"{len(s['log_leak_warnings'])}, server healthy and answering afterwards: {s['healthy_after'] and s['final_reply_ok']}.",
+        f"(every `*_used` counter 0 and every `*_free` equal to its total after `POST /flush_cache`), SGLang "
+        f"idle-check warnings {len(s['log_leak_warnings'])}, servers healthy and answering afterwards: "
+        f"{s['healthy_after'] and s['final_reply_ok']}.",
     ]
 
 

@@ -72,6 +72,7 @@ class ReuseConfig:
     scopes: tuple[str, ...] = ("request",)
     block_size: Optional[int] = None
     policy_pool_tokens: Optional[int] = None  # the policy servers' pool, when not stock's
+    stock_extra: tuple[str, ...] = ()  # launcher flags of the stock server only, after launcher_extra
 
     def __post_init__(self):
         if self.policy_pool_tokens is not None and self.policy_pool_tokens < 1:
@@ -90,6 +91,10 @@ class ReuseConfig:
     def pool_of(self, variant: ServerVariant) -> int:
         """``--max-total-tokens`` of ``variant``'s server."""
         return self.pool_tokens if variant.is_vanilla or self.policy_pool_tokens is None else self.policy_pool_tokens
+
+    def extra_of(self, variant: ServerVariant) -> tuple[str, ...]:
+        """The launcher flags ``variant``'s server gets besides its policy and pool."""
+        return self.launcher_extra + (self.stock_extra if variant.is_vanilla else ())
 
 
 @dataclass(frozen=True)
@@ -202,7 +207,7 @@ def run_server(
     load_average = os.getloadavg()
     pool = config.pool_of(variant)
     log(f"{variant.label}: starting the server (--max-total-tokens {pool}; load average {load_average[0]:.2f})")
-    with launched_server(config.model, variant, pool, log_dir, config.launcher_extra) as server:
+    with launched_server(config.model, variant, pool, log_dir, config.extra_of(variant)) as server:
         records = asyncio.run(run_samples(server.base_url, config, tasks, log))
     summary = summarize(records)
     log(
@@ -315,6 +320,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="--max-total-tokens of the policy servers instead, e.g. a pool smaller than the document (default: --pool-tokens)",
     )  # fmt: skip
     add_output_args(parser, "reuse_quality", server_arg_for="every server")
+    parser.add_argument(
+        "--stock-server-arg", action="append", default=[],
+        help="extra launcher/SGLang flag for the stock server only, e.g. --stock-server-arg=--chunked-prefill-size=-1 "
+        "(its answers do not need the policy servers' chunking; repeatable)",
+    )  # fmt: skip
     parser.add_argument("--resume", action="store_true", help="keep the finished servers of --out/<name>.json")
     return parser
 
@@ -352,10 +362,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             scopes=tuple(s.strip() for s in args.scopes.split(",") if s.strip()),
             block_size=args.block_size,
             policy_pool_tokens=args.policy_pool_tokens,
+            stock_extra=tuple(args.stock_server_arg),
         )
         variants = config.variants()
         for variant in variants:  # the launcher's own refusal, before minutes of stock's samples
-            check_launcher_accepts(config.model, variant, config.pool_of(variant), config.launcher_extra)
+            check_launcher_accepts(config.model, variant, config.pool_of(variant), config.extra_of(variant))
         done = {server["label"]: server for server in _resumed(args, config)}
     except (ReuseError, ServerError) as error:
         parser.error(str(error))

@@ -37,7 +37,7 @@ import aiohttp
 
 from benchmarks.load.client import STATS_PATH, StatsSampler, get_json, stream_completion
 from benchmarks.cli import add_output_args, benchmark_parser, log_folder
-from benchmarks.load.report import _pyplot, environment
+from benchmarks.load.report import _pyplot, environment, save_figure
 from benchmarks.load.servers import (
     ServerError,
     ServerVariant,
@@ -262,9 +262,7 @@ def plot(report: dict, path: Path) -> None:
         axis.set_xticks(range(len(done)), labels, fontsize=8, rotation=15)
         axis.set_title(title, fontsize=10)
         axis.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(plt, fig, path)
 
 
 def run(

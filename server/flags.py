@@ -29,6 +29,7 @@ from sgl_kvevict.server.sglang_args import (
     CPU_DEFAULT_MAX_TOTAL_TOKENS,
     CPU_MEM_FRACTION_STATIC,
     CPU_MODE_DEFAULTS,
+    CPU_POLICY_CHUNKED_PREFILL_SIZE,
     render_defaults,
 )
 from sgl_kvevict.serving import NO_EVICTION, RADIX_CACHE_BACKEND, ServingConfig
@@ -139,7 +140,9 @@ def launcher_notes() -> list[str]:
         "--enable-cache-report is always added, so responses report cached prompt tokens.",
         f"With a policy other than none the launcher adds --radix-cache-backend {RADIX_CACHE_BACKEND}, the "
         "attention backend the engine wraps (torch_native on CPU, flashinfer on CUDA) and "
-        f"{render_defaults(COMPRESSION_DEFAULTS)}, each unless given. Compressed KV lives in SGLang's own KV "
+        f"{render_defaults(COMPRESSION_DEFAULTS)}, and in CPU mode --chunked-prefill-size {CPU_POLICY_CHUNKED_PREFILL_SIZE} "
+        "(SGLang's torch_native extend pads a chunk's queries to the whole prompt, the engine's does not; in block "
+        "scope less where a block and a chunk would not fit --max-total-tokens together), each unless given. Compressed KV lives in SGLang's own KV "
         "pool, so --max-total-tokens means the same memory with or without a policy.",
         f"Refused with a policy (sgl_kvevict/limits.py gives each reason): {refused_flags_text()}.",
         f"sgl-kvevict runs on sglang=={SGLANG_VERSION} only.",

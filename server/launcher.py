@@ -27,8 +27,8 @@ from sgl_kvevict.server.processes import (
     log,
     wait_until_healthy,
 )
-from sgl_kvevict.server.refusals import FlagError
-from sgl_kvevict.server.worker import server_env, sglang_command, stats_socket_address
+from sgl_kvevict.server.refusals import FlagError, check_chunked_prefill
+from sgl_kvevict.server.worker import server_env, sglang_args, sglang_command, stats_socket_address
 from sgl_kvevict.settings import ConfigError
 
 
@@ -77,6 +77,9 @@ def run(config: LaunchConfig) -> int:
     check_sglang_version()
     check_port_free(config.host, config.port)
     cpu_mode = cpu_mode_needed()
+    if config.serving.enabled:
+        # Again with the flags this machine adds: CPU mode chooses the chunk when the user did not.
+        check_chunked_prefill(config.serving, sglang_args(config, cpu_mode))
     if config.workers > 1:
         scale_out.check_prerequisites(config)
     model_dir = resolve_model(config.model, log=log)

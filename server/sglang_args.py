@@ -19,9 +19,17 @@ CPU_DEFAULT_MAX_TOTAL_TOKENS = 65536
 # this only caps it.
 CPU_MEM_FRACTION_STATIC = 0.5
 # Prefill chunk on CPU: SGLang picks one from GPU memory on CUDA (2048 below 20 GB,
-# arg_groups/memory_hook.py) and none on CPU; we take its smallest GPU default, so a long prompt no
-# longer stalls running decodes for its whole prefill (docs/cpu-mode.md, "Chunked prefill").
+# arg_groups/memory_hook.py) and none on CPU. Measured on CPU (docs/results/chunked_prefill.md, 4K-token
+# prompt, TTFT against one forward): stock's torch_native extend pads each chunk's queries to the whole
+# prompt, so stock pays x1.26 at 2048 and x2.13 at 512 and keeps SGLang's 2048; the engine's backend does
+# not pad (x1.14 at 512), and 512-token chunks let block scope serve a 7.5K-token prompt in a
+# 3000-token pool (a block and a chunk are dense at once); KVzip's passes are fed in pieces of a chunk.
 CPU_CHUNKED_PREFILL_SIZE = 2048
+CPU_POLICY_CHUNKED_PREFILL_SIZE = 512
+# SGLang runs a waiting prefill before any decode, so a chunked prompt's chunks run back to back and
+# running requests still wait for the whole prefill; one decode round after each prefill forward
+# bounds their wait by one chunk (measured: longest gap 5.9 s against 54 s unchunked for a 7K prompt).
+CPU_PREFILL_DECODE_INTERVAL = 1
 
 Defaults = tuple[tuple[str, tuple[str, ...]], ...]
 
@@ -36,6 +44,7 @@ CPU_MODE_DEFAULTS: Defaults = (
     ("--dtype", ("bfloat16",)),
     ("--skip-server-warmup", ()),
     ("--chunked-prefill-size", (str(CPU_CHUNKED_PREFILL_SIZE),)),
+    ("--prefill-decode-interval", (str(CPU_PREFILL_DECODE_INTERVAL),)),
 )
 
 # What compression needs (sgl_kvevict.limits), for the flags the user left unset; conflicting values
@@ -84,12 +93,21 @@ def cpu_mode_args(sglang_args: list[str]) -> list[str]:
     return added
 
 
-def compression_args(sglang_args: list[str], cpu_mode: bool) -> list[str]:
+def compression_args(sglang_args: list[str], cpu_mode: bool, block_size: Optional[int] = None) -> list[str]:
     """``sglang_args`` rewritten for a compressing server: our radix cache, the attention backend the
-    engine wraps on this machine, and what ``COMPRESSION_DEFAULTS`` needs."""
+    engine wraps on this machine, what ``COMPRESSION_DEFAULTS`` needs and, in CPU mode, its chunk
+    (``block_size``: of block scope, whose block and chunk must fit the pool together)."""
     backend = "torch_native" if cpu_mode else "flashinfer"
-    return [
-        *sglang_args,
-        "--radix-cache-backend", RADIX_CACHE_BACKEND,
-        *defaults_not_given(sglang_args, (("--attention-backend", (backend,)), *COMPRESSION_DEFAULTS)),
-    ]  # fmt: skip
+    defaults = (("--attention-backend", (backend,)), *COMPRESSION_DEFAULTS)
+    if cpu_mode:
+        chunk = policy_chunk_default(block_size, flag_value(sglang_args, "--max-total-tokens"))
+        defaults += (("--chunked-prefill-size", (str(chunk),)),)
+    return [*sglang_args, "--radix-cache-backend", RADIX_CACHE_BACKEND, *defaults_not_given(sglang_args, defaults)]
+
+
+def policy_chunk_default(block_size: Optional[int], pool: Optional[str]) -> int:
+    """``CPU_POLICY_CHUNKED_PREFILL_SIZE``, or less where a block and a chunk would not fit the pool
+    together (a small pool then still serves what fits it, as it did before chunking)."""
+    if block_size is None or pool is None or not pool.isdigit():
+        return CPU_POLICY_CHUNKED_PREFILL_SIZE
+    return max(1, min(CPU_POLICY_CHUNKED_PREFILL_SIZE, int(pool) - block_size - 1))

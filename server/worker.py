@@ -20,7 +20,7 @@ def sglang_args(config: LaunchConfig, cpu_mode: bool) -> list[str]:
     """Every SGLang flag one server gets, the launcher's additions included (not host, port, model)."""
     args = list(config.sglang_args)
     if config.serving.enabled:
-        args = compression_args(args, cpu_mode)
+        args = compression_args(args, cpu_mode, getattr(config.serving.scope, "block_size", None))
     if cpu_mode:
         args += cpu_mode_args(args)
     if not has_flag(args, "--enable-cache-report"):

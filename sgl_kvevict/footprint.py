@@ -50,12 +50,14 @@ class PrefillFootprint:
     def peak_slots(self, start: int, end: int) -> int:
         """Slots a prompt's own tokens ``[start, end)`` (after its cached prefix) hold at their peak, an
         upper bound: every block compressed, plus the dense tokens before the first block boundary
-        (blocks are aligned at position 0), the block in progress and the chunk in flight."""
+        (blocks are aligned at position 0), the block in progress and the chunk in flight; and never more
+        than the tokens dense (a block's cells take its own dense slots, so compressing needs no room)."""
         size = self.block_size
         head = (-start) % size
         blocks = max(0, end - start - head) // size
         dense = min(end - start, head + size + self.chunk_size)
-        return blocks * self.kept_per_block + dense + 1  # + 1: the arena's last slot may be partly used
+        # + 1: the arena's last slot may be partly used
+        return min(blocks * self.kept_per_block + dense, end - start) + 1
 
     def longest_prompt(self, pool_slots: int, reserved_slots: int) -> int:
         """The longest prompt (from position 0) whose peak leaves ``reserved_slots`` of ``pool_slots`` free."""

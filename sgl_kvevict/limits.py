@@ -159,7 +159,9 @@ LIMITS = (
           (LimitFlag(("--enable-session-radix-cache",)),), lambda f: f.session_radix_cache),
     Limit("speculative decoding", "draft and verify passes use attention paths that do not read compressed cells",
           (LimitFlag(("--speculative-algorithm",)),), lambda f: f.speculative),
-    Limit("mixed chunks", "batches mixing prefill and decode tokens are not handled by scoring capture yet",
+    Limit("mixed chunks",
+          "batches mixing prefill and decode tokens are not handled by scoring capture yet; --prefill-decode-interval "
+          "(on by default in CPU mode) lets running requests decode between a long prompt's chunks instead",
           (LimitFlag(("--enable-mixed-chunk",)),), lambda f: f.mixed_chunk),
     Limit("overlap schedule",
           "the tree's checkpoint must see a forward's results before the next batch is scheduled; SGLang 0.5.23 "

@@ -19,7 +19,13 @@ from sgl_kvevict.serving import ENV_VAR as SERVING_ENV_VAR, ServingConfig
 from sgl_kvevict.limits import limit_flags
 from sgl_kvevict.server.flags import build_parser, knob_fields, knob_flag, parse_args
 from sgl_kvevict.server.refusals import FlagError, inspected_flags
-from sgl_kvevict.server.sglang_args import CPU_CHUNKED_PREFILL_SIZE, CPU_DEFAULT_MAX_TOTAL_TOKENS, cpu_mode_args, flag_value
+from sgl_kvevict.server.sglang_args import (
+    CPU_CHUNKED_PREFILL_SIZE,
+    CPU_DEFAULT_MAX_TOTAL_TOKENS,
+    CPU_POLICY_CHUNKED_PREFILL_SIZE,
+    cpu_mode_args,
+    flag_value,
+)
 from sgl_kvevict.server.worker import server_env, sglang_command, stats_socket_address
 
 
@@ -241,7 +247,7 @@ def test_flag_value_reads_what_argparse_keeps():
 
 def test_the_cpu_chunk_holds_every_policys_window():
     windows = [EvictionConfig.for_policy(policy).window for policy in registered_policies()]
-    assert CPU_CHUNKED_PREFILL_SIZE >= max(windows)
+    assert min(CPU_CHUNKED_PREFILL_SIZE, CPU_POLICY_CHUNKED_PREFILL_SIZE) >= max(windows)
 
 
 def test_cpu_defaults_yield_to_user_flags():
@@ -265,9 +271,23 @@ def test_sglang_command_with_a_policy_on_cpu():
     # One KV pool: compressed cells borrow SGLang's own slots, so the user's size goes through unchanged.
     assert flag_value(args, "--max-total-tokens") == "10000" and args.count("--max-total-tokens") == 1
     assert flag_value(args, "--radix-cache-backend") == "sgl_kvevict"
-    assert flag_value(args, "--chunked-prefill-size") == str(CPU_CHUNKED_PREFILL_SIZE)  # chunked like stock
-    for flag in ("--page-size", "--disable-overlap-schedule", "--cuda-graph-backend-decode", "--device"):
+    # Chunks of its own on CPU (the engine's extend does not pad), one decode round between prefills.
+    assert flag_value(args, "--chunked-prefill-size") == str(CPU_POLICY_CHUNKED_PREFILL_SIZE)
+    assert flag_value(args, "--prefill-decode-interval") == "1"
+    stock = sglang_command(parse("--kv-evict-policy", "none"), "/models/m", cpu_mode=True)
+    assert flag_value(stock, "--chunked-prefill-size") == str(CPU_CHUNKED_PREFILL_SIZE)
+    for flag in ("--page-size", "--disable-overlap-schedule", "--cuda-graph-backend-decode", "--device", "--chunked-prefill-size"):
         assert args.count(flag) == 1, flag
+
+
+@pytest.mark.parametrize("pool,chunk", [("1000", 487), ("4000", CPU_POLICY_CHUNKED_PREFILL_SIZE)])
+def test_the_cpu_chunk_of_block_scope_fits_beside_a_block(pool, chunk):
+    config = parse("--kv-evict-policy", "lava", "--kv-evict-scope", "block", "--max-total-tokens", pool)
+    args = sglang_command(config, "/models/m", cpu_mode=True)
+    assert flag_value(args, "--chunked-prefill-size") == str(chunk)  # block 512 + chunk < pool
+    given = parse("--kv-evict-policy", "lava", "--kv-evict-scope", "block", "--max-total-tokens", pool,
+                  "--chunked-prefill-size", "256")  # fmt: skip
+    assert flag_value(sglang_command(given, "/models/m", cpu_mode=True), "--chunked-prefill-size") == "256"
 
 
 def test_sglang_command_on_cuda_disables_what_compression_cannot_use():

@@ -56,3 +56,12 @@ def test_only_block_scope_with_chunks_and_a_budget_compresses_while_prefilling()
     assert PrefillFootprint.of(config, RequestScope(), 512) is None
     assert PrefillFootprint.of(config, BlockScope(256), None) is None
     assert PrefillFootprint.of(EvictionConfig.for_policy("snapkv", budget="0.25", score="kvzip"), BlockScope(256), 512) is None
+
+
+def test_a_prompt_that_fits_dense_never_needs_more_than_its_dense_slots():
+    """993 tokens, 512-token blocks, 487-token chunks: block, block in progress and chunk would count
+    1122 slots, but a block's cells take its own dense slots, so 993 + 1 is the most it holds, and a
+    1000-slot pool serves what stock serves."""
+    footprint = PrefillFootprint(block_size=512, kept_per_block=128, chunk_size=487)
+    assert footprint.peak_slots(0, 993) == 994
+    assert footprint.longest_prompt(1000, reserved_slots=1) >= 998

@@ -40,6 +40,9 @@ def test_unknown_policy_is_refused_with_the_valid_names(tiny_llama_dir):
         (["--kv-evict-policy", "snapkv", "--chunked-prefill-size", "16"], "smaller than the 32-token observation window"),
         (["--kv-evict-policy", "snapkv", "--kv-evict-scope", "block", "--kv-evict-block-size", "2048",
           "--chunked-prefill-size", "2048", "--max-total-tokens", "4000"], "do not fit together in --max-total-tokens 4000"),
+        # CPU mode's chunk shrinks to fit beside a block (540 - 512 - 1), but not below the window.
+        (["--kv-evict-policy", "snapkv", "--kv-evict-scope", "block", "--max-total-tokens", "540"],
+         "--chunked-prefill-size 27 is smaller than the 32-token observation window"),
         (["--kv-evict-policy", "lava", "--enable-hicache"], "HiCache copies tree values"),
         (["--kv-evict-policy", "lava", "--radix-cache-backend", "x"], "compression lives in the plugin's own radix cache"),
         (["--kv-evict-policy", "lava", "--cuda-graph-backend-decode", "full"], "replayed CUDA graphs"),

@@ -15,7 +15,7 @@ from benchmarks.load.conversations import ConversationError, ConversationSpec, b
 from benchmarks.load.driver import DriverError, compare_pools, history_tokens, sweep_pools, workload
 from benchmarks.load.metrics import RequestRecord, hit_rate, percentile, summarize
 from benchmarks.load.servers import ServerError, server_variants
-from benchmarks.load.soak import FAULT_KINDS, stats_leaks
+from benchmarks.load.soak import FAULT_KINDS, LONG_KINDS, stats_leaks
 
 
 def count_words(text: str) -> int:
@@ -254,18 +254,27 @@ def test_compare_refuses_an_unknown_policy_with_the_launchers_message(tmp_path, 
 
 @pytest.mark.server
 def test_tiny_soak_injects_every_fault_once_and_leaks_nothing(tiny_llama_dir, tmp_path):
+    """Block scope with 256-token chunks: long prompts are prefilled in chunks, one is aborted while
+    prefilling, one is longer than the pool (served, compressed while prefilled)."""
     code = multiturn.main(
         [
-            "soak", "--model", str(tiny_llama_dir), "--pool-tokens", "2048", "--seconds", "20",
-            "--max-requests", str(len(FAULT_KINDS)), "--concurrency", "2", "--max-prompt-tokens", "600",
+            "soak", "--model", str(tiny_llama_dir), "--policy", "snapkv", "--budget", "0.3", "--scopes", "block",
+            "--block-size", "128", "--server-arg=--chunked-prefill-size=256", "--server-arg=--dtype=float32",
+            "--pool-tokens", "2048", "--seconds", "60", "--max-requests", str(len(FAULT_KINDS + LONG_KINDS)),
+            "--concurrency", "2", "--max-prompt-tokens", "600", "--long-prompt-tokens", "1200",
             "--out", str(tmp_path), "--name", "soak", "--log-dir", str(tmp_path / "logs"),
         ]
     )  # fmt: skip
-    summary = json.loads((tmp_path / "soak.json").read_text())["summary"]
-    assert summary["injected"] == {kind: 1 for kind in FAULT_KINDS}
+    payload = json.loads((tmp_path / "soak.json").read_text())
+    (run,) = payload["runs"]
+    summary = run["summary"]
+    assert summary["injected"] == {kind: 1 for kind in FAULT_KINDS + LONG_KINDS}
     assert summary["violations"] == [] and summary["malformed"] == [] and summary["leaks"] == 0
     for kind in ("invalid_json", "negative_max_tokens", "wrong_field_type"):
         assert summary["outcomes"] == summary["outcomes"] | {f"{kind}: refused (4xx)": 1}
+    # 2048 + 256 tokens, more than the pool, served in block scope; the long prompt too, in chunks.
+    assert summary["outcomes"] == summary["outcomes"] | {"beyond_pool: completed": 1, "long_prompt: completed": 1}
+    assert summary["stats_after_flush"]["chunked_prefills"] >= 2
     assert summary["flush_ok"] and summary["healthy_after"] and summary["final_reply_ok"] and summary["server_alive"]
-    assert code == 0 and summary["passed"]
+    assert code == 0 and summary["passed"] and payload["summary"]["passed"]
     _no_server_left(tmp_path / "logs")

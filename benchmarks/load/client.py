@@ -98,7 +98,16 @@ async def stream_completion(
     reply = StreamedReply()
     started = time.perf_counter()
     try:
-        async with session.post(url, json=payload) as response:
+        try:
+            # SGLang sends a stream's headers with its first chunk, so a client giving up mid-prefill
+            # gives up while waiting for them.
+            response = await asyncio.wait_for(session.post(url, json=payload), abort_after_seconds)
+        except asyncio.TimeoutError:
+            if abort_after_seconds is None:
+                raise
+            reply.error = "aborted before the first token"
+            return reply
+        async with response:
             reply.status = response.status
             if response.status != 200:
                 reply.error = f"HTTP {response.status}: {(await response.text())[:300]}"
@@ -159,13 +168,14 @@ def numeric_fields(stats: dict, prefix: str = "") -> dict[str, float]:
 
 @dataclass
 class StatsPeaks:
-    """``/kvevict/stats`` over a run: the last answer, and the peak of each numeric field (flattened,
-    see ``numeric_fields``); ``available`` is False when the server has no such endpoint."""
+    """``/kvevict/stats`` over a run: the last answer, and the peak and low of each numeric field
+    (flattened, see ``numeric_fields``); ``available`` is False when the server has no such endpoint."""
 
     available: bool = False
     samples: int = 0
     peaks: dict[str, float] = field(default_factory=dict)
     last: Optional[dict] = None
+    lows: dict[str, float] = field(default_factory=dict)
 
     def last_numbers(self) -> dict[str, float]:
         return numeric_fields(self.last or {})
@@ -192,6 +202,7 @@ class StatsSampler:
         result.available, result.samples, result.last = True, result.samples + 1, stats
         for name, value in numeric_fields(stats).items():
             result.peaks[name] = max(result.peaks.get(name, value), value)
+            result.lows[name] = min(result.lows.get(name, value), value)
         return stats
 
     async def start(self) -> None:

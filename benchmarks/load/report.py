@@ -313,12 +313,8 @@ def compare_plot(results: Sequence[RunResult], path: Path) -> None:
     axis.set_xticks(range(1, max((len(r.outcome.metrics.hit_rate_by_turn) for r in done), default=1) + 1))
     axis.set_xlabel("turn")
     axis.set_ylim(-0.03, 1.03)
-    axis.set_title("prefix-cache hit rate by turn", fontsize=10)
-    axis.grid(alpha=0.3)
-    axis.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    titled_with_legend(axis, "prefix-cache hit rate by turn")
+    save_figure(plt, fig, path)
 
 
 def _accuracy_bars(axis, done: Sequence[RunResult], labels: Sequence[str], colours: Sequence[str]) -> None:
@@ -382,9 +378,27 @@ def sweep_plot(payload: dict, results: Sequence[RunResult], path: Path) -> None:
         axis.axhline(1.0, color="black", linewidth=0.8)
     axes[1][0].set_ylim(-0.03, 1.03)
     axes[1][1].set_ylim(-3, 103)
+    save_figure(plt, fig, path)
+
+
+def titled_with_legend(axis, title: str) -> None:
+    """A line plot's title, grid and legend, as every benchmark figure draws them."""
+    axis.set_title(title, fontsize=10)
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=8)
+
+
+def save_figure(plt, fig, path: Path) -> None:
+    """Lay out, write (110 dpi) and close ``fig``."""
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def provenance_line(meta: dict) -> str:
+    """Where a report's figures come from: its command, the machine, the commit and the date."""
+    env = meta["environment"]
+    return f"Command: `{meta['command']}`. {env['cpu_model']}, {env['cpu_cores']} cores, commit {env['git_commit']}, {env['date']}."
 
 
 def _pyplot():

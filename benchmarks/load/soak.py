@@ -11,6 +11,17 @@ Each request is one kind, drawn at random after a first round that injects every
 * ``unknown_field``: an extra field the API does not define; SGLang ignores such fields, so any
   non-5xx answer is accepted and a 200 must be well-formed.
 
+With ``long_prompt_tokens`` (prompts longer than a prefill chunk), three more kinds:
+
+* ``long_prompt``: a fresh prompt of that many tokens, prefilled in chunks; must be well-formed.
+* ``abort_between_chunks``: the same, but the client gives up after 1-8 s, mostly while its chunks
+  are being prefilled (the engine's ``chunked_prefills_aborted`` counts the aborts that landed
+  between chunks; the report quotes it).
+* ``beyond_pool`` (with ``beyond_pool_tokens``, a prompt longer than the KV pool): served
+  well-formed where the server compresses while prefilling (block scope), else refused with SGLang's
+  length message, as stock SGLang refuses it (a 4xx, or for a streamed chat an error chunk after its
+  200 headers); a 5xx, a hang, a broken stream or another error is a violation.
+
 Afterwards: wait for the server to go idle, ``POST /flush_cache``, and check that the server is
 healthy and answers, that ``/kvevict/stats`` (when it exists) shows every ``*_used`` counter at 0
 and every ``*_free`` equal to its ``*_total`` (``arena_cells_used``, ``kv_slots_free``...), and (when
@@ -35,6 +46,7 @@ FAULT_KINDS = (
     "chat", "abort_prefill", "abort_decode", "short_prompt",
     "invalid_json", "negative_max_tokens", "wrong_field_type", "unknown_field",
 )  # fmt: skip
+LONG_KINDS = ("long_prompt", "abort_between_chunks", "beyond_pool")
 MUST_BE_REFUSED = ("invalid_json", "negative_max_tokens", "wrong_field_type")
 SHORT_PROMPT_LIMIT = 32
 # Requests of each kind per normal chat request after the first round (chat takes the rest).
@@ -42,6 +54,11 @@ DEFAULT_FAULT_SHARE = {
     "abort_prefill": 0.08, "abort_decode": 0.08, "short_prompt": 0.08,
     "invalid_json": 0.03, "negative_max_tokens": 0.03, "wrong_field_type": 0.03, "unknown_field": 0.03,
 }  # fmt: skip
+# Long prompts cost a CPU server seconds each: a few per hundred requests.
+LONG_FAULT_SHARE = {"long_prompt": 0.02, "abort_between_chunks": 0.02, "beyond_pool": 0.01}
+ABORT_BETWEEN_CHUNKS_SECONDS = (1.0, 8.0)
+# SGLang's refusal of a prompt longer than the server accepts (its tokenizer's length check).
+LENGTH_REFUSAL = "exceeds the maximum allowed length"
 MAX_SOAK_SECONDS = 3600
 MAX_SOAK_REQUESTS = 100_000
 
@@ -56,7 +73,9 @@ class SoakConfig:
     concurrency: requests in flight at once.
     prompt_tokens: range of tokens of a chat prompt's document slice; the top also sizes the prompts
         that get aborted mid-prefill (keep it under the server's pool and context).
-    max_tokens: range of answer lengths."""
+    max_tokens: range of answer lengths.
+    long_prompt_tokens: length of the long kinds' prompts (None: no long kinds).
+    beyond_pool_tokens: length of the ``beyond_pool`` prompt (None: not sent; needs long kinds)."""
 
     seconds: float
     max_requests: int
@@ -64,17 +83,33 @@ class SoakConfig:
     prompt_tokens: tuple[int, int] = (40, 1200)
     max_tokens: tuple[int, int] = (1, 32)
     seed: int = 0
+    long_prompt_tokens: Optional[int] = None
+    beyond_pool_tokens: Optional[int] = None
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The request kinds this soak sends."""
+        long = () if self.long_prompt_tokens is None else LONG_KINDS[: 3 if self.beyond_pool_tokens else 2]
+        return FAULT_KINDS + long
+
+    def fault_share(self) -> dict[str, float]:
+        """Requests of each fault kind per request after the first round (chat takes the rest)."""
+        return {**DEFAULT_FAULT_SHARE, **{kind: LONG_FAULT_SHARE[kind] for kind in self.kinds if kind in LONG_FAULT_SHARE}}
 
     def __post_init__(self):
         if not 0 < self.seconds <= MAX_SOAK_SECONDS:
             raise SoakError(f"seconds {self.seconds} must be in (0, {MAX_SOAK_SECONDS}]")
-        if not len(FAULT_KINDS) <= self.max_requests <= MAX_SOAK_REQUESTS:
-            raise SoakError(f"max_requests {self.max_requests} must be in [{len(FAULT_KINDS)}, {MAX_SOAK_REQUESTS}]")
+        if not len(self.kinds) <= self.max_requests <= MAX_SOAK_REQUESTS:
+            raise SoakError(f"max_requests {self.max_requests} must be in [{len(self.kinds)}, {MAX_SOAK_REQUESTS}]")
         if not 1 <= self.concurrency <= 64:
             raise SoakError(f"concurrency {self.concurrency} must be in [1, 64]")
         for name, (low, high) in (("prompt_tokens", self.prompt_tokens), ("max_tokens", self.max_tokens)):
             if not 1 <= low <= high:
                 raise SoakError(f"{name} range ({low}, {high}) must satisfy 1 <= low <= high")
+        if self.long_prompt_tokens is not None and self.long_prompt_tokens < 1:
+            raise SoakError(f"long_prompt_tokens {self.long_prompt_tokens} must be at least 1")
+        if self.beyond_pool_tokens is not None and self.long_prompt_tokens is None:
+            raise SoakError("a beyond-pool prompt is one of the long kinds: give long_prompt_tokens too")
 
 
 @dataclass
@@ -190,6 +225,22 @@ class _Requests:
             payload = self._chat_payload(self._document_slice(rng), 64)
             reply = await stream_completion(self.session, chat_url, payload, abort_after_chunks=rng.randint(1, 5))
             self._record_stream(kind, reply)
+        elif kind in ("long_prompt", "abort_between_chunks"):
+            payload = self._chat_payload(" ".join(self._sentences(rng, self.config.long_prompt_tokens)), max_tokens)
+            abort_after = rng.uniform(*ABORT_BETWEEN_CHUNKS_SECONDS) if kind == "abort_between_chunks" else None
+            self._record_stream(kind, await stream_completion(self.session, chat_url, payload, abort_after_seconds=abort_after))
+        elif kind == "beyond_pool":
+            payload = self._chat_payload(" ".join(self._sentences(rng, self.config.beyond_pool_tokens)), max_tokens)
+            reply = await stream_completion(self.session, chat_url, payload)
+            if reply.status is not None and 400 <= reply.status < 500:
+                self.report.status_codes[f"{kind}: {reply.status}"] += 1
+                self._note(kind, "refused (4xx)")
+            elif reply.error is not None and LENGTH_REFUSAL in reply.error:
+                # A streamed chat's refusal comes after its 200 headers, as an error chunk.
+                self.report.status_codes[f"{kind}: {reply.status}"] += 1
+                self._note(kind, "refused (error in stream)")
+            else:
+                self._record_stream(kind, reply)
         elif kind == "short_prompt":
             words = " ".join(self.documents[0][0].split()[: rng.randint(1, 3)])
             payload = {"model": "default", "prompt": words, "max_tokens": max_tokens, "temperature": 0}
@@ -246,7 +297,7 @@ class _Requests:
 
 def _kinds(config: SoakConfig, rng: random.Random, share: dict[str, float]):
     """Every kind once (shuffled), then random kinds by ``share`` until ``max_requests``."""
-    first = list(FAULT_KINDS)
+    first = list(config.kinds)
     rng.shuffle(first)
     yield from first
     names, weights = zip(*share.items())
@@ -287,14 +338,17 @@ async def run_soak(
     config: SoakConfig,
     count_tokens: Callable[[str], int],
     log: Callable[[str], None] = print,
-    share: Optional[dict[str, float]] = None,
 ) -> SoakReport:
     """The load, then the after-checks (not the server-log check: see ``check_server_after``)."""
     report = SoakReport()
     rng = random.Random(f"soak:{config.seed}")
-    kinds = _kinds(config, rng, share or DEFAULT_FAULT_SHARE)
+    kinds = _kinds(config, rng, config.fault_share())
     timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=config.concurrency + 4)) as session:
+    # One connection per request: aborted requests close theirs mid-way, and a pooled keep-alive
+    # connection the server has just closed fails the next request that reuses it ("Can not write
+    # request body", seen after ~1300 s of a soak; no request had reached the server).
+    connector = aiohttp.TCPConnector(limit=config.concurrency + 4, force_close=True)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         requests = _Requests(session, base_url, config, report, count_tokens)
         started = time.monotonic()
         deadline = started + config.seconds
@@ -334,3 +388,21 @@ async def run_soak(
         )
         report.final_reply_ok = final.error is None and not check_reply(final, 8)
     return report
+
+
+def combined_summary(reports: list[SoakReport]) -> dict:
+    """One summary over several servers' soaks: counts added, every problem listed, passed if all passed."""
+    merged = SoakReport()
+    for report in reports:
+        for name in ("injected", "outcomes", "status_codes"):
+            getattr(merged, name).update(getattr(report, name))
+        for name in ("malformed", "violations", "stats_leaks", "log_leak_warnings"):
+            getattr(merged, name).extend(getattr(report, name))
+        merged.seconds += report.seconds
+    summary = merged.to_json()
+    summary["passed"] = all(report.passed for report in reports)
+    for name in ("flush_ok", "healthy_after", "final_reply_ok"):
+        summary[name] = all(getattr(report, name) for report in reports)
+    summary["server_alive"] = all(report.server_alive is not False for report in reports)
+    del summary["stats_after_flush"]  # per server, in its own run
+    return summary

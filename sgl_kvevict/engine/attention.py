@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+from torch.nn.functional import scaled_dot_product_attention
 
 from sgl_kvevict.engine.batch import CellBatchCache, DenseBatch, RequestSlice, SegmentMetadata
 from sgl_kvevict.engine.coordinator import CompressionCoordinator
@@ -171,6 +172,42 @@ class KVEvictTorchBackend(SegmentAttentionBackend, TorchNativeAttnBackend):
         merged, _ = merge_attention_states(compressed_out, compressed_lse, dense_out, dense_lse)
         out[segments.query_rows] = merged
         return out.view(-1, num_q_heads * v_head_dim)
+
+    def _run_sdpa_forward_extend(
+        self, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_prefix_lens,
+        extend_seq_lens, encoder_lens=None, scaling=None, enable_gqa=False, causal=False, is_cross_attn=False,
+        sliding_window_size=None,
+    ):  # fmt: skip
+        """Stock's per-request SDPA extend, without its padding: stock pads a request's queries to its
+        whole length, so each chunk of a chunked prefill (and each cached-prefix hit) redoes attention
+        over the prefix, [P + E]^2 instead of E x [P + E]. Here the E new queries attend to the P + E keys
+        under a causal mask offset by P (the same result, bit for bit on CPU). Encoder-decoder and
+        sliding-window calls keep the stock path.
+
+        query, output ``[N, H_q, D]``; k_cache, v_cache ``[pool, H_kv, D]``; the rest per request ``[B]``."""
+        if encoder_lens is not None or not causal or (sliding_window_size is not None and sliding_window_size > -1):
+            return super()._run_sdpa_forward_extend(
+                query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_prefix_lens,
+                extend_seq_lens, encoder_lens, scaling, enable_gqa, causal, is_cross_attn, sliding_window_size,
+            )  # fmt: skip
+        start = 0
+        for pool_index, length, prefix, new in zip(
+            req_pool_indices.tolist(), seq_lens.tolist(), extend_prefix_lens.tolist(), extend_seq_lens.tolist()
+        ):
+            slots = req_to_token[pool_index, :length]
+            keys, values = k_cache[slots].movedim(0, 1), v_cache[slots].movedim(0, 1)  # [H_kv, P + E, D]
+            queries = query[start : start + new].movedim(0, 1)  # [H_q, E, D]
+            visible = None
+            if prefix:
+                key_positions = torch.arange(length, device=query.device)
+                visible = key_positions[None, :] <= (prefix + torch.arange(new, device=query.device))[:, None]
+            attended = scaled_dot_product_attention(
+                queries.unsqueeze(0), keys.to(queries.dtype).unsqueeze(0), values.to(queries.dtype).unsqueeze(0),
+                attn_mask=visible, is_causal=not prefix, scale=scaling, enable_gqa=enable_gqa,
+            )  # fmt: skip
+            output[start : start + new] = attended.squeeze(0).movedim(1, 0)
+            start += new
+        return output
 
     def _dense_part(self, segments: SegmentMetadata, queries, k_cache, v_cache, layer):
         """The compressed requests' attention over their dense positions: one padded batch in decode
