@@ -228,25 +228,42 @@ def segment_attention_torch(
     max_cells_per_sequence: int | None = None,
     num_kv_splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch twin of ``segment_attention_triton`` (fp32 math): every request at once, queries and cells
-    padded to ``max_q_len`` and ``max_cells_per_sequence`` (host ints the caller knows; computed with a
-    sync when None), in chunks of queries. No Python loop over requests or heads, and no host sync when
-    both are given: the CPU serving path runs it once per layer. num_kv_splits is accepted for
-    signature parity and unused (one softmax over all cells gives the split kernel's merged result)."""
+    """Torch twin of ``segment_attention_triton`` (fp32 math). num_kv_splits is accepted for signature
+    parity and unused (one softmax over all cells gives the split kernel's merged result).
+
+    Decode (one query per request): every request at once, cells padded to ``max_cells_per_sequence``
+    (a host int the caller knows; computed with a sync when None), no Python loop and no host sync:
+    the CPU serving path runs it once per layer. An extend (``max_q_len`` > 1) goes one (request, KV
+    head) at a time over exactly its cells: its queries are many and its heads' cell counts uneven
+    (``topk`` keeps a whole block in one head and a few cells in the next), so padding every head to
+    the longest would multiply the logits, and a loop over B x H_kv sequences costs little beside them."""
     _check_inputs(q, k_rows, v_rows, qo_indptr, kv_indptr, num_kv_heads)
-    num_tokens, num_q_heads, head_dim = q.shape
-    group = num_q_heads // num_kv_heads
+    num_tokens, num_q_heads, _ = q.shape
     num_requests = qo_indptr.numel() - 1
     out = torch.zeros(num_tokens, num_q_heads, v_rows.shape[1], dtype=q.dtype, device=q.device)
     lse = torch.full((num_tokens, num_q_heads), float("-inf"), dtype=torch.float32, device=q.device)
     if num_tokens == 0 or num_requests == 0 or kv_indices.numel() == 0:
         return out, lse
+    if max_q_len is None:
+        max_q_len = int((qo_indptr[1:] - qo_indptr[:-1]).max())
+    attend = _attend_per_sequence if max_q_len > 1 else _attend_padded
+    attend(q, k_rows, v_rows, qo_indptr, kv_indptr, kv_indices, num_kv_heads, sm_scale, max_q_len, max_cells_per_sequence, out, lse)
+    return out, lse
+
+
+def _attend_padded(
+    q, k_rows, v_rows, qo_indptr, kv_indptr, kv_indices, num_kv_heads, sm_scale, max_q_len, max_cells_per_sequence,
+    out, lse,
+) -> None:  # fmt: skip
+    """Every request at once, queries and cells padded to ``max_q_len`` and ``max_cells_per_sequence``,
+    in chunks of queries; writes ``out`` and ``lse`` in place."""
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    group = num_q_heads // num_kv_heads
+    num_requests = qo_indptr.numel() - 1
     device = q.device
     qo_indptr, kv_indptr = qo_indptr.to(device, torch.int64), kv_indptr.to(device, torch.int64)
     query_lengths = (qo_indptr[1:] - qo_indptr[:-1]).view(num_requests, 1)
     cell_counts = (kv_indptr[1:] - kv_indptr[:-1]).view(num_requests, num_kv_heads, 1)
-    if max_q_len is None:
-        max_q_len = int(query_lengths.max())
     if max_cells_per_sequence is None:
         max_cells_per_sequence = int(cell_counts.max())
     cell_offsets = torch.arange(max_cells_per_sequence, device=device)
@@ -266,4 +283,28 @@ def segment_attention_torch(
         chunk_out = torch.einsum("btkgc,bkcd->btkgd", probs, values).reshape(num_requests, len(offsets), num_q_heads, -1)
         out[rows[valid]] = chunk_out[valid].to(q.dtype)
         lse[rows[valid]] = chunk_lse.reshape(num_requests, len(offsets), num_q_heads)[valid]
-    return out, lse
+
+
+def _attend_per_sequence(
+    q, k_rows, v_rows, qo_indptr, kv_indptr, kv_indices, num_kv_heads, sm_scale, max_q_len, max_cells_per_sequence,
+    out, lse,
+) -> None:  # fmt: skip
+    """One (request, KV head) at a time over exactly its cells, in chunks of queries; writes ``out`` and
+    ``lse`` in place (a sequence without cells keeps 0 and -inf)."""
+    group = q.shape[1] // num_kv_heads
+    query_bounds, cell_bounds = qo_indptr.tolist(), kv_indptr.tolist()
+    for request in range(qo_indptr.numel() - 1):
+        first_query, end_query = query_bounds[request], query_bounds[request + 1]
+        for kv_head in range(num_kv_heads):
+            sequence = request * num_kv_heads + kv_head
+            cells = kv_indices[cell_bounds[sequence] : cell_bounds[sequence + 1]].long()
+            if cells.numel() == 0 or first_query == end_query:
+                continue
+            keys, values = k_rows[cells].float(), v_rows[cells].float()  # [C, D]
+            heads = slice(kv_head * group, (kv_head + 1) * group)
+            for chunk_start in range(first_query, end_query, _TWIN_QUERY_CHUNK):
+                rows = slice(chunk_start, min(chunk_start + _TWIN_QUERY_CHUNK, end_query))
+                logits = torch.matmul(q[rows, heads].float(), keys.T) * sm_scale  # [T, G, C]
+                chunk_lse = torch.logsumexp(logits, dim=-1)  # [T, G]
+                out[rows, heads] = torch.matmul(torch.exp(logits - chunk_lse[..., None]), values).to(q.dtype)
+                lse[rows, heads] = chunk_lse

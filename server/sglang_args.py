@@ -45,6 +45,9 @@ CPU_MODE_DEFAULTS: Defaults = (
     ("--skip-server-warmup", ()),
     ("--chunked-prefill-size", (str(CPU_CHUNKED_PREFILL_SIZE),)),
     ("--prefill-decode-interval", (str(CPU_PREFILL_DECODE_INTERVAL),)),
+    # An idle scheduler polls its sockets in a busy loop: one core at 100% per idle server, half of a
+    # 2-core machine taken from the server (or the client, or the other worker) that has work.
+    ("--sleep-on-idle", ()),
 )
 
 # What compression needs (sgl_kvevict.limits), for the flags the user left unset; conflicting values

@@ -23,7 +23,12 @@ from sgl_kvevict.kernels.merge_states import (
     merge_attention_states_triton,
     merge_split_states_triton,
 )
-from sgl_kvevict.kernels.segment_attention import kv_splits, segment_attention_torch, segment_attention_triton
+from sgl_kvevict.kernels.segment_attention import (
+    _attend_padded,
+    kv_splits,
+    segment_attention_torch,
+    segment_attention_triton,
+)
 
 test_in_interpreter_process = interpreter_process_test(__file__)
 
@@ -112,6 +117,22 @@ def test_segment_attention_matches_twin_and_naive(batch: Batch, dtype: torch.dty
     assert out.device.type == lse.device.type == device
     assert_attention_close((out, lse), segment_attention_torch(*inputs), dtype)
     assert_attention_close((out, lse), naive_segment_attention(*inputs), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("batch", BATCHES, ids=str)
+def test_torch_twin_matches_naive_on_both_of_its_paths(batch: Batch, dtype: torch.dtype):
+    """The twin attends a decode padded (every request at once) and an extend one (request, KV head)
+    at a time; both equal the naive formula, and an extend forced through the padded path (a cell
+    bound, one call per query chunk) equals the per-sequence one."""
+    inputs = make_batch(batch, dtype)
+    out, lse = segment_attention_torch(*inputs)
+    assert_attention_close((out, lse), naive_segment_attention(*inputs), dtype)
+    if max(batch.q_lens) > 1:
+        padded = torch.zeros_like(out), torch.full_like(lse, float("-inf"))
+        _attend_padded(*inputs, max(batch.q_lens), None, *padded)
+        assert torch.equal(padded[1].isinf(), lse.isinf())
+        assert_attention_close(padded, (out, lse), dtype)
 
 
 @on_kernel_devices
