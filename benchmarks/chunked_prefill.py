@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import json
 import random
-import shlex
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -37,7 +36,7 @@ import aiohttp
 from benchmarks.cli import add_output_args, log_folder
 from benchmarks.load.client import stream_completion
 from benchmarks.load.metrics import percentile
-from benchmarks.load.report import _pyplot, environment, provenance_line, save_figure, titled_with_legend, write_report
+from benchmarks.load.report import _pyplot, provenance_line, run_meta, runs_writer, save_figure, titled_with_legend
 from benchmarks.load.servers import ServerError, ServerVariant, launched_server, server_variants
 
 # A gap between streamed tokens this long is a stall (decode alone takes ~0.1-0.2 s here).
@@ -251,15 +250,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ValueError, ServerError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    meta = {**asdict(config), "command": shlex.join(["python", "-m", "benchmarks.chunked_prefill", *(argv or sys.argv[1:])]),
-            "environment": environment()}  # fmt: skip
-
-    def write(runs: list[dict]) -> None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        plot(runs, args.out / f"{args.name}.png")
-        payload = {"meta": meta, "runs": runs, "against_unchunked": against_unchunked(runs), "plot": f"{args.name}.png"}
-        write_report(args.out, args.name, payload, markdown(payload), print)
-
+    meta = run_meta("chunked_prefill", argv, **asdict(config))
+    write = runs_writer(args.out, args.name, meta, plot, markdown, lambda runs: {"against_unchunked": against_unchunked(runs)})
     run(variants, config, log_folder(args.log_dir, "chunked-prefill"), write, done=done)
     return 0
 

@@ -20,14 +20,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shlex
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
 from benchmarks.chunked_prefill import ChunkedConfig, measure
 from benchmarks.cli import add_output_args, benchmark_parser, log_folder
-from benchmarks.load.report import environment
+from benchmarks.load.report import run_meta
 from benchmarks.load.servers import ServerVariant, launched_server
 
 STALL_GAP_SECONDS = 1.0
@@ -75,12 +74,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             rounds.append(figures)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{args.name}-{args.label}.json"
-    meta = {
-        "command": shlex.join(["python", "-m", "benchmarks.kvzip_pass_itl", *(sys.argv[1:] if argv is None else argv)]),
-        "label": args.label, "tree": str(args.tree or "."), "server": variant.label, "server_args": args.server_arg,
-        "arrival_tokens": args.arrival_tokens, "arrival_output_tokens": args.arrival_output_tokens, "stream_tokens": args.stream_tokens, "pool_tokens": args.pool_tokens,
-        "environment": environment(),
-    }  # fmt: skip
+    meta = run_meta(
+        "kvzip_pass_itl", argv,
+        label=args.label, tree=str(args.tree or "."), server=variant.label, server_args=args.server_arg,
+        arrival_tokens=args.arrival_tokens, arrival_output_tokens=args.arrival_output_tokens, stream_tokens=args.stream_tokens, pool_tokens=args.pool_tokens,
+    )  # fmt: skip
     path.write_text(json.dumps({"meta": meta, "rounds": rounds}, indent=1) + "\n")
     print(f"wrote {path}")
     return 0

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import random
 import re
-import shlex
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -35,7 +34,7 @@ import aiohttp
 
 from benchmarks.cli import add_output_args, benchmark_parser, log_folder
 from benchmarks.load.client import StatsSampler
-from benchmarks.load.report import _pyplot, environment, provenance_line, save_figure, titled_with_legend, write_report
+from benchmarks.load.report import _pyplot, provenance_line, run_meta, runs_writer, save_figure, titled_with_legend
 from benchmarks.load.servers import ServerError, ServerVariant, launched_server, server_variants
 
 # SGLang's tokenizer refusals of a prompt over the context and over the pool's limit (0.5.23).
@@ -175,17 +174,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         variants = server_variants(args.policies.split(","), [args.budget], args.scopes.split(","), args.block_size)
     except (ValueError, ServerError) as error:
         parser.error(str(error))
-    meta = {**asdict(config), "command": shlex.join(["python", "-m", "benchmarks.longest_prompt", *(argv or sys.argv[1:])]),
-            "environment": environment()}  # fmt: skip
-
-    def write(runs: list[dict]) -> None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        plot(runs, args.out / f"{args.name}.png")
-        payload = {"meta": meta, "runs": runs, "plot": f"{args.name}.png"}
-        write_report(args.out, args.name, payload, markdown(payload), print)
-
+    meta = run_meta("longest_prompt", argv, **asdict(config))
     try:
-        run(variants, config, log_folder(args.log_dir, "longest-prompt"), write)
+        run(variants, config, log_folder(args.log_dir, "longest-prompt"), runs_writer(args.out, args.name, meta, plot, markdown))
     except ServerError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

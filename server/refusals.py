@@ -9,10 +9,8 @@ the launcher's back.
 
 from __future__ import annotations
 
-from typing import Optional
-
 from sgl_kvevict.limits import limit_flags
-from sgl_kvevict.server.sglang_args import flag_value, has_flag
+from sgl_kvevict.server.sglang_args import flag_value, has_flag, int_flag_value
 from sgl_kvevict.serving import ServingConfig
 
 KV_EVICT_PREFIX = "--kv-evict-"
@@ -68,7 +66,7 @@ def check_chunked_prefill(serving: ServingConfig, sglang_args: list[str]) -> Non
     """With a policy and chunked prefill: a chunk holds the observation window (a window's queries come
     from one or two forwards, not a dozen), and in block scope a block and a chunk fit the KV pool
     together (a block is compressed at the chunk it ends in, so both are dense at once)."""
-    chunk = _int_flag(sglang_args, "--chunked-prefill-size")
+    chunk = int_flag_value(sglang_args, "--chunked-prefill-size")
     if not serving.enabled or chunk is None or chunk <= 0:
         return
     window = serving.eviction.window
@@ -77,18 +75,10 @@ def check_chunked_prefill(serving: ServingConfig, sglang_args: list[str]) -> Non
             f"--chunked-prefill-size {chunk} is smaller than the {window}-token observation window "
             f"(--kv-evict-window): use chunks of {window} tokens or more"
         )
-    pool = _int_flag(sglang_args, "--max-total-tokens")
+    pool = int_flag_value(sglang_args, "--max-total-tokens")
     block_size = getattr(serving.scope, "block_size", None)
     if block_size is not None and pool is not None and block_size + chunk >= pool:
         raise FlagError(
             f"--kv-evict-block-size {block_size} and --chunked-prefill-size {chunk} do not fit together in "
             f"--max-total-tokens {pool}: a block is compressed at the chunk it ends in, so both are dense at once"
         )
-
-
-def _int_flag(sglang_args: list[str], flag: str) -> Optional[int]:
-    value = flag_value(sglang_args, flag)
-    try:
-        return None if value is None else int(value)
-    except ValueError:
-        return None  # not a number: SGLang's own parser reports it

@@ -77,6 +77,15 @@ def flag_value(args: list[str], flag: str) -> Optional[str]:
     return value
 
 
+def int_flag_value(args: list[str], flag: str) -> Optional[int]:
+    """``flag_value`` as an int; None where absent or not a number (SGLang's own parser reports that)."""
+    value = flag_value(args, flag)
+    try:
+        return None if value is None else int(value)
+    except ValueError:
+        return None
+
+
 def defaults_not_given(sglang_args: list[str], defaults: Defaults) -> list[str]:
     return [item for flag, values in defaults if not has_flag(sglang_args, flag) for item in (flag, *values)]
 
@@ -103,14 +112,14 @@ def compression_args(sglang_args: list[str], cpu_mode: bool, block_size: Optiona
     backend = "torch_native" if cpu_mode else "flashinfer"
     defaults = (("--attention-backend", (backend,)), *COMPRESSION_DEFAULTS)
     if cpu_mode:
-        chunk = policy_chunk_default(block_size, flag_value(sglang_args, "--max-total-tokens"))
+        chunk = policy_chunk_default(block_size, int_flag_value(sglang_args, "--max-total-tokens"))
         defaults += (("--chunked-prefill-size", (str(chunk),)),)
     return [*sglang_args, "--radix-cache-backend", RADIX_CACHE_BACKEND, *defaults_not_given(sglang_args, defaults)]
 
 
-def policy_chunk_default(block_size: Optional[int], pool: Optional[str]) -> int:
+def policy_chunk_default(block_size: Optional[int], pool: Optional[int]) -> int:
     """``CPU_POLICY_CHUNKED_PREFILL_SIZE``, or less where a block and a chunk would not fit the pool
     together (a small pool then still serves what fits it, as it did before chunking)."""
-    if block_size is None or pool is None or not pool.isdigit():
+    if block_size is None or pool is None:
         return CPU_POLICY_CHUNKED_PREFILL_SIZE
-    return max(1, min(CPU_POLICY_CHUNKED_PREFILL_SIZE, int(pool) - block_size - 1))
+    return max(1, min(CPU_POLICY_CHUNKED_PREFILL_SIZE, pool - block_size - 1))

@@ -8,6 +8,7 @@ from dataclasses import asdict
 import pytest
 
 from benchmarks import chunked_prefill
+from benchmarks.load.report import run_meta, runs_writer
 
 CONFIG = chunked_prefill.ChunkedConfig(
     model="m", chunk_sizes=(-1, 512), prompt_tokens=4096, samples=2, arrival_tokens=7000, stream_tokens=6,
@@ -46,3 +47,18 @@ def test_resume_keeps_runs_of_the_same_configuration_only(tmp_path):
         chunked_prefill.resumed_runs(path, other)
     with pytest.raises(ValueError, match="does not exist"):
         chunked_prefill.resumed_runs(tmp_path / "missing.json", CONFIG)
+
+
+def test_the_writer_rewrites_json_markdown_and_plot_after_each_server_and_resume_reads_them(tmp_path):
+    meta = run_meta("chunked_prefill", ["--samples", "2"], **asdict(CONFIG))
+    assert meta["command"] == "python -m benchmarks.chunked_prefill --samples 2" and meta["environment"]["cpu_cores"]
+    extra = lambda runs: {"against_unchunked": chunked_prefill.against_unchunked(runs)}  # noqa: E731
+    write = runs_writer(tmp_path, "cp", meta, chunked_prefill.plot, chunked_prefill.markdown, extra)
+    runs = payload()["runs"]
+    write(runs[:1])
+    write(runs)
+    written = json.loads((tmp_path / "cp.json").read_text())
+    assert written["runs"] == runs and written["against_unchunked"] == chunked_prefill.against_unchunked(runs)
+    assert written["plot"] == "cp.png" and (tmp_path / "cp.png").stat().st_size > 0
+    assert "python -m benchmarks.chunked_prefill --samples 2" in (tmp_path / "cp.md").read_text()
+    assert [r["chunk_size"] for r in chunked_prefill.resumed_runs(tmp_path / "cp.json", CONFIG)] == [-1, 512]

@@ -12,12 +12,14 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shlex
 import subprocess
+import sys
 import time
 from dataclasses import asdict
 from importlib import metadata
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from benchmarks.intervals import wilson
 from benchmarks.load.driver import RunResult
@@ -56,6 +58,29 @@ def write_report(out: Path, name: str, report: dict, text: str, log) -> None:
     (out / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
     (out / f"{name}.md").write_text(text)
     log(f"wrote {out / (name + '.json')}, {name}.md")
+
+
+def run_meta(module: str, argv: Optional[Sequence[str]], **fields) -> dict:
+    """What a result file records of its run: ``fields``, the command as typed (``argv``, None: this
+    process's) and the machine."""
+    command = ["python", "-m", f"benchmarks.{module}", *(sys.argv[1:] if argv is None else argv)]
+    return {**fields, "command": shlex.join(command), "environment": environment()}
+
+
+def runs_writer(
+    out: Path, name: str, meta: dict, plot: Callable[[list, Path], None], markdown: Callable[[dict], str],
+    extra: Callable[[list], dict] = lambda runs: {},
+) -> Callable[[list], None]:  # fmt: skip
+    """Writes ``<name>.json`` (``meta``, the runs, ``extra`` of them), ``.md`` and ``.png`` into ``out``:
+    called after every server, so a stopped benchmark keeps what finished."""
+
+    def write(runs: list) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        plot(runs, out / f"{name}.png")
+        payload = {"meta": meta, "runs": runs, **extra(runs), "plot": f"{name}.png"}
+        write_report(out, name, payload, markdown(payload), print)
+
+    return write
 
 
 def environment() -> dict:

@@ -232,14 +232,13 @@ class _Requests:
         elif kind == "beyond_pool":
             payload = self._chat_payload(" ".join(self._sentences(rng, self.config.beyond_pool_tokens)), max_tokens)
             reply = await stream_completion(self.session, chat_url, payload)
-            if reply.status is not None and 400 <= reply.status < 500:
+            if reply.error is not None and LENGTH_REFUSAL in reply.error:
+                # Stock's refusal; a streamed chat's can come after its 200 headers, as an error chunk.
                 self.report.status_codes[f"{kind}: {reply.status}"] += 1
-                self._note(kind, "refused (4xx)")
-            elif reply.error is not None and LENGTH_REFUSAL in reply.error:
-                # A streamed chat's refusal comes after its 200 headers, as an error chunk.
-                self.report.status_codes[f"{kind}: {reply.status}"] += 1
-                self._note(kind, "refused (error in stream)")
+                self._note(kind, "refused as too long" + (" (4xx)" if reply.status != 200 else " (error in stream)"))
             else:
+                if reply.status is not None and 400 <= reply.status < 500:
+                    self.report.violations.append(f"{kind}: refused, not for its length: {reply.error}")
                 self._record_stream(kind, reply)
         elif kind == "short_prompt":
             words = " ".join(self.documents[0][0].split()[: rng.randint(1, 3)])
