@@ -25,6 +25,7 @@ from sgl_kvevict.server.refusals import (
     check_reserved_flags,
 )
 from sgl_kvevict.server.sglang_args import (
+    BF16_CPU_FLAGS,
     COMPRESSION_DEFAULTS,
     CPU_DEFAULT_MAX_TOTAL_TOKENS,
     CPU_MEM_FRACTION_STATIC,
@@ -135,6 +136,8 @@ def launcher_notes() -> list[str]:
     """What the launcher adds and refuses, for --help's epilog and the README's flag table."""
     return [
         f"CPU development mode (no CUDA device): the launcher adds {render_defaults(CPU_MODE_DEFAULTS)} "
+        f"--dtype bfloat16 where the CPU multiplies bf16 natively ({', '.join(sorted(BF16_CPU_FLAGS))}), "
+        "else --dtype float32, "
         f"--max-total-tokens {CPU_DEFAULT_MAX_TOTAL_TOKENS} --mem-fraction-static {CPU_MEM_FRACTION_STATIC}, "
         "each only when you did not pass that flag yourself, and runs SGLang with OMP_NUM_THREADS=1 unless set.",
         "--enable-cache-report is always added, so responses report cached prompt tokens.",

@@ -28,6 +28,7 @@ from sgl_kvevict.server.processes import (
     wait_until_healthy,
 )
 from sgl_kvevict.server.refusals import FlagError, check_chunked_prefill
+from sgl_kvevict.server.sglang_args import flag_value
 from sgl_kvevict.server.worker import server_env, sglang_args, sglang_command, stats_socket_address
 from sgl_kvevict.settings import ConfigError
 
@@ -87,7 +88,8 @@ def run(config: LaunchConfig) -> int:
     if config.workers > 1:
         scale_out.check_capacity(config, model_dir, cpu_mode)
     if cpu_mode:
-        log("no CUDA device: CPU development mode (torch_native attention, sgl_kernel stand-in)")
+        dtype = flag_value(sglang_args(config, cpu_mode), "--dtype")
+        log(f"no CUDA device: CPU development mode (torch_native attention, sgl_kernel stand-in, --dtype {dtype})")
     signals = StopSignals()
     if config.workers > 1:
         return scale_out.run(config, model_dir, cpu_mode, signals)

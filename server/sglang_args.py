@@ -40,8 +40,6 @@ CPU_MODE_DEFAULTS: Defaults = (
     ("--cuda-graph-backend-prefill", ("disabled",)),
     ("--disable-overlap-schedule", ()),
     ("--page-size", ("1",)),
-    # fp16 prefill is ~3x slower than bf16 on these CPUs.
-    ("--dtype", ("bfloat16",)),
     ("--skip-server-warmup", ()),
     ("--chunked-prefill-size", (str(CPU_CHUNKED_PREFILL_SIZE),)),
     ("--prefill-decode-interval", (str(CPU_PREFILL_DECODE_INTERVAL),)),
@@ -95,9 +93,35 @@ def render_defaults(defaults: Defaults) -> str:
     return " ".join(" ".join((flag, *values)) for flag, values in defaults)
 
 
-def cpu_mode_args(sglang_args: list[str]) -> list[str]:
-    """The CPU development-mode defaults for flags the user did not set."""
+# CPU instructions that multiply bf16 natively. Without them torch emulates bf16 matmuls: measured on an
+# Intel Xeon with AVX-512 but no AVX512_BF16 (one thread, [1024, 576] x [576, 1536]): fp32 124 GFLOP/s,
+# bf16 26, fp16 1.4 (docs/cpu-mode.md, "dtype"). SGLang itself would pick fp16 for an fp32 checkpoint.
+BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+def host_cpu_flags() -> frozenset[str]:
+    """The instruction-set flags of this machine's CPU (Linux ``/proc/cpuinfo``; empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_dtype(cpu_flags: frozenset[str]) -> str:
+    """CPU mode's ``--dtype``: bf16 where the CPU multiplies it natively, else fp32 (5x faster there)."""
+    return "bfloat16" if cpu_flags & BF16_CPU_FLAGS else "float32"
+
+
+def cpu_mode_args(sglang_args: list[str], cpu_flags: Optional[frozenset[str]] = None) -> list[str]:
+    """The CPU development-mode defaults for flags the user did not set (``cpu_flags``: the CPU's
+    instruction sets, this machine's when None)."""
     added = defaults_not_given(sglang_args, CPU_MODE_DEFAULTS)
+    if not has_flag(sglang_args, "--dtype"):
+        added += ["--dtype", cpu_dtype(host_cpu_flags() if cpu_flags is None else cpu_flags)]
     if not has_flag(sglang_args, "--max-total-tokens") and not has_flag(sglang_args, "--mem-fraction-static"):
         added += ["--max-total-tokens", str(CPU_DEFAULT_MAX_TOTAL_TOKENS)]
     if not has_flag(sglang_args, "--mem-fraction-static"):

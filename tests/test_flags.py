@@ -25,6 +25,7 @@ from sgl_kvevict.server.sglang_args import (
     CPU_POLICY_CHUNKED_PREFILL_SIZE,
     cpu_mode_args,
     flag_value,
+    host_cpu_flags,
 )
 from sgl_kvevict.server.worker import server_env, sglang_command, stats_socket_address
 
@@ -256,6 +257,23 @@ def test_cpu_defaults_yield_to_user_flags():
     assert added[added.index("--device") + 1] == "cpu"
     assert added[added.index("--max-total-tokens") + 1] == str(CPU_DEFAULT_MAX_TOTAL_TOKENS)
     assert "--max-total-tokens" not in cpu_mode_args(["--mem-fraction-static", "0.2"])
+
+
+@pytest.mark.parametrize(
+    ("cpu_flags", "dtype"),
+    [({"avx2", "avx512f", "avx512_vnni"}, "float32"), ({"avx512f", "avx512_bf16"}, "bfloat16"), ({"amx_bf16"}, "bfloat16"), (set(), "float32")],
+)  # fmt: skip
+def test_cpu_mode_takes_bf16_only_where_the_cpu_multiplies_it(cpu_flags, dtype):
+    assert flag_value(cpu_mode_args([], frozenset(cpu_flags)), "--dtype") == dtype
+    assert "--dtype" not in cpu_mode_args(["--dtype", "float16"], frozenset(cpu_flags))
+
+
+def test_this_machines_cpu_flags_are_read():
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = [line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")] if cpuinfo.exists() else []
+    assert host_cpu_flags() == (frozenset(lines[0].split(":", 1)[1].split()) if lines else frozenset())
+    if lines:
+        assert "sse2" in host_cpu_flags()  # x86: what the benchmarks and CI run on
 
 
 def test_the_serving_config_travels_to_sglang_processes_intact():
