@@ -1,8 +1,9 @@
 # sgl-kvevict: one-command set-up and the two jobs of the README.
 #   make setup   create .venv with the pinned CPU environment (idempotent)
 #   make serve   set up if needed, then serve SmolLM2 on 127.0.0.1:30000, 25% of each prompt kept,
-#                ranked by the learned question-agnostic score (POLICY=topk SCORE=learned BUDGET=0.25
-#                PORT=30000; POLICY=none serves stock SGLang; WORKERS=2 starts two workers behind
+#                ranked by the learned question-agnostic score, in 512-token blocks (POLICY=topk
+#                SCORE=learned BUDGET=0.25 SCOPE=block PORT=30000; POLICY=none serves stock SGLang;
+#                SCOPE=request compresses each prompt whole; WORKERS=2 starts two workers behind
 #                SGLang's cache-aware router, each with its own KV pool; API_KEY=... ADMIN_API_KEY=...
 #                protect every port it opens: docs/deployment.md)
 #   make test    set up if needed, then run the whole test suite (TEST_WORKERS=2 processes)
@@ -19,11 +20,17 @@ BUDGET ?= 0.25
 # default because it answered as often as stock after reuse (README, "Choosing a policy"). Empty: the
 # policy's own score.
 SCORE ?= learned
+# Block scope: a shared prefix (a system prompt, a document) is compressed once in blocks that every
+# request starting with it reuses, and a prompt longer than the KV pool is served (README, "Choosing
+# the scope"). SCOPE=request compresses each prompt whole, for its own later turns.
+SCOPE ?= block
 PORT ?= 30000
 WORKERS ?= 1
 # BUDGET and SCORE go through --kv-evict-default: the launcher applies each only where POLICY takes it
 # (no budget for none, full, dbudget; a score only to the policies that accept it), see its --help.
 EVICT_DEFAULTS := --kv-evict-default budget=$(BUDGET) --kv-evict-default score=$(SCORE)
+# Stock SGLang (POLICY=none) has no scope.
+SCOPE_FLAG := $(if $(filter none,$(POLICY)),,--kv-evict-scope $(SCOPE))
 API_KEY ?=
 ADMIN_API_KEY ?=
 KEY_FLAGS := $(if $(API_KEY),--api-key $(API_KEY)) $(if $(ADMIN_API_KEY),--admin-api-key $(ADMIN_API_KEY))
@@ -46,7 +53,7 @@ $(STAMP): requirements/cpu.txt pyproject.toml
 	touch $(STAMP)
 
 serve: setup
-	$(PY) -m sgl_kvevict.server --model smollm2 --port $(PORT) --workers $(WORKERS) --kv-evict-policy $(POLICY) $(EVICT_DEFAULTS) $(KEY_FLAGS)
+	$(PY) -m sgl_kvevict.server --model smollm2 --port $(PORT) --workers $(WORKERS) --kv-evict-policy $(POLICY) $(SCOPE_FLAG) $(EVICT_DEFAULTS) $(KEY_FLAGS)
 
 # Test modules run on TEST_WORKERS processes (pytest-xdist), a whole module per worker so that its
 # module-scoped servers are started once; tests/conftest.py hands out the server modules first.

@@ -133,15 +133,18 @@ def test_defaults_apply_where_the_policy_takes_them_and_flags_win(tmp_path):
 
 
 # The eviction flags `make serve` passed before the launcher decided (the Makefile listed the policies
-# without a budget and those taking a score), per make variables given.
+# without a budget and those taking a score), per make variables given; block scope for every policy
+# since the scope was chosen again (README, "Choosing the scope"), unless SCOPE says otherwise.
+BLOCK = ("--kv-evict-scope", "block")
 MAKE_SERVE_BEFORE = {
-    (): ["--kv-evict-policy", "topk", "--kv-evict-budget", "0.25", "--kv-evict-score", "learned"],
+    (): ["--kv-evict-policy", "topk", *BLOCK, "--kv-evict-budget", "0.25", "--kv-evict-score", "learned"],
+    ("SCOPE=request",): ["--kv-evict-policy", "topk", "--kv-evict-budget", "0.25", "--kv-evict-score", "learned"],
     ("POLICY=none",): ["--kv-evict-policy", "none"],
-    ("POLICY=full",): ["--kv-evict-policy", "full"],
-    ("POLICY=dbudget",): ["--kv-evict-policy", "dbudget"],
-    ("POLICY=snapkv", "SCORE="): ["--kv-evict-policy", "snapkv", "--kv-evict-budget", "0.25"],
-    ("POLICY=h2o",): ["--kv-evict-policy", "h2o", "--kv-evict-budget", "0.25"],
-    ("POLICY=lava", "BUDGET=0.5"): ["--kv-evict-policy", "lava", "--kv-evict-budget", "0.5", "--kv-evict-score", "learned"],
+    ("POLICY=full",): ["--kv-evict-policy", "full", *BLOCK],
+    ("POLICY=dbudget",): ["--kv-evict-policy", "dbudget", *BLOCK],
+    ("POLICY=snapkv", "SCORE="): ["--kv-evict-policy", "snapkv", *BLOCK, "--kv-evict-budget", "0.25"],
+    ("POLICY=h2o",): ["--kv-evict-policy", "h2o", *BLOCK, "--kv-evict-budget", "0.25"],
+    ("POLICY=lava", "BUDGET=0.5"): ["--kv-evict-policy", "lava", *BLOCK, "--kv-evict-budget", "0.5", "--kv-evict-score", "learned"],
 }
 ROOT = Path(__file__).resolve().parent.parent
 
