@@ -246,8 +246,11 @@ def segment_attention_torch(
         return out, lse
     if max_q_len is None:
         max_q_len = int((qo_indptr[1:] - qo_indptr[:-1]).max())
-    attend = _attend_per_sequence if max_q_len > 1 else _attend_padded
-    attend(q, k_rows, v_rows, qo_indptr, kv_indptr, kv_indices, num_kv_heads, sm_scale, max_q_len, max_cells_per_sequence, out, lse)
+    sequences = (q, k_rows, v_rows, qo_indptr, kv_indptr, kv_indices, num_kv_heads, sm_scale)
+    if max_q_len > 1:
+        _attend_per_sequence(*sequences, out, lse)
+    else:
+        _attend_padded(*sequences, max_q_len, max_cells_per_sequence, out, lse)
     return out, lse
 
 
@@ -285,10 +288,7 @@ def _attend_padded(
         lse[rows[valid]] = chunk_lse.reshape(num_requests, len(offsets), num_q_heads)[valid]
 
 
-def _attend_per_sequence(
-    q, k_rows, v_rows, qo_indptr, kv_indptr, kv_indices, num_kv_heads, sm_scale, max_q_len, max_cells_per_sequence,
-    out, lse,
-) -> None:  # fmt: skip
+def _attend_per_sequence(q, k_rows, v_rows, qo_indptr, kv_indptr, kv_indices, num_kv_heads, sm_scale, out, lse) -> None:
     """One (request, KV head) at a time over exactly its cells, in chunks of queries; writes ``out`` and
     ``lse`` in place (a sequence without cells keeps 0 and -inf)."""
     group = q.shape[1] // num_kv_heads

@@ -78,9 +78,11 @@ def run(config: LaunchConfig) -> int:
     check_sglang_version()
     check_port_free(config.host, config.port)
     cpu_mode = cpu_mode_needed()
+    # Every flag SGLang will get (with_learned_weights below changes eviction options, not these).
+    launched_args = sglang_args(config, cpu_mode)
     if config.serving.enabled:
         # Again with the flags this machine adds: CPU mode chooses the chunk when the user did not.
-        check_chunked_prefill(config.serving, sglang_args(config, cpu_mode))
+        check_chunked_prefill(config.serving, launched_args)
     if config.workers > 1:
         scale_out.check_prerequisites(config)
     model_dir = resolve_model(config.model, log=log)
@@ -88,7 +90,7 @@ def run(config: LaunchConfig) -> int:
     if config.workers > 1:
         scale_out.check_capacity(config, model_dir, cpu_mode)
     if cpu_mode:
-        dtype = flag_value(sglang_args(config, cpu_mode), "--dtype")
+        dtype = flag_value(launched_args, "--dtype")
         log(f"no CUDA device: CPU development mode (torch_native attention, sgl_kernel stand-in, --dtype {dtype})")
     signals = StopSignals()
     if config.workers > 1:

@@ -10,7 +10,7 @@ the launcher's back.
 from __future__ import annotations
 
 from sgl_kvevict.limits import limit_flags
-from sgl_kvevict.server.sglang_args import flag_value, has_flag, int_flag_value
+from sgl_kvevict.server.sglang_args import flag_value, has_flag, int_flag_value, largest_chunk_beside_block
 from sgl_kvevict.serving import ServingConfig
 
 KV_EVICT_PREFIX = "--kv-evict-"
@@ -77,7 +77,7 @@ def check_chunked_prefill(serving: ServingConfig, sglang_args: list[str]) -> Non
         )
     pool = int_flag_value(sglang_args, "--max-total-tokens")
     block_size = getattr(serving.scope, "block_size", None)
-    if block_size is not None and pool is not None and block_size + chunk >= pool:
+    if block_size is not None and pool is not None and chunk > largest_chunk_beside_block(block_size, pool):
         raise FlagError(
             f"--kv-evict-block-size {block_size} and --chunked-prefill-size {chunk} do not fit together in "
             f"--max-total-tokens {pool}: a block is compressed at the chunk it ends in, so both are dense at once"

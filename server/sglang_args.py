@@ -146,4 +146,10 @@ def policy_chunk_default(block_size: Optional[int], pool: Optional[int]) -> int:
     together (a small pool then still serves what fits it, as it did before chunking)."""
     if block_size is None or pool is None:
         return CPU_POLICY_CHUNKED_PREFILL_SIZE
-    return max(1, min(CPU_POLICY_CHUNKED_PREFILL_SIZE, pool - block_size - 1))
+    return max(1, min(CPU_POLICY_CHUNKED_PREFILL_SIZE, largest_chunk_beside_block(block_size, pool)))
+
+
+def largest_chunk_beside_block(block_size: int, pool: int) -> int:
+    """The longest prefill chunk beside one dense block in a ``pool``-slot KV pool: block scope compresses
+    a block at the chunk it ends in, so both are dense at once, and together they stay below the pool."""
+    return pool - block_size - 1
