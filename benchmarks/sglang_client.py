@@ -44,6 +44,7 @@ from benchmarks.load.servers import (
     check_launcher_accepts,
     launched_server,
     server_variants,
+    under_schedules,
 )
 from benchmarks.load.soak import flush_when_idle, stats_leaks
 
@@ -172,7 +173,8 @@ def run_variant(
 
 
 def ratios(runs: Sequence[dict]) -> list[dict]:
-    """Every finished policy run against the vanilla run, field by field of ``RATIO_FIELDS``."""
+    """Every finished run against the first vanilla run (stock SGLang under the first schedule), field by
+    field of ``RATIO_FIELDS``."""
     vanilla = next((r for r in runs if r["variant"]["policy"] == "none" and not r["error"]), None)
     if vanilla is None:
         return []
@@ -319,6 +321,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--scopes", default="request", help="comma-separated scopes: request, block (default request)")
     parser.add_argument("--block-size", type=int, help="--kv-evict-block-size of block-scope servers (default: the launcher's)")
     parser.add_argument("--pool-tokens", type=int, default=6000, help="--max-total-tokens of every server (default 6000)")
+    parser.add_argument(
+        "--schedules", default="overlap",
+        help="comma-separated SGLang schedules every server runs under: overlap (SGLang's default), serial "
+             "(--disable-overlap-schedule) (default overlap)",
+    )  # fmt: skip
     workload = parser.add_argument_group("workload (SGLang's generated-shared-prefix data set)")
     for flag, help_text in (
         ("groups", "shared system prompts"),
@@ -347,6 +354,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             output_tokens=args.output_tokens, concurrency=args.concurrency, seed=args.seed,
         )  # fmt: skip
         variants = server_variants(_csv(args.policies), _csv(args.budgets), _csv(args.scopes), args.block_size)
+        variants = under_schedules(variants, _csv(args.schedules))
         for variant in variants:  # every refusal before the first server starts
             check_launcher_accepts(args.model, variant, args.pool_tokens, tuple(args.server_arg))
     except (ValueError, ServerError) as error:

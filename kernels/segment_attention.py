@@ -54,6 +54,10 @@ _TWIN_QUERY_CHUNK = 256  # query tokens per step of the torch twin: bounds its [
 _ROWS_PER_TILE = 64  # (query token, query head) rows per program
 _TARGET_PROGRAMS = 256  # ~2 waves on a 132-SM GPU; a heuristic, not tuned on hardware
 _MIN_CELLS_PER_SPLIT = 256  # below this a split's partial write and merge cost more than its cells
+# No split below this many cells in the longest sequence. Measured on an H100 (docs/gpu.md, batch 1, 8 KV
+# heads): at 2048 cells per head the unsplit kernel (0.093 ms) beat an 8-way split (0.111 ms: partial
+# writes and a merge launch on a kernel already near its launch floor); at 8192 a 32-way split won 2.99x.
+_MIN_CELLS_TO_SPLIT = 4096
 
 
 @triton.jit
@@ -150,8 +154,9 @@ def chosen_kv_splits(
 
 def kv_splits(num_programs: int, max_cells_per_sequence: int | None) -> int:
     """Splits per sequence so that ``num_programs x splits`` reaches ~2 waves of the GPU, each split
-    keeping at least ``_MIN_CELLS_PER_SPLIT`` cells of the longest sequence; 1 without a cell bound."""
-    if max_cells_per_sequence is None or num_programs >= _TARGET_PROGRAMS:
+    keeping at least ``_MIN_CELLS_PER_SPLIT`` cells of the longest sequence; 1 without a cell bound or
+    below ``_MIN_CELLS_TO_SPLIT`` cells."""
+    if max_cells_per_sequence is None or num_programs >= _TARGET_PROGRAMS or max_cells_per_sequence < _MIN_CELLS_TO_SPLIT:
         return 1
     by_occupancy = triton.cdiv(_TARGET_PROGRAMS, num_programs)
     return max(1, min(by_occupancy, max_cells_per_sequence // _MIN_CELLS_PER_SPLIT))
@@ -240,52 +245,63 @@ def segment_attention_torch(
     _check_inputs(q, k_rows, v_rows, qo_indptr, kv_indptr, num_kv_heads)
     num_tokens, num_q_heads, _ = q.shape
     num_requests = qo_indptr.numel() - 1
-    out = torch.zeros(num_tokens, num_q_heads, v_rows.shape[1], dtype=q.dtype, device=q.device)
-    lse = torch.full((num_tokens, num_q_heads), float("-inf"), dtype=torch.float32, device=q.device)
+    # One scratch row past the last token: the padded path's write target for a request without queries.
+    out = torch.zeros(num_tokens + 1, num_q_heads, v_rows.shape[1], dtype=q.dtype, device=q.device)
+    lse = torch.full((num_tokens + 1, num_q_heads), float("-inf"), dtype=torch.float32, device=q.device)
     if num_tokens == 0 or num_requests == 0 or kv_indices.numel() == 0:
-        return out, lse
+        return out[:num_tokens], lse[:num_tokens]
     if max_q_len is None:
         max_q_len = int((qo_indptr[1:] - qo_indptr[:-1]).max())
     sequences = (q, k_rows, v_rows, qo_indptr, kv_indptr, kv_indices, num_kv_heads, sm_scale)
     if max_q_len > 1:
         _attend_per_sequence(*sequences, out, lse)
     else:
-        _attend_padded(*sequences, max_q_len, max_cells_per_sequence, out, lse)
-    return out, lse
+        _attend_padded(*sequences, max_cells_per_sequence, out, lse)
+    return out[:num_tokens], lse[:num_tokens]
 
 
 def _attend_padded(
-    q, k_rows, v_rows, qo_indptr, kv_indptr, kv_indices, num_kv_heads, sm_scale, max_q_len, max_cells_per_sequence,
-    out, lse,
+    q, k_rows, v_rows, qo_indptr, kv_indptr, kv_indices, num_kv_heads, sm_scale, max_cells_per_sequence, out, lse
 ) -> None:  # fmt: skip
-    """Every request at once, queries and cells padded to ``max_q_len`` and ``max_cells_per_sequence``,
-    in chunks of queries; writes ``out`` and ``lse`` in place."""
-    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    """At most one query per request (decode), every request at once, cells padded to
+    ``max_cells_per_sequence``; writes ``out`` and ``lse`` ``[N + 1, ...]`` in place (row ``N``: scratch).
+    No boolean indexing and no host read when the bound is given: the shapes depend on the batch size and
+    the bound alone (a replayable body, ``engine.decode_graph``)."""
+    num_tokens, num_q_heads, head_dim = q.shape
     group = num_q_heads // num_kv_heads
     num_requests = qo_indptr.numel() - 1
     device = q.device
     qo_indptr, kv_indptr = qo_indptr.to(device, torch.int64), kv_indptr.to(device, torch.int64)
-    query_lengths = (qo_indptr[1:] - qo_indptr[:-1]).view(num_requests, 1)
     cell_counts = (kv_indptr[1:] - kv_indptr[:-1]).view(num_requests, num_kv_heads, 1)
     if max_cells_per_sequence is None:
         max_cells_per_sequence = int(cell_counts.max())
     cell_offsets = torch.arange(max_cells_per_sequence, device=device)
     has_cell = cell_offsets < cell_counts  # [B, H_kv, C]
-    entries = torch.where(has_cell, kv_indptr[:-1].view(num_requests, num_kv_heads, 1) + cell_offsets, 0)
-    cells = kv_indices[entries].long()  # padding reads entry 0, masked below
+    starts = kv_indptr[:-1].view(num_requests, num_kv_heads, 1)
+    # Padding re-reads the sequence's own first cell (weighted 0). A sequence without cells reads the
+    # entry after it, which may be stale (a replayed graph's buffer) or past the end, hence the clamp
+    # and its output zeroed below: 0 x NaN would be NaN.
+    cells = kv_indices[torch.where(has_cell, starts + cell_offsets, starts.clamp(max=kv_indices.numel() - 1))].long()
     keys, values = k_rows[cells].float(), v_rows[cells].float()  # [B, H_kv, C, D]
-    for chunk_start in range(0, max_q_len, _TWIN_QUERY_CHUNK):
-        offsets = torch.arange(chunk_start, min(chunk_start + _TWIN_QUERY_CHUNK, max_q_len), device=device)
-        valid = offsets < query_lengths  # [B, T]
-        rows = torch.where(valid, qo_indptr[:-1].view(num_requests, 1) + offsets, 0)
-        queries = q[rows].float().view(num_requests, len(offsets), num_kv_heads, group, head_dim)
-        logits = torch.einsum("btkgd,bkcd->btkgc", queries, keys) * sm_scale
-        logits = logits.masked_fill(~has_cell[:, None, :, None, :], float("-inf"))
-        chunk_lse = torch.logsumexp(logits, dim=-1)  # [B, T, H_kv, G]; -inf for heads without cells
-        probs = torch.exp(logits - chunk_lse.masked_fill(chunk_lse == float("-inf"), 0.0)[..., None])
-        chunk_out = torch.einsum("btkgc,bkcd->btkgd", probs, values).reshape(num_requests, len(offsets), num_q_heads, -1)
-        out[rows[valid]] = chunk_out[valid].to(q.dtype)
-        lse[rows[valid]] = chunk_lse.reshape(num_requests, len(offsets), num_q_heads)[valid]
+    # A request without queries (the kernel's contract allows one) writes the scratch row.
+    rows = torch.where(qo_indptr[1:] > qo_indptr[:-1], qo_indptr[:-1], num_tokens)
+    queries = q[rows.clamp(max=num_tokens - 1)].float().view(num_requests, 1, num_kv_heads, group, head_dim)
+    request_out, request_lse = _softmax_over_cells(queries, keys, values, has_cell, sm_scale)
+    request_out = request_out.masked_fill((request_lse == float("-inf"))[..., None], 0.0)
+    out[rows] = request_out[:, 0].to(q.dtype)
+    lse[rows] = request_lse[:, 0]
+
+
+def _softmax_over_cells(queries, keys, values, has_cell, sm_scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """queries fp32 ``[B, T, H_kv, G, D]`` over keys, values ``[B, H_kv, C, D]`` where ``has_cell``
+    ``[B, H_kv, C]``: out ``[B, T, H_q, D_v]`` and lse ``[B, T, H_q]`` (-inf for heads without cells)."""
+    batch, tokens, num_kv_heads, group, _ = queries.shape
+    logits = torch.einsum("btkgd,bkcd->btkgc", queries, keys) * sm_scale
+    logits = logits.masked_fill(~has_cell[:, None, :, None, :], float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)  # [B, T, H_kv, G]
+    probs = torch.exp(logits - lse.masked_fill(lse == float("-inf"), 0.0)[..., None])
+    out = torch.einsum("btkgc,bkcd->btkgd", probs, values)
+    return out.reshape(batch, tokens, num_kv_heads * group, -1), lse.reshape(batch, tokens, num_kv_heads * group)
 
 
 def _attend_per_sequence(q, k_rows, v_rows, qo_indptr, kv_indptr, kv_indices, num_kv_heads, sm_scale, out, lse) -> None:

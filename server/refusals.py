@@ -19,7 +19,7 @@ RESERVED_SGLANG_FLAGS = ("--model-path", "--host", "--port")
 # SGLang flags the launcher reads or sets (besides the refused ones); the keys are flags of ours that
 # the launcher passes on, listed so that an abbreviation of them is refused rather than passed on.
 READ_SGLANG_FLAGS = (
-    "--max-total-tokens", "--mem-fraction-static", "--disable-overlap-schedule", "--device", "--dtype",
+    "--max-total-tokens", "--mem-fraction-static", "--device", "--dtype",
     "--kv-cache-dtype", "--served-model-name", "--base-gpu-id", "--api-key", "--admin-api-key",
 )  # fmt: skip
 

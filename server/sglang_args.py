@@ -38,7 +38,6 @@ CPU_MODE_DEFAULTS: Defaults = (
     ("--attention-backend", ("torch_native",)),
     ("--cuda-graph-backend-decode", ("disabled",)),
     ("--cuda-graph-backend-prefill", ("disabled",)),
-    ("--disable-overlap-schedule", ()),
     ("--page-size", ("1",)),
     ("--skip-server-warmup", ()),
     ("--chunked-prefill-size", (str(CPU_CHUNKED_PREFILL_SIZE),)),
@@ -52,7 +51,6 @@ CPU_MODE_DEFAULTS: Defaults = (
 # are refused before this list is applied.
 COMPRESSION_DEFAULTS: Defaults = (
     ("--page-size", ("1",)),
-    ("--disable-overlap-schedule", ()),
     ("--cuda-graph-backend-decode", ("disabled",)),
     ("--cuda-graph-backend-prefill", ("disabled",)),
 )

@@ -65,7 +65,6 @@ class SetupFacts:
     session_radix_cache: bool = False
     speculative: bool = False
     mixed_chunk: bool = False
-    overlap_schedule: bool = False
     disaggregation: bool = False
     tokenizer_workers: int = 1
     attention_backend_wrapped: bool = True
@@ -113,11 +112,12 @@ class Limit:
 
 _CUDA_GRAPHS = (
     "replayed CUDA graphs skip the segment attention's per-batch metadata and read placeholder slot 0 for "
-    "every compressed position; with a policy the launcher disables them"
+    "every compressed position (the replayable decode, engine/decode_graph.py, is not hooked into SGLang's "
+    "graph runner yet); with a policy the launcher disables them"
 )
 _DP_ATTENTION = "DP attention splits a batch's attention across ranks; the segment attention runs on one rank"
 
-# The first-version limits (page size 1, no overlap schedule, no CUDA graphs, TP 1)
+# The first-version limits (page size 1, no CUDA graphs, TP 1)
 # and SGLang 0.5.23's features that copy, move or share KV by slot rows, which compressed nodes do not
 # hold. Spellings are SGLang 0.5.23's (sglang/srt/arg_groups/fields/*.py); a test checks them.
 LIMITS = (
@@ -163,10 +163,6 @@ LIMITS = (
           "batches mixing prefill and decode tokens are not handled by scoring capture yet; --prefill-decode-interval "
           "(on by default in CPU mode) lets running requests decode between a long prompt's chunks instead",
           (LimitFlag(("--enable-mixed-chunk",)),), lambda f: f.mixed_chunk),
-    Limit("overlap schedule",
-          "the tree's checkpoint must see a forward's results before the next batch is scheduled; SGLang 0.5.23 "
-          "has no flag that turns overlap on (the launcher passes --disable-overlap-schedule)",
-          (), lambda f: f.overlap_schedule),
     Limit("PD disaggregation", "PD disaggregation transfers KV by slot rows and compressed spans hold placeholder slots",
           (LimitFlag(("--disaggregation-mode",), allowed=("null",)),), lambda f: f.disaggregation),
     Limit("several tokenizer workers", "/kvevict/stats is served by the single HTTP process's app",

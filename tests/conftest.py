@@ -17,12 +17,12 @@ torch.set_num_threads(1)
 
 def pytest_collection_modifyitems(config, items):
     """Triton-interpreter tests run only in a process that has the interpreter on (their module's
-    driver test starts one), and the CUDA kernel tests (mark ``gpu``) only with ``KVEVICT_GPU_TESTS=1``;
+    driver test starts one), tests of the torch twins only where it is off, and the CUDA kernel tests (mark ``gpu``) only with ``KVEVICT_GPU_TESTS=1``;
     elsewhere they are deselected, so nothing is reported as skipped."""
     from sgl_kvevict.kernels.runtime import TRITON_INTERPRETED
     from test_kernels_support import GPU_TESTS_VARIABLE
 
-    excluded_marks = {"triton_interpreter_driver" if TRITON_INTERPRETED else "triton_interpreter"}
+    excluded_marks = {"triton_interpreter_driver", "torch_twins"} if TRITON_INTERPRETED else {"triton_interpreter"}
     if os.environ.get(GPU_TESTS_VARIABLE) != "1":
         excluded_marks.add("gpu")
     selected = [item for item in items if not any(item.get_closest_marker(mark) for mark in excluded_marks)]

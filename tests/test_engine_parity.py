@@ -80,24 +80,37 @@ def case_id(case) -> str:
     return "-".join([policy, *(value for _, value in overrides)])
 
 
-@pytest.fixture(scope="module")
-def server(tiny_llama_dir, tmp_path_factory, dump_dir):
+def parity_server(tiny_llama_dir, tmp_path, dump_dir, *schedule_flags: str):
     flags = ("--kv-evict-policy", "snapkv", *ANY_REQUEST_OPTIONS, "--max-total-tokens", "4096", *TINY_SERVER_FLAGS)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(PLAN_DUMP_ENV, str(dump_dir))
-        with running_server(tiny_llama_dir, tmp_path_factory.mktemp("parity"), *flags) as running:
+        with running_server(tiny_llama_dir, tmp_path, *flags, *schedule_flags) as running:
             yield running
             assert_strict_idle_check_passed(running)
 
 
-@pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_server_keeps_what_the_reference_keeps(case, server, reference, dump_dir, learned_weights, tiny_llama_dir):
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir, tmp_path_factory, dump_dir):
+    """SGLang's default overlap schedule (the launcher's, on CPU too)."""
+    yield from parity_server(tiny_llama_dir, tmp_path_factory.mktemp("parity"), dump_dir)
+
+
+@pytest.fixture(scope="module")
+def serial_server(tiny_llama_dir, tmp_path_factory, dump_dir):
+    yield from parity_server(tiny_llama_dir, tmp_path_factory.mktemp("serial"), dump_dir, "--disable-overlap-schedule")
+
+
+def check_keeps_what_the_reference_keeps(server, case, reference, dump_dir, learned_weights, tiny_llama_dir, rid_prefix=""):
+    """Every prompt of ``PROMPT_LENGTHS`` under ``case``: the server's plan, tokens, cells and ledger
+    against the reference's; returns the overlap waits the server counted."""
     policy, overrides = case
     overrides = dict(overrides, **({"learned_weights": learned_weights} if ("score", "learned") in case[1] else {}))
     config = EvictionConfig.for_policy(policy, **overrides)
+    waits = 0
     for index, length in enumerate(PROMPT_LENGTHS):
         prompt = random_prompt(length, seed=index)
-        rid = f"{case_id(case)}-{index}"
+        rid = f"{rid_prefix}{case_id(case)}-{index}"
+        waits_before = stats(server)["overlap_waits"]
         response = generate(server, prompt, MAX_NEW_TOKENS, rid=rid, options=request_options(config))
         expected = reference.generate(prompt, build_policy(config).for_model(tiny_llama_dir), max_new_tokens=MAX_NEW_TOKENS)
         (reference_plan,) = expected.plans
@@ -106,6 +119,7 @@ def test_server_keeps_what_the_reference_keeps(case, server, reference, dump_dir
         assert tuple(response["output_ids"]) == expected.output_ids
 
         during = stats(server)
+        waits += during["overlap_waits"] - waits_before
         evicted = reference_plan.total_kept() < length * reference.num_layers * reference.num_kv_heads
         assert during["compressed_nodes"] == int(evicted)
         assert during["arena_cells_used"] == during["kept_cells"]
@@ -114,3 +128,22 @@ def test_server_keeps_what_the_reference_keeps(case, server, reference, dump_dir
             per_head = max(config.budget.per_head(length), config.window)
             assert reference_plan.total_kept() <= per_head * reference.num_layers * reference.num_kv_heads
         assert_no_leak_after_flush(server)
+    return waits
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_server_keeps_what_the_reference_keeps(case, server, reference, dump_dir, learned_weights, tiny_llama_dir):
+    waits = check_keeps_what_the_reference_keeps(server, case, reference, dump_dir, learned_weights, tiny_llama_dir)
+    # Under the overlap schedule the batch after each compressing prefill is formed after its checkpoint
+    # (one per prompt); KVzip's passes run between batches, each piece after such a wait.
+    kvzip = EvictionConfig.for_policy(case[0], **dict(case[1])).score == "kvzip"
+    assert waits >= len(PROMPT_LENGTHS) if kvzip else waits == len(PROMPT_LENGTHS), waits
+
+
+SERIAL_CASES = [("snapkv", ()), ("topk", (("score", "learned"),)), ("lava", (("score", "kvzip"),))]
+
+
+@pytest.mark.parametrize("case", SERIAL_CASES, ids=case_id)
+def test_the_serial_schedule_keeps_what_the_reference_keeps(case, serial_server, reference, dump_dir, learned_weights, tiny_llama_dir):
+    waits = check_keeps_what_the_reference_keeps(serial_server, case, reference, dump_dir, learned_weights, tiny_llama_dir, "serial-")
+    assert waits == 0  # nothing overlaps, so nothing waits

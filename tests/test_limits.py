@@ -31,7 +31,6 @@ BROKEN_SETUPS = {
     "session radix cache": {"session_radix_cache": True},
     "speculative decoding": {"speculative": True},
     "mixed chunks": {"mixed_chunk": True},
-    "overlap schedule": {"overlap_schedule": True},
     "PD disaggregation": {"disaggregation": True},
     "several tokenizer workers": {"tokenizer_workers": 4},
     "attention backend": {"attention_backend_wrapped": False},

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from benchmarks import sglang_client
+from benchmarks.load.servers import ServerError, server_variants, under_schedules
 from benchmarks.sglang_client import Workload
 from engine_client import MEMORY_FLAGS
 
@@ -50,6 +51,19 @@ def test_ratios_are_against_the_vanilla_run_of_the_same_report():
     assert row["label"] == "topk:learned@0.25"
     assert (row["output_throughput"], row["median_ttft_ms"], row["mean_itl_ms"]) == (1.5, 0.25, 1.0)
     assert sglang_client.ratios(runs[1:]) == []  # no vanilla run: nothing to compare with
+
+
+def test_every_variant_runs_under_every_schedule_in_turn():
+    variants = server_variants(["topk:learned"], ["0.25"], ["request", "block"])
+    both = under_schedules(variants, ["overlap", "serial"])
+    assert [v.label for v in both] == [
+        "vanilla", "vanilla serial", "topk:learned@0.25", "topk:learned@0.25 serial",
+        "topk:learned@0.25 block", "topk:learned@0.25 block serial",
+    ]  # fmt: skip
+    assert both[1].launcher_flags()[-1] == "--disable-overlap-schedule" and "--disable-overlap-schedule" not in both[0].launcher_flags()
+    assert under_schedules(variants, ["overlap"]) == variants
+    with pytest.raises(ServerError, match="choose from overlap, serial"):
+        under_schedules(variants, ["eager"])
 
 
 @pytest.mark.server

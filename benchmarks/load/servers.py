@@ -90,6 +90,25 @@ def server_variants(
     return (ServerVariant(VANILLA_POLICY),) + tuple(chosen)
 
 
+# SGLang's schedules: its default overlaps a batch's result processing with the next batch's launch.
+SCHEDULES = ("overlap", "serial")
+SERIAL_SCHEDULE_FLAG = "--disable-overlap-schedule"
+
+
+def under_schedules(variants: Sequence[ServerVariant], schedules: Sequence[str]) -> tuple[ServerVariant, ...]:
+    """Every variant under every schedule, in turn (``serial``: SGLang's ``--disable-overlap-schedule``,
+    tagged ``serial``)."""
+    unknown = [s for s in schedules if s not in SCHEDULES]
+    if unknown or not schedules:
+        raise ServerError(f"schedules {list(schedules)}: choose from {', '.join(SCHEDULES)}")
+    return tuple(
+        variant if schedule == "overlap"
+        else ServerVariant(variant.policy, variant.budget, (*variant.extra, SERIAL_SCHEDULE_FLAG), f"{variant.tag} serial".strip())
+        for variant in variants
+        for schedule in schedules
+    )  # fmt: skip
+
+
 def launcher_argv(model: str, port: int, variant: ServerVariant, pool_tokens: int, extra: tuple[str, ...]) -> list[str]:
     return [
         "--model", model, "--port", str(port), "--host", "127.0.0.1",

@@ -249,6 +249,19 @@ class CompressionCoordinator:
         compression.stage = Stage.READY
         return True
 
+    # ---- overlap schedule ------------------------------------------------------------------------
+
+    def settles_before_next_batch(self, last_batch) -> bool:
+        """Under SGLang's overlap schedule: whether ``last_batch``'s results must be processed (its
+        checkpoints run) before the next batch is formed. True when a request of it has a span ready to
+        store, or KVzip work is queued (a reconstruction pass is a forward of its own, run between
+        batches). Formed first, the next batch would decode those requests over their whole dense
+        prompts (answers differ from the serial schedule's, the dense slots stay taken one more step).
+        Every other batch overlaps as in stock SGLang."""
+        if self.reconstructor is not None and self.reconstructor.queue:
+            return True
+        return any(_has_ready_span(req) for req in last_batch.reqs)
+
     # ---- 4. plan -------------------------------------------------------------------------------
 
     def handover(self, req, final: bool) -> Handover:
@@ -316,3 +329,8 @@ class CompressionCoordinator:
             "scope": self.scope.name,
             "block_size": getattr(self.scope, "block_size", None),
         }
+
+
+def _has_ready_span(req) -> bool:
+    record = request_record(req)
+    return record is not None and any(c.stage is Stage.READY for c in record.compressions)

@@ -67,7 +67,6 @@ def unsupported_features(ctx: TreeCacheBuildContext, attn_backend) -> list[str]:
         radix_eviction_policy=memory.radix_eviction_policy != "lru" or memory.radix_eviction_policy_config is not None,
         speculative=get_spec().speculative_algorithm is not None,
         mixed_chunk=schedule.enable_mixed_chunk,
-        overlap_schedule=not schedule.disable_overlap_schedule,
         disaggregation=get_disagg().disaggregation_mode != "null",
         tokenizer_workers=get_serving().tokenizer_worker_num,
         attention_backend_wrapped=isinstance(attn_backend, SegmentAttentionBackend),

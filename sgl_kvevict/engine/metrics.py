@@ -46,6 +46,7 @@ COUNTERS = {
     "arena_cells_moved": "Cells moved to give whole slots back to SGLang's allocator.",
     "chunked_prefills": "Requests whose prompt took more than one prefill forward (chunked prefill).",
     "chunked_prefills_aborted": "Requests released between two prefill forwards of their prompt (aborted between chunks).",
+    "overlap_waits": "Batches the overlap schedule formed only after the previous batch's checkpoints stored compressed spans.",
 }
 DEFAULT_INTERVAL_SECONDS = 1.0
 

@@ -12,7 +12,9 @@ entry point is how ours get there (docs/sglang.md#processes-and-plugin-loading).
 * hooks through SGLang's ``HookRegistry`` (applied by its plugin loader; SGLang's source is not
   patched): AFTER the scheduler's ``process_batch_result``, the coordinator runs one piece of queued
   KVzip reconstruction work (``CompressionCoordinator.between_batches``), as work of its own between
-  batches; and the three hooks of compress-while-prefilling (``engine.admission``) on the longest prompt
+  batches; AROUND ``Scheduler.get_next_batch_to_run``, under the overlap schedule, the last batch's
+  results are processed before the next batch is formed when its checkpoints store compressed spans
+  (``CompressionCoordinator.settles_before_next_batch``); and the three hooks of compress-while-prefilling (``engine.admission``) on the longest prompt
   SGLang accepts, on its prefill admission and on the answer length it allows.
 
 Everything heavy is imported inside the factories, which run only in the scheduler process.
@@ -26,6 +28,8 @@ from sgl_kvevict.serving import RADIX_CACHE_BACKEND, ServingConfig
 
 # Called once per scheduler batch, after its results (and the checkpoints of its requests) are processed.
 SCHEDULER_BATCH_DONE = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
+# Forms the next batch; under the overlap schedule the last batch's results are still unprocessed then.
+NEXT_BATCH = "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run"
 # Compress while prefilling (engine.admission): the longest prompt SGLang accepts, its admission, and
 # the answer length it allows a prompt.
 WORKER_INFO = "sglang.srt.managers.tp_worker.TpModelWorker.get_worker_info"
@@ -51,6 +55,7 @@ def register() -> None:
     ATTENTION_BACKENDS["torch_native"] = _create_torch_backend
     ATTENTION_BACKENDS["flashinfer"] = _create_flashinfer_backend
     HookRegistry.register(SCHEDULER_BATCH_DONE, _after_batch, HookType.AFTER)
+    HookRegistry.register(NEXT_BATCH, _settle_before_next_batch, HookType.AROUND)
     HookRegistry.register(WORKER_INFO, raise_length_limits, HookType.AFTER)
     HookRegistry.register(PREFILL_BUDGET_CHECK, admit_by_footprint, HookType.AROUND)
     HookRegistry.register(ANSWER_CLIP, clip_answer_by_footprint, HookType.AROUND)
@@ -62,6 +67,31 @@ def _after_batch(_result, scheduler, *args, **kwargs) -> None:
     tree = scheduler.tree_cache
     if isinstance(tree, CompressedRadixCache):
         tree.coordinator.between_batches()
+
+
+def _settle_before_next_batch(original, scheduler, *args, **kwargs):
+    """SGLang's overlap loop forms batch N + 1 before it processes batch N's results. When N's checkpoints
+    store compressed spans (or KVzip work is queued), process them first, as the serial loop does: N + 1
+    then decodes those requests over their compressed prefixes and leaves out the ones N finished.
+    Processing them at launch instead (SGLang's ``is_disable_overlap_for_batch`` route) would release
+    requests N + 1 still holds: its decode would write into slots a checkpoint may have just lent to
+    compressed cells."""
+    from sgl_kvevict.engine.radix_cache import CompressedRadixCache
+
+    last_batch = kwargs["last_batch"] if "last_batch" in kwargs else args[1]
+    queue = getattr(scheduler, "result_queue", None)  # the overlap loop's unprocessed results
+    tree = scheduler.tree_cache
+    settle = (
+        bool(queue) and last_batch is not None and isinstance(tree, CompressedRadixCache)
+        and tree.coordinator.settles_before_next_batch(last_batch)
+    )  # fmt: skip
+    if settle:
+        tree.coordinator.stats.count("overlap_waits")
+        scheduler.process_batch_result(*queue.popleft())
+    plan = original(scheduler, *args, **kwargs)
+    if settle:
+        scheduler.last_batch = None  # processed: the loop has nothing left to process for it
+    return plan
 
 
 def _create_radix_cache(ctx):

@@ -35,7 +35,8 @@ class EngineStats:
     whose prompt took more than one forward); ``chunked_prefills_aborted`` (requests released after
     some but not all of their prompt's forwards: a client abort between chunks);
     ``reconstructions_skipped`` (spans left dense because running requests held every slot a KVzip
-    pass needed); evictions by kind
+    pass needed); ``overlap_waits`` (under the overlap schedule, batches formed only after the previous
+    batch's results were processed, because its checkpoints stored compressed spans); evictions by kind
     (``dense_nodes_evicted``, ``dense_slots_evicted``, ``compressed_nodes_evicted``,
     ``compressed_cells_evicted``; ``/flush_cache`` not counted). ``served_histogram`` maps "distinct
     requests a node served" to the number of nodes, over every node created since start.
@@ -53,6 +54,7 @@ class EngineStats:
     chunked_prefills: int = 0
     chunked_prefills_aborted: int = 0
     reconstructions_skipped: int = 0
+    overlap_waits: int = 0
     request_option_errors: int = 0
     dense_nodes_evicted: int = 0
     dense_slots_evicted: int = 0
