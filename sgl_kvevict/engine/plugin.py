@@ -14,8 +14,9 @@ entry point is how ours get there (docs/sglang.md#processes-and-plugin-loading).
   KVzip reconstruction work (``CompressionCoordinator.between_batches``), as work of its own between
   batches; AROUND ``Scheduler.get_next_batch_to_run``, under the overlap schedule, the last batch's
   results are processed before the next batch is formed when its checkpoints store compressed spans
-  (``CompressionCoordinator.settles_before_next_batch``); and the three hooks of compress-while-prefilling (``engine.admission``) on the longest prompt
-  SGLang accepts, on its prefill admission and on the answer length it allows.
+  (``CompressionCoordinator.settles_before_next_batch``); and the three hooks of
+  compress-while-prefilling (``engine.admission``) on the longest prompt SGLang accepts, on its prefill
+  admission and on the answer length it allows.
 
 Everything heavy is imported inside the factories, which run only in the scheduler process.
 """
