@@ -190,7 +190,7 @@ def test_the_triton_body_replays_every_step(device):
         return [state.attend(queries, layer, space.k_rows, space.v_rows, k_buffers[layer.layer_id], v_buffers[layer.layer_id])
                 for layer in layers]  # fmt: skip
 
-    replay = body
+    run_body = body
     if device == "cuda":
         warm_up = torch.cuda.Stream()  # compiles the kernels outside the capture
         warm_up.wait_stream(torch.cuda.current_stream())
@@ -201,7 +201,7 @@ def test_the_triton_body_replays_every_step(device):
         with torch.cuda.graph(graph):
             captured = body()
 
-        def replay() -> list[torch.Tensor]:
+        def run_body() -> list[torch.Tensor]:
             graph.replay()
             return captured
 
@@ -212,6 +212,6 @@ def test_the_triton_body_replays_every_step(device):
         count = len(forward.requests)
         queries.zero_()
         queries[:count].copy_(scenario.q.view(count, num_kv_heads * group, HEAD_DIM))
-        for layer, out in zip(layers, replay()):
+        for layer, out in zip(layers, run_body()):
             actual = out[:count].reshape(count, -1).double().cpu()
             torch.testing.assert_close(actual, naive_attention(scenario, layer), atol=2e-5, rtol=1e-5)
