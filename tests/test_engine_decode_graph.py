@@ -167,6 +167,25 @@ def requests_on(scenario, device: str) -> ForwardRequests:
     return ForwardRequests(True, tuple(dataclasses.replace(r, view=moved(r.view)) for r in requests))
 
 
+def captured_in_a_cuda_graph(body):
+    """``body`` captured once in a CUDA graph (a warm-up outside the capture compiles its kernels); the
+    returned function replays the graph and returns the outputs it captured."""
+    warm_up = torch.cuda.Stream()
+    warm_up.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warm_up):
+        body()
+    torch.cuda.current_stream().wait_stream(warm_up)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = body()
+
+    def replayed():
+        graph.replay()
+        return outputs
+
+    return replayed
+
+
 @on_kernel_devices
 def test_the_triton_body_replays_every_step(device):
     """The body through the Triton kernels (the interpreter on CPU) for every step of ``STEPS``, all padded
@@ -190,21 +209,7 @@ def test_the_triton_body_replays_every_step(device):
         return [state.attend(queries, layer, space.k_rows, space.v_rows, k_buffers[layer.layer_id], v_buffers[layer.layer_id])
                 for layer in layers]  # fmt: skip
 
-    run_body = body
-    if device == "cuda":
-        warm_up = torch.cuda.Stream()  # compiles the kernels outside the capture
-        warm_up.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(warm_up):
-            body()
-        torch.cuda.current_stream().wait_stream(warm_up)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = body()
-
-        def run_body() -> list[torch.Tensor]:
-            graph.replay()
-            return captured
-
+    run_body = captured_in_a_cuda_graph(body) if device == "cuda" else body
     for scenario in scenarios:
         storage.copy_(pool_storage(scenario))
         forward = requests_on(scenario, device)
