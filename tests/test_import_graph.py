@@ -21,7 +21,7 @@ PACKAGE_DIRS = {"sgl_kvevict": ROOT / "sgl_kvevict", "sgl_kvevict.kernels": ROOT
 # Nor does it know the config that builds it: policies and scores take narrow settings types.
 PURE_PACKAGES = (
     "sgl_kvevict.scoring", "sgl_kvevict.budget", "sgl_kvevict.policies", "sgl_kvevict.plan", "sgl_kvevict.settings",
-    "sgl_kvevict.common_settings",
+    "sgl_kvevict.common_settings", "sgl_kvevict.sharding",
 )  # fmt: skip
 
 

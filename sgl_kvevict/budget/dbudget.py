@@ -26,11 +26,18 @@ def reduced_attention_mass(tail_attn: torch.Tensor) -> torch.Tensor:
 
     tail_attn: ``[H_q, k, L]`` attention of the last ``k`` queries (positions ``L - k .. L - 1``).
     """
+    return head_attention_mass(tail_attn, 1)[0]
+
+
+def head_attention_mass(tail_attn: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """fp32 ``[H_kv, L]``: ``reduced_attention_mass``'s sum taken over each KV head's query group only
+    (their sum over KV heads is the layer's mass). Ranks that hold different KV heads each compute
+    their heads' part; summed in head order, the result does not depend on how heads are spread."""
     num_rows, context = tail_attn.shape[1], tail_attn.shape[2]
     positions = torch.arange(context, device=tail_attn.device)
     rows_seeing = num_rows - (positions - (context - num_rows)).clamp(min=0)  # query rows at or after p
     mean_attention = tail_attn.sum(1) / rows_seeing
-    return mean_attention.square().sum(0)
+    return mean_attention.square().view(num_kv_heads, -1, context).sum(1)
 
 
 def evicted_prefix_length(mass: torch.Tensor, eviction_order: torch.Tensor, threshold: float) -> int:

@@ -26,7 +26,9 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, ClassVar, TypeVar
+from typing import Callable, ClassVar, Optional, TypeVar
+
+import torch
 
 from sgl_kvevict.common_settings import CommonSettings
 from sgl_kvevict.plan import CompressionPlan
@@ -89,6 +91,18 @@ class SegmentCompressor(abc.ABC):
     def plan(self) -> CompressionPlan:
         """Decide kept positions for every (layer, KV head); called once after the last layer."""
 
+    def shared_state(self) -> Optional[torch.Tensor]:
+        """For engines whose ranks each hold some KV heads (tensor parallelism): the per-(layer, KV head)
+        state that ``plan`` weighs across heads, fp32 ``[L, H_kv, m]``, called once after the last layer.
+        The engine gathers every rank's and calls ``plan_shared`` (``sgl_kvevict.sharding``). None: each
+        head's kept positions depend on its own statistics only, so every rank plans its heads alone."""
+        return None
+
+    def plan_shared(self, state: torch.Tensor) -> CompressionPlan:
+        """The plan of every KV head of the model from every rank's ``shared_state``, ``[L, H_all, m]`` in
+        global head order (``H_all`` need not be ``spec.num_kv_heads``: that is this rank's count)."""
+        raise NotImplementedError(f"{type(self).__name__} shares no state")
+
 
 class Policy(abc.ABC):
     name: ClassVar[str]
@@ -120,6 +134,12 @@ class Policy(abc.ABC):
         """This policy with what it needs from the served model loaded and checked (the learned
         scorer's weights, found by the fingerprint of ``model_dir``, the model's HF folder); ``self``
         when it needs nothing. Engines call it once with their model; it raises ``ConfigError``."""
+        return self
+
+    def for_heads(self, heads: tuple[int, ...]) -> "Policy":
+        """This policy on a rank that holds the model's KV heads ``heads`` (``sharding.PADDING``: a padded
+        head) and sees only their statistics (tensor parallelism); ``self`` when its statistics already
+        come per rank (window statistics do: a rank computes its own heads')."""
         return self
 
 

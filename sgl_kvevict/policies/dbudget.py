@@ -11,10 +11,11 @@ heads of a layer keep the same positions (one stopping index per layer, heads co
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
-from sgl_kvevict.budget.dbudget import evicted_prefix_length, reduced_attention_mass
+from sgl_kvevict.budget.dbudget import evicted_prefix_length, head_attention_mass
 from sgl_kvevict.common_settings import CommonSettings
 from sgl_kvevict.plan import CompressionPlan
 from sgl_kvevict.policies.base import Policy, PolicyDefaults, SegmentCompressor, SegmentSpec, register_policy
@@ -61,24 +62,40 @@ class _NormDropCompressor(SegmentCompressor):
         self.needs_stats = layout.compresses
         # Evictable positions (the candidates), least important (oldest) first.
         self.eviction_order = torch.arange(layout.candidate_start, layout.window_start)
-        self.evicted_per_layer: dict[int, int] = {}
+        self.mass_per_layer: dict[int, torch.Tensor] = {}  # [H_kv, L] per pruned layer
 
     def observe(self, layer: int, stats: WindowStats) -> None:
         if self.layout.compresses and layer not in self.frozen_layers:
-            mass = reduced_attention_mass(stats.tail_attn).cpu()
-            self.evicted_per_layer[layer] = evicted_prefix_length(mass, self.eviction_order, self.threshold)
+            self.mass_per_layer[layer] = head_attention_mass(stats.tail_attn, self.spec.num_kv_heads).cpu()
 
     def plan(self) -> CompressionPlan:
-        layout, spec = self.layout, self.spec
-        if not layout.compresses:
-            return layout.keep_all()
-        missing = sorted(set(range(spec.num_layers)) - self.frozen_layers - set(self.evicted_per_layer))
+        if not self.layout.compresses:
+            return self.layout.keep_all()
+        return self._plan(self._masses(), self.spec.num_kv_heads)
+
+    def shared_state(self) -> Optional[torch.Tensor]:
+        return torch.stack(self._masses()) if self.layout.compresses else None
+
+    def plan_shared(self, state: torch.Tensor) -> CompressionPlan:
+        return self._plan(list(state), state.shape[1])
+
+    def _masses(self) -> list[torch.Tensor]:
+        """``[H_kv, L]`` per layer (zeros for a frozen layer, which is never pruned)."""
+        missing = sorted(set(range(self.spec.num_layers)) - self.frozen_layers - set(self.mass_per_layer))
         if missing:
             raise RuntimeError(f"plan() before observe() of layers {missing}")
-        layers = []
-        for layer in range(spec.num_layers):
-            kept = torch.arange(self.evicted_per_layer.get(layer, 0), layout.num_candidates)
-            layers.append(layout.layer_plan([kept] * spec.num_kv_heads))
+        shape = next(iter(self.mass_per_layer.values())).shape if self.mass_per_layer else (self.spec.num_kv_heads, 0)
+        return [self.mass_per_layer.get(layer, torch.zeros(shape)) for layer in range(self.spec.num_layers)]
+
+    def _plan(self, masses: list[torch.Tensor], num_kv_heads: int) -> CompressionPlan:
+        """One stopping index per layer from its mass summed over every KV head (``masses`` ``[H_kv, L]``)."""
+        layout, layers = self.layout, []
+        for layer, mass in enumerate(masses):
+            evicted = 0
+            if layer not in self.frozen_layers:
+                evicted = evicted_prefix_length(mass.sum(0), self.eviction_order, self.threshold)
+            kept = torch.arange(evicted, layout.num_candidates)
+            layers.append(layout.layer_plan([kept] * num_kv_heads))
         return layout.plan(layers)
 
 

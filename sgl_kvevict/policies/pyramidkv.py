@@ -36,3 +36,7 @@ class PyramidKVPolicy(ScoredPolicy):
             layout.selected_per_head, layout.spec.num_layers, layout.num_candidates, self.knobs.pyramid_beta
         )
         return (per_head * layout.spec.num_kv_heads).tolist()
+
+    def plans_each_head_alone(self) -> bool:
+        return type(self).head_counts is ScoredPolicy.head_counts  # the pyramid reads no scores
+

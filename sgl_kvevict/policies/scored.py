@@ -15,7 +15,9 @@ are computed once after the last layer (docs/methods/lava.md#one-shot-equals-the
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -46,11 +48,23 @@ class ScoredPolicy(Policy):
         """int64 ``[H_kv]`` candidates kept per KV head; ``sorted_scores`` ``[H_kv, n]`` descending per head."""
         return uniform_head_counts(layer_budget, sorted_scores.shape[0])
 
+    def plans_each_head_alone(self) -> bool:
+        """Whether a KV head's kept positions depend on its own scores only: the default hooks (an even
+        split, the same budget in every layer). Then ranks holding different heads plan without an
+        exchange (``SegmentCompressor.shared_state``); a policy overriding a hook exchanges, unless it says
+        its hook reads no scores."""
+        return type(self).layer_budgets is ScoredPolicy.layer_budgets and type(self).head_counts is ScoredPolicy.head_counts
+
     def stats_request(self) -> StatsRequest:
         return self.scorer.request
 
     def for_model(self, model_dir: Path) -> "ScoredPolicy":
-        scorer = self.scorer.for_model(model_dir)
+        return self._with_scorer(self.scorer.for_model(model_dir))
+
+    def for_heads(self, heads: tuple[int, ...]) -> "ScoredPolicy":
+        return self._with_scorer(self.scorer.for_heads(heads))
+
+    def _with_scorer(self, scorer: Scorer) -> "ScoredPolicy":
         if scorer is self.scorer:
             return self
         bound = copy.copy(self)
@@ -96,13 +110,27 @@ class ScoredCompressor(SegmentCompressor):
             self.layer_scores[layer] = scorer.reduction.pool(torch.cat(self._row_pieces.pop(layer), dim=1))
 
     def plan(self) -> CompressionPlan:
-        layout = self.layout
-        if not layout.compresses:
-            return layout.keep_all()
+        if not self.layout.compresses:
+            return self.layout.keep_all()
+        return self._plan(self.layout, self._scores())
+
+    def shared_state(self) -> Optional[torch.Tensor]:
+        if not self.layout.compresses or self.policy.plans_each_head_alone():
+            return None
+        return torch.stack(self._scores())
+
+    def plan_shared(self, state: torch.Tensor) -> CompressionPlan:
+        every_head = SegmentLayout.of(dataclasses.replace(self.spec, num_kv_heads=state.shape[1]), self.policy.common)
+        return self._plan(every_head, list(state))
+
+    def _scores(self) -> list[torch.Tensor]:
         missing = sorted(set(range(self.spec.num_layers)) - set(self.layer_scores))
         if missing:
             raise RuntimeError(f"plan() before observe() of layers {missing}")
-        scores = [self.layer_scores[layer] for layer in range(self.spec.num_layers)]
+        return [self.layer_scores[layer] for layer in range(self.spec.num_layers)]
+
+    def _plan(self, layout: SegmentLayout, scores: list[torch.Tensor]) -> CompressionPlan:
+        """scores: ``[H_kv, n]`` per layer, ``H_kv`` the heads of ``layout``."""
         layers = []
         for layer_scores, layer_budget in zip(scores, self.policy.layer_budgets(layout, scores)):
             sorted_scores, ranked_offsets = rank_candidates(layer_scores)

@@ -58,6 +58,11 @@ class Scorer(abc.ABC):
         loaded and checked; ``self`` for scorers that need none."""
         return self
 
+    def for_heads(self, heads: tuple[int, ...]) -> "Scorer":
+        """This scorer on a rank holding the model's KV heads ``heads`` (-1: a padded head), scoring only
+        those; ``self`` for scorers of window statistics, which a rank computes for its heads alone."""
+        return self
+
     @abc.abstractmethod
     def __call__(self, stats: WindowStats, candidates: slice, num_kv_heads: int, layer: int) -> torch.Tensor:
         """fp32 ``[H_kv, n_candidates]`` for the ``candidates`` positions (a slice of absolute positions,

@@ -254,6 +254,16 @@ class LearnedScorer(RowScorer):
         path, weights = learned_weights_for(model_dir, self.source)
         return self if weights is self.weights else LearnedScorer(self.reduction, weights, path)
 
+    def for_heads(self, heads: tuple[int, ...]) -> "LearnedScorer":
+        """The map of ``heads`` only (a padded head, -1, gets zero weights: its scores are never used)."""
+        weights = self.weights
+        rows = torch.tensor([max(head, 0) for head in heads])
+        real = torch.tensor([head >= 0 for head in heads], dtype=weights.weight.dtype)
+        restricted = LearnedWeights(
+            weights.weight[:, rows] * real[:, None], weights.bias[:, rows] * real, weights.manifest
+        )
+        return LearnedScorer(self.reduction, restricted, self.source)
+
     def row_scores(self, stats: WindowStats, rows: slice, layer: int) -> torch.Tensor:
         if self.weights is None:
             raise RuntimeError("the learned scorer has no weights: engines bind it with policy.for_model(model_dir)")
