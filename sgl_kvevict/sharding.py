@@ -90,16 +90,24 @@ class HeadShard:
 class RankCounts:
     """The entries every rank keeps of the span ``[start, start + length)``, by position: ``cumulative``
     int64 ``[R, length + 1]``, ``cumulative[r, i]`` = rank ``r``'s entries at positions before
-    ``start + i`` (all layers and heads)."""
+    ``start + i`` (all layers and heads). ``entries_per_position``: what the ranks together hold of one
+    position uncompressed (layers x the model's KV heads)."""
 
     start: int
     cumulative: torch.Tensor
+    entries_per_position: int
 
     @classmethod
-    def of_positions(cls, start: int, length: int, per_rank: torch.Tensor) -> "RankCounts":
+    def of_positions(cls, start: int, per_rank: torch.Tensor, entries_per_position: int) -> "RankCounts":
         """per_rank: int ``[R, length]``, each rank's entries at each position of the span."""
         cumulative = torch.nn.functional.pad(torch.cumsum(per_rank.to(torch.int64), 1), (1, 0))
-        return cls(start, cumulative)
+        return cls(start, cumulative, entries_per_position)
+
+    @classmethod
+    def of_plan(cls, plan: CompressionPlan) -> "RankCounts":
+        """The counts of one rank holding every KV head of ``plan``."""
+        per_head = plan.num_layers * plan.layers[0].num_kv_heads
+        return cls.of_positions(plan.segment_start, position_counts(plan)[None], per_head)
 
     @property
     def length(self) -> int:
@@ -108,7 +116,11 @@ class RankCounts:
     def restricted(self, start: int, end: int) -> "RankCounts":
         """The counts of ``[start, end)`` (inside the span)."""
         window = self.cumulative[:, start - self.start : end - self.start + 1]
-        return RankCounts(start, window - window[:, :1])
+        return RankCounts(start, window - window[:, :1], self.entries_per_position)
+
+    def keeps_everything(self) -> bool:
+        """Whether the ranks together keep every entry of the span (nothing to compress)."""
+        return int(self.per_rank().sum()) == self.length * self.entries_per_position
 
     def per_rank(self) -> torch.Tensor:
         """int64 ``[R]``: each rank's entries in the span."""

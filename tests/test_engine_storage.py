@@ -10,6 +10,7 @@ from sgl_kvevict.engine.arena import Arena, ArenaError, SlotSource
 from sgl_kvevict.engine.cells import CellSpace
 from sgl_kvevict.engine.segments import CompressedSegment, PathView
 from sgl_kvevict.plan import CompressionPlan, LayerPlan
+from sgl_kvevict.sharding import RankCounts, position_counts
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, NUM_SLOTS = 3, 2, 4, 20
 CELLS_PER_SLOT = NUM_LAYERS * NUM_KV_HEADS
@@ -93,14 +94,17 @@ def test_arena_borrows_whole_slots_and_gives_empty_ones_back():
     second = Owner(arena, 3)
     arena.alloc(second, 3)
     assert arena.slots_borrowed == 2  # holes of the borrowed slots first
-    assert arena.free(first, first.cells) == 1  # one slot emptied, given back at once
-    assert arena.slots_borrowed == 1 and len(allocator.free_slots) == 18
+    arena.free(first, first.cells)  # one slot emptied: it stays borrowed until SGLang asks for room
+    assert arena.slots_borrowed == 2 and arena.slots_reclaimable_by_moves == 1
     with pytest.raises(ArenaError):
-        arena.free(first, first.cells[:1])  # double free (its slot is even gone)
+        arena.free(first, first.cells[:1])  # double free
     with pytest.raises(ArenaError, match="does not own"):
         arena.free(first, second.cells[:1])  # another owner's cell
     arena.check_consistent()
-    assert arena.free(second, second.cells) == 1 and arena.slots_borrowed == 0
+    assert arena.release_slots(5) == 1 and arena.cells_moved == 0  # the empty slot, nothing moved
+    assert arena.slots_borrowed == 1 and len(allocator.free_slots) == 18
+    arena.free(second, second.cells)
+    assert arena.release_slots(5) == 1 and arena.slots_borrowed == 0
     arena.check_consistent()
 
 
@@ -174,23 +178,42 @@ def test_a_restricted_plan_keeps_each_heads_positions_inside_the_span():
     assert kept.layers[1].head_indptr.tolist() == [0, 1, 2]
 
 
+def segment_of(plan: CompressionPlan) -> CompressedSegment:
+    return CompressedSegment.of_plan(plan, RankCounts.of_plan(plan))
+
+
 def test_compressed_segment_lists_entries_layer_then_head_then_position_and_splits_by_position():
-    segment = CompressedSegment.of_plan(plan_of(0, 10, [[1, 4, 7], [2, 3, 8, 9]]))
+    segment = segment_of(plan_of(0, 10, [[1, 4, 7], [2, 3, 8, 9]]))
     assert segment.counts.tolist() == [[3, 4], [3, 4]]
     assert segment.layer_ids().tolist() == [0] * 7 + [1] * 7
     assert segment.head_ids().tolist() == [0, 0, 0, 1, 1, 1, 1] * 2
-    before, after = segment.split_masks(4)
-    head = segment.part(before, 0, 4)
-    tail = segment.part(after, 4, 10)
+    split = segment.split(4)
+    head, tail = split.parts
     assert head.counts.tolist() == [[1, 2], [1, 2]] and head.positions.tolist() == [1, 2, 3] * 2
     assert tail.counts.tolist() == [[2, 2], [2, 2]] and tail.positions.tolist() == [4, 7, 8, 9] * 2
-    assert head.num_cells + tail.num_cells == segment.num_cells
+    assert head.num_cells + tail.num_cells == segment.num_cells and split.extra == 0
+    assert split.taken[0].tolist() == [0, 3, 4, 7, 10, 11]  # the entries before 4, in entry order
+
+
+def test_a_segment_reserves_what_the_rank_keeping_most_keeps_on_each_side_of_a_split():
+    # This rank keeps 6 entries of [0, 10), 3 of them before 5; another rank keeps 8: 7 before 5, 1 after.
+    plan = plan_of(0, 10, [[1, 4, 7]], num_layers=2)
+    other_rank = torch.zeros(10, dtype=torch.int64)
+    other_rank[[0, 1, 2, 3]] = 2
+    counts = RankCounts.of_positions(0, torch.stack([position_counts(plan), other_rank]), entries_per_position=4)
+    segment = CompressedSegment.of_plan(plan, counts)
+    assert (segment.num_entries, segment.num_cells) == (6, 8)  # two spare cells
+    split = segment.split(5)
+    head, tail = split.parts
+    assert (head.num_entries, head.num_cells) == (4, 8) and (tail.num_entries, tail.num_cells) == (2, 2)
+    assert split.taken[0].tolist() == [0, 1, 3, 4, 6, 7] and split.taken[1].tolist() == [2, 5]
+    assert (split.missing(0), split.missing(1), split.extra) == (2, 0, 2)  # 10 cells reserved after, 8 before
 
 
 def test_path_view_groups_cells_by_layer_and_head_over_spans_in_path_order():
-    first = CompressedSegment.of_plan(plan_of(0, 8, [[1, 2], [3]]))
+    first = segment_of(plan_of(0, 8, [[1, 2], [3]]))
     first.cells = torch.tensor([50, 51, 52, 60, 61, 62])
-    second = CompressedSegment.of_plan(plan_of(12, 16, [[12], [13, 14]]))
+    second = segment_of(plan_of(12, 16, [[12], [13, 14]]))
     second.cells = torch.tensor([70, 71, 72, 80, 81, 82])
     view = PathView.of([first, second], torch.device("cpu"))
     assert view.spans == ((0, 8), (12, 16))

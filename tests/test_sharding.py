@@ -129,11 +129,12 @@ def test_shards_follow_sglang_padding():
 
 def test_rank_counts_reserve_the_most_any_rank_keeps_on_each_side_of_a_split():
     per_rank = torch.tensor([[2, 0, 0, 1, 1], [0, 1, 1, 1, 2]])
-    counts = RankCounts.of_positions(10, 5, per_rank)
+    counts = RankCounts.of_positions(10, per_rank, entries_per_position=2)
     assert counts.per_rank().tolist() == [4, 5] and counts.reserved() == 5
     head, tail = counts.restricted(10, 12), counts.restricted(12, 15)
     assert (head.reserved(), tail.reserved()) == (2, 4)  # 6 cells after the split: it needs one more
     assert tail.restricted(13, 15).per_rank().tolist() == [2, 3]
+    assert not counts.keeps_everything() and RankCounts.of_positions(0, torch.tensor([[1, 1], [1, 1]]), 2).keeps_everything()
 
 
 def test_position_counts_count_every_layer_and_head():

@@ -18,7 +18,7 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 import torch
 from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req
@@ -42,6 +42,7 @@ from sgl_kvevict.engine.radix_cache import CompressedRadixCache
 from sgl_kvevict.engine.records import node_record
 from sgl_kvevict.engine.setups import EvictionSetup, ModelShape, Setups
 from sgl_kvevict.engine.stats import EngineStats
+from sgl_kvevict.engine.tensor_parallel import RankGroup
 from sgl_kvevict.plan import CompressionPlan, LayerPlan
 from sgl_kvevict.policies.base import Policy, SegmentCompressor, SegmentSpec
 from sgl_kvevict.scope import RequestScope, Scope
@@ -75,10 +76,16 @@ class KeepEvery:
         return CompressionPlan(spec.start, spec.end, tuple(layers))
 
 
+class Rule(Protocol):
+    """What a stand-in policy keeps: the plan of a segment, without statistics."""
+
+    def plan(self, spec: SegmentSpec) -> CompressionPlan: ...
+
+
 class _RuleCompressor(SegmentCompressor):
     needs_stats = False
 
-    def __init__(self, spec: SegmentSpec, rule: KeepEvery):
+    def __init__(self, spec: SegmentSpec, rule: Rule):
         super().__init__(spec)
         self.rule = rule
 
@@ -92,7 +99,7 @@ class _RuleCompressor(SegmentCompressor):
 class RulePolicy(Policy):
     """The stand-in policy: plans from ``KeepEvery`` without statistics."""
 
-    def __init__(self, common, rule: KeepEvery):
+    def __init__(self, common, rule: Rule):
         super().__init__(common)
         self.rule = rule
 
@@ -111,10 +118,11 @@ class TreeHarness:
         num_kv_heads: int = 2,
         head_dim: int = 4,
         scope: Scope = RequestScope(),
-        rule: KeepEvery = KeepEvery(),
+        rule: Rule = KeepEvery(),
         max_requests: int = 16,
         max_context: int = 1024,
         order: Optional[CompressedTreeOrder] = None,
+        ranks: Optional[RankGroup] = None,
     ):
         install_contiguous_kv_buffers()
         self.shape = ModelShape(num_layers, 2 * num_kv_heads, num_kv_heads)
@@ -133,7 +141,7 @@ class TreeHarness:
         self.stats = EngineStats()
         capture = ScoringCapture(self.space, self.pool, hidden_states=None)
         setups = Setups(EvictionSetup(config, policy, policy.stats_request()))
-        self.coordinator = CompressionCoordinator(setups, scope, self.shape, capture, self.stats)
+        self.coordinator = CompressionCoordinator(setups, scope, self.shape, capture, self.stats, ranks=ranks)
         params = CacheInitParams(
             disable=False, req_to_token_pool=self.req_to_token_pool, token_to_kv_pool_allocator=self.allocator, page_size=1
         )
@@ -295,8 +303,9 @@ class TreeHarness:
                     )
                 ]
             )
-            torch.testing.assert_close(self.space.k_rows[segment.cells][:, 0], expected, rtol=0, atol=0)
-            torch.testing.assert_close(self.space.v_rows[segment.cells][:, 0], -expected, rtol=0, atol=0)
+            cells = segment.entry_cells
+            torch.testing.assert_close(self.space.k_rows[cells][:, 0], expected, rtol=0, atol=0)
+            torch.testing.assert_close(self.space.v_rows[cells][:, 0], -expected, rtol=0, atol=0)
 
     def compressed_nodes(self) -> list:
         nodes, stack = [], [self.tree.root_node]

@@ -2,14 +2,16 @@
 
 There is one KV memory, SGLang's pool. When compressed entries need room, the arena *borrows* whole
 slots from SGLang's allocator (or *adopts* slots a compression is about to free) and hands out their
-cells (``engine.cells``: any cell can hold any layer's entry). A slot goes back to SGLang as soon as
-none of its cells is in use, so a compressed server holds exactly the bytes a stock server with the
-same ``--max-total-tokens`` does, and dense and compressed KV compete for them through one eviction
-order (``engine.radix_cache``).
+cells (``engine.cells``: any cell can hold any layer's entry). Slots go back to SGLang when it asks the
+tree for room (``release_slots``, called by the tree's ``evict``), so a compressed server holds exactly
+the bytes a stock server with the same ``--max-total-tokens`` does, and dense and compressed KV compete
+for them through one eviction order (``engine.radix_cache``).
 
-Fragmentation: freed cells leave holes in borrowed slots. ``release_slots`` returns slots on demand by
-*moving* the live cells of the emptiest slots into holes of fuller ones (``relocate``), so a slot's
-worth of free cells is always reclaimable. Moves rewrite the owning segments' cell ids (each cell's
+Fragmentation: freed cells leave holes in borrowed slots. ``release_slots`` returns slots on demand,
+empty ones first, then by *moving* the live cells of the emptiest slots into holes of fuller ones
+(``relocate``), so a slot's worth of free cells is always reclaimable. Freeing never gives a slot back
+by itself: then how many slots the arena holds depends only on how many cells are in use, never on
+where they lie, which is what keeps tensor-parallel ranks (whose cells lie differently) in step. Moves rewrite the owning segments' cell ids (each cell's
 owner is recorded) and bump ``generation``, which invalidates every cached cell list (path views,
 forward metadata); nothing else changes a live segment's cells.
 
@@ -139,21 +141,17 @@ class Arena:
         self._index[rows, columns] = new_indices
         new_owner.relocate(new_indices, cells)
 
-    def free(self, owner: CellOwner, cells: torch.Tensor) -> int:
-        """Give back ``owner``'s cells; slots left empty go back to SGLang at once (returns how many)."""
+    def free(self, owner: CellOwner, cells: torch.Tensor) -> None:
+        """Give back ``owner``'s cells. Slots left empty stay borrowed: ``release_slots`` gives them back
+        first, without a move (see the module doc)."""
         rows, columns = self._locate(cells)
         if not bool((self._owner[rows, columns] == owner.owner_id).all()) or len(torch.unique(cells)) != len(cells):
             raise ArenaError(f"owner {owner.owner_id} frees cells it does not own (double free?)")
         self._owner[rows, columns] = FREE
         self.cells_used -= len(cells)
-        emptied = []
         for row, freed in zip(*(t.tolist() for t in torch.unique(rows, return_counts=True))):
             self._used_in_row[row] -= freed
             self._rows_with_room.add(row)
-            if self._used_in_row[row] == 0:
-                emptied.append(row)
-        self._unbind_rows(emptied)
-        return len(emptied)
 
     def lock(self, cells: int) -> None:
         self.cells_locked += cells

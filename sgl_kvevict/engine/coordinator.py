@@ -48,10 +48,12 @@ from sgl_kvevict.engine.reconstruction import NoRoomForReconstruction, Reconstru
 from sgl_kvevict.engine.records import RECORD_ATTR, RequestRecord, request_record
 from sgl_kvevict.engine.setups import ModelShape, Setups
 from sgl_kvevict.engine.stats import EngineStats
+from sgl_kvevict.engine.tensor_parallel import RankGroup
 from sgl_kvevict.footprint import PrefillFootprint
 from sgl_kvevict.plan import CompressionPlan
 from sgl_kvevict.policies.base import SegmentSpec
 from sgl_kvevict.scope import BlockScope, Scope
+from sgl_kvevict.sharding import RankCounts
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +69,7 @@ class ReadyPlan:
     spec: SegmentSpec
     plan: CompressionPlan
     node_end: int
+    rank_counts: RankCounts
 
 
 @dataclass(frozen=True)
@@ -80,9 +83,10 @@ class Handover:
 
 class CompressionCoordinator:
     """setups: the configurations that serve requests; scope: which spans are compressed; shape: the
-    model's; capture: computes scoring statistics; stats: the engine's counters; reconstructor: KVzip
-    passes (None when no setup can ask for them); chunk_size: SGLang's chunked-prefill size (None:
-    prompts are prefilled in one forward)."""
+    model's (this rank's heads); capture: computes scoring statistics; stats: the engine's counters;
+    reconstructor: KVzip passes (None when no setup can ask for them); chunk_size: SGLang's chunked-prefill
+    size (None: prompts are prefilled in one forward); ranks: the tensor-parallel ranks plans are made
+    with (None: this one only)."""
 
     def __init__(
         self,
@@ -93,8 +97,10 @@ class CompressionCoordinator:
         stats: EngineStats,
         reconstructor: Optional[Reconstructor] = None,
         chunk_size: Optional[int] = None,
+        ranks: Optional[RankGroup] = None,
     ):
         self.setups = setups
+        self.ranks = ranks or RankGroup.single(shape.num_kv_heads, shape.num_layers)
         self.scope = scope
         self.chunk_size = chunk_size
         self.shape = shape
@@ -289,21 +295,28 @@ class CompressionCoordinator:
                 pass
 
     def _ready_plan(self, req, compression: SpanCompression) -> ReadyPlan:
-        plan = compression.compressor.plan()
+        plan, rank_counts = self.ranks.plan(compression.compressor)
         self._dump_plan(req.rid, plan)
         spec = compression.spec
         window_kept_dense = compression.window if self.scope.window_stays_dense else 0
-        return ReadyPlan(spec, plan, spec.end - window_kept_dense)
+        return ReadyPlan(spec, plan, spec.end - window_kept_dense, rank_counts)
 
     def _dump_plan(self, rid: str, plan: CompressionPlan) -> None:
-        """Save ``<rid>.pt`` (request scope) or ``<rid>.block<k>.pt`` (block ``k`` in block scope)."""
+        """Save ``<rid>.pt`` (request scope) or ``<rid>.block<k>.pt`` (block ``k`` in block scope); under
+        tensor parallelism every rank saves its heads' (``heads``: their global ids) as ``<name>.rank<r>.pt``."""
         if self._plan_dump_dir is None:
             return
         self._plan_dump_dir.mkdir(parents=True, exist_ok=True)
         layers = [(layer.kept_positions, layer.head_indptr) for layer in plan.layers]
-        payload = {"segment_start": plan.segment_start, "segment_end": plan.segment_end, "layers": layers}
+        shard = self.ranks.shard
+        payload = {
+            "segment_start": plan.segment_start, "segment_end": plan.segment_end, "layers": layers,
+            "heads": shard.local_heads,
+        }  # fmt: skip
         scope = self.scope
         name = f"{rid}.block{plan.segment_start // scope.block_size}" if isinstance(scope, BlockScope) else rid
+        if shard.tp_size > 1:
+            name += f".rank{shard.rank}"
         torch.save(payload, self._plan_dump_dir / f"{name}.pt")
 
     # ---- admission -----------------------------------------------------------------------------

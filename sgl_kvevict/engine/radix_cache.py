@@ -78,9 +78,10 @@ from sgl_kvevict.engine.arena import Arena
 from sgl_kvevict.engine.coordinator import CompressionCoordinator, ReadyPlan
 from sgl_kvevict.engine.eviction import CompressedTreeOrder, GreedyDualSizeFrequency, NodeCost
 from sgl_kvevict.engine.records import RECORD_ATTR, NodeRecord, node_record, request_record
-from sgl_kvevict.engine.segments import CompressedSegment, PathView
+from sgl_kvevict.engine.segments import CompressedSegment, PathView, SpareCells, Split
 from sgl_kvevict.engine.stats import EngineStats
 from sgl_kvevict.engine.tree_decisions import Outcome, Walk, atomic_prefix_length, decide_compression
+from sgl_kvevict.sharding import RankCounts
 
 
 def is_compressed(node: TreeNode) -> bool:
@@ -176,29 +177,34 @@ class CompressedRadixCache(RadixCache):
         self.order.inherit(node_record(head), node_record(child))
         return head
 
-    def _split_compressed_node(self, node: TreeNode, split_len: int) -> TreeNode:
+    def _split_compressed_node(self, node: TreeNode, split_len: int, split: Split, spare: Optional[SpareCells]) -> TreeNode:
         """Split compressed ``node`` after its first ``split_len`` tokens as the stock split does (lock
         count, priority and hit count copied to the head); returns the head, which a match may pass
-        through but not end at. The cells are partitioned by position, none is copied."""
+        through but not end at. The cells are partitioned by position, none is copied; ``spare`` holds
+        the extra cells the parts reserve (``Split.extra``), None when there are none."""
         record = node_record(node)
         segment = record.segment
-        before, after = segment.split_masks(segment.start + split_len)
-        head_segment = self._adopt_cells(segment, before, segment.start, segment.start + split_len)
-        tail_segment = self._adopt_cells(segment, after, segment.start + split_len, segment.end)
+        spares_used = 0
+        for part, taken, missing in zip(split.parts, split.taken, (split.missing(0), split.missing(1))):
+            part.owner_id = self.arena.register(part)
+            self.arena.transfer(segment, taken, part, torch.arange(len(taken)))
+            if missing:
+                extra = torch.arange(spares_used, spares_used + missing)
+                self.arena.transfer(spare, extra, part, torch.arange(len(taken), part.num_cells))
+                spares_used += missing
         self.arena.forget(segment)
+        if spare is not None:
+            self.arena.forget(spare)
+        if node.lock_ref > 0:  # the parts' cells count as locked as the node's did
+            self.arena.lock(split.extra)
+        head_segment, tail_segment = split.parts
         head = super()._split_node(node.key, node, split_len)
         head_record = NodeRecord(segment=head_segment, match_may_end=False, requests_served=record.requests_served)
         self.order.inherit(head_record, record)
         setattr(head, RECORD_ATTR, head_record)
         record.segment = tail_segment
-        self.stats.node_split(record.requests_served)
+        self.stats.node_split(record.requests_served, split.extra)
         return head
-
-    def _adopt_cells(self, segment: CompressedSegment, mask: torch.Tensor, start: int, end: int) -> CompressedSegment:
-        part = segment.part(mask, start, end)
-        part.owner_id = self.arena.register(part)
-        self.arena.transfer(segment, mask.nonzero().squeeze(1), part, torch.arange(part.num_cells))
-        return part
 
     # ---- what a request sees -------------------------------------------------------------------
 
@@ -311,7 +317,8 @@ class CompressedRadixCache(RadixCache):
         """Free the leaf's storage and delete it; returns the slots given back to SGLang."""
         segment = node_record(leaf).segment
         if segment is not None:
-            freed = self.arena.free(segment, segment.cells)
+            self.arena.free(segment, segment.cells)
+            freed = 0  # its slots go back through release_slots (engine.arena)
             self.arena.forget(segment)
             self.stats.compressed_node_evicted(segment)
         else:
@@ -405,9 +412,8 @@ class CompressedRadixCache(RadixCache):
         start, end = req.kv.cache_protected_len, ready.node_end
         if spec.start != start or len(self.path_device_indices(req.last_node)) != start:
             return None  # the row changed since the forward scored it (e.g. retraction), or the insert stopped short
-        kept = ready.plan.restricted(start, end)
-        if kept.total_kept() == kept.segment_length * kept.num_layers * kept.layers[0].num_kv_heads:
-            return None  # nothing evicted: the policy kept the span whole
+        if ready.rank_counts.restricted(start, end).keeps_everything():
+            return None  # nothing evicted: the policy kept the span whole (on every rank)
         key = RadixKey(req.full_untruncated_fill_ids[:end], req.extra_key, cache_salt=req.cache_salt)
         walk = self._walk(key, req.last_node, start)
         decision = decide_compression(walk, req.last_node, end, is_compressed, match_may_end)
@@ -418,33 +424,54 @@ class CompressedRadixCache(RadixCache):
         # Hanging the node may split a compressed node: lock what it hangs on while cells are taken.
         anchor = self.lock(decision.split_node or decision.parent)
         try:
-            segment = self._store(req, kept.restricted(decision.own_start, end), start, end)
-            parent = decision.parent
+            split, spare = None, None
             if decision.split_node is not None:
-                parent = self._split_compressed_node(decision.split_node, decision.split_offset)
+                split_segment = node_record(decision.split_node).segment
+                split = split_segment.split(split_segment.start + decision.split_offset)
+                spare = self._spare_cells(split.extra)
+                if split.extra and spare is None:
+                    self.stats.count("splits_without_room")
+                    return None
+            own = decision.own_start
+            segment = self._store(req, ready.plan.restricted(own, end), ready.rank_counts.restricted(own, end), start, end)
+            parent = decision.parent
+            if split is not None:
+                parent = self._split_compressed_node(decision.split_node, decision.split_offset, split, spare)
             node = self._attach_compressed_node(parent, key[decision.own_start :], segment, req.priority or 0)
             self._adopt_path(req, node)
             return node
         finally:
             self.unlock(anchor)
 
-    def _store(self, req, own_plan, start: int, end: int) -> CompressedSegment:
+    def _spare_cells(self, count: int) -> Optional[SpareCells]:
+        """``count`` cells taken from the arena for a split (None: zero, or SGLang has no slot for them)."""
+        if count == 0:
+            return None
+        spare = SpareCells(count)
+        spare.owner_id = self.arena.register(spare)
+        if self.arena.alloc(spare, count) is None:
+            self.arena.forget(spare)
+            return None
+        return spare
+
+    def _store(self, req, own_plan, rank_counts: RankCounts, start: int, end: int) -> CompressedSegment:
         """Copy the plan's entries from the request's dense slots into arena cells and free the span's
         dense slots ``[start, end)``; the slots the arena needs are adopted from the span itself, so a
         compression never waits for memory."""
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
         span_slots = row[start:end].to(torch.int64)
         arena, space = self.arena, self.arena.space
-        segment = CompressedSegment.of_plan(own_plan)
+        segment = CompressedSegment.of_plan(own_plan, rank_counts)
         segment.owner_id = arena.register(segment)
         sources = space.entry_rows(segment.layer_ids(), row[segment.positions.to(row.device)].cpu(), segment.head_ids())
         adopted = arena.alloc(segment, segment.num_cells, adoptable=span_slots.cpu())
-        assert adopted is not None, "the span's own slots always hold its kept entries"
+        assert adopted is not None, "the span's own slots always hold its reserved cells"
         # A source in an adopted slot may be overwritten by another entry's copy: read those first.
         at_risk = torch.isin(space.slot_of(sources), adopted)
         saved_k, saved_v = space.k_rows[sources[at_risk].to(space.device)], space.v_rows[sources[at_risk].to(space.device)]
-        space.copy(sources[~at_risk], segment.cells[~at_risk])
-        targets = segment.cells[at_risk].to(space.device)
+        entry_cells = segment.entry_cells
+        space.copy(sources[~at_risk], entry_cells[~at_risk])
+        targets = entry_cells[at_risk].to(space.device)
         space.k_rows[targets], space.v_rows[targets] = saved_k, saved_v
         freed = span_slots[~torch.isin(span_slots, adopted.to(span_slots.device))]
         self.token_to_kv_pool_allocator.free(freed)

@@ -4,7 +4,10 @@
   ``[start, start + length)``, each a (layer, KV head, position) stored in one arena cell. Entries are
   one flat list, layer-major, then KV head, then position (the order of the plan's CSR), so a layer's
   entries are one slice and a (layer, head)'s one sub-slice. The arena owns the cells and may move
-  them (``relocate``); the segment keeps a device copy of its cell ids for the kernels.
+  them (``relocate``); the segment keeps a device copy of its cell ids for the kernels. Under tensor
+  parallelism a segment *reserves* more cells than it has entries when another rank keeps more of
+  the span (``sharding.RankCounts``): every rank's tree then takes the same memory decisions. The
+  spare cells follow the entries in the cell list and are never read.
 * ``PathView``: everything compressed on a request's tree path (root to ``req.last_node``): the logical
   spans (whose ``req_to_token`` entries are dummy slot 0) and, per layer and KV head, the cells of all
   of them in path order, on the device. Attention treats them as one pseudo-sequence per (request, KV
@@ -21,6 +24,7 @@ from typing import Optional, Sequence
 import torch
 
 from sgl_kvevict.plan import CompressionPlan
+from sgl_kvevict.sharding import RankCounts
 
 UNASSIGNED = -1
 
@@ -30,29 +34,43 @@ class CompressedSegment:
 
     counts: int64 ``[L, H_kv]`` entries per (layer, KV head) (host).
     positions: int64 ``[n]`` logical position of each entry (host), entry order as in the module doc.
-    cells: int64 ``[n]`` the arena cell of each entry (host; the arena writes it through ``relocate``).
+    rank_counts: every rank's entries of the span by position (one rank without tensor parallelism).
+    cells: int64 ``[num_cells]`` the arena cell of each entry, then the spare cells (host; the arena
+        writes it through ``relocate``).
     owner_id: the arena's id of this segment.
     """
 
-    def __init__(self, start: int, length: int, counts: torch.Tensor, positions: torch.Tensor):
+    def __init__(self, start: int, length: int, counts: torch.Tensor, positions: torch.Tensor, rank_counts: RankCounts):
         self.start = start
         self.length = length
         self.counts = counts
         self.positions = positions
-        self.cells = torch.full_like(positions, UNASSIGNED)
+        self.rank_counts = rank_counts
+        self.cells = torch.full((rank_counts.reserved(),), UNASSIGNED, dtype=torch.int64)
         self.owner_id = -1
         self._device_cells: Optional[torch.Tensor] = None
 
     @classmethod
-    def of_plan(cls, plan: CompressionPlan) -> "CompressedSegment":
-        """The entries of ``plan`` (already restricted to the node's span), cells not yet assigned."""
+    def of_plan(cls, plan: CompressionPlan, rank_counts: RankCounts) -> "CompressedSegment":
+        """The entries of ``plan`` (already restricted to the node's span, as ``rank_counts``), cells not
+        yet assigned."""
         counts = torch.stack([layer.counts() for layer in plan.layers])
         positions = torch.cat([layer.kept_positions for layer in plan.layers])
-        return cls(plan.segment_start, plan.segment_length, counts, positions)
+        return cls(plan.segment_start, plan.segment_length, counts, positions, rank_counts)
+
+    @property
+    def num_entries(self) -> int:
+        return len(self.positions)
 
     @property
     def num_cells(self) -> int:
-        return len(self.positions)
+        """The cells it holds: its entries' and the spare ones (the same on every rank)."""
+        return len(self.cells)
+
+    @property
+    def entry_cells(self) -> torch.Tensor:
+        """int64 ``[n]``: the cell of each entry (host)."""
+        return self.cells[: self.num_entries]
 
     @property
     def end(self) -> int:
@@ -75,20 +93,58 @@ class CompressedSegment:
     def device_cells(self, device: torch.device) -> torch.Tensor:
         """The cell ids on ``device``, copied once per placement (moves invalidate the copy)."""
         if self._device_cells is None or self._device_cells.device != device:
-            self._device_cells = self.cells.to(device)
+            self._device_cells = self.entry_cells.to(device)
         return self._device_cells
 
-    def split_masks(self, at: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """bool ``[n]`` of the entries before ``at`` and from ``at`` on (``start < at < end``)."""
+    def split(self, at: int) -> "Split":
+        """The parts before ``at`` and from ``at`` on (``start < at < end``), cells not yet assigned, and
+        which of this segment's cells each part takes: its entries' cells, then spare cells (this
+        segment's first, then the extra ones a split may need, ``Split.extra``)."""
         assert self.start < at < self.end, (self.start, self.length, at)
         before = self.positions < at
-        return before, ~before
+        parts = (self._part(before, self.start, at), self._part(~before, at, self.end))
+        spares = torch.arange(self.num_entries, self.num_cells)
+        taken = []
+        for part, mask in zip(parts, (before, ~before)):
+            wanted = part.num_cells - part.num_entries
+            taken.append(torch.cat([mask.nonzero().squeeze(1), spares[:wanted]]))
+            spares = spares[wanted:]
+        return Split(parts, tuple(taken))
 
-    def part(self, mask: torch.Tensor, start: int, end: int) -> "CompressedSegment":
-        """The entries ``mask`` as the segment of ``[start, end)`` (cells assigned by the arena)."""
+    def _part(self, mask: torch.Tensor, start: int, end: int) -> "CompressedSegment":
+        """The entries ``mask`` as the segment of ``[start, end)``."""
         groups = self.layer_ids()[mask] * self.counts.shape[1] + self.head_ids()[mask]
         counts = torch.bincount(groups, minlength=self.counts.numel()).view_as(self.counts)
-        return CompressedSegment(start, end - start, counts, self.positions[mask])
+        return CompressedSegment(start, end - start, counts, self.positions[mask], self.rank_counts.restricted(start, end))
+
+
+class SpareCells:
+    """Cells the arena hands out before a split gives them to its parts (an arena owner meanwhile)."""
+
+    def __init__(self, count: int):
+        self.cells = torch.full((count,), UNASSIGNED, dtype=torch.int64)
+        self.owner_id = -1
+
+    def relocate(self, indices: torch.Tensor, cells: torch.Tensor) -> None:
+        self.cells[indices] = cells
+
+
+@dataclass(frozen=True)
+class Split:
+    """A compressed segment cut in two: ``parts`` (head, tail), and per part the indices of the split
+    segment's cells it takes, in the part's cell order. A part's cells beyond those (``missing``) are
+    extra cells the split takes from the arena: another rank keeps more of each side than this one
+    does of the whole, so the reservations grow (never without tensor parallelism)."""
+
+    parts: tuple[CompressedSegment, CompressedSegment]
+    taken: tuple[torch.Tensor, torch.Tensor]
+
+    def missing(self, part: int) -> int:
+        return self.parts[part].num_cells - len(self.taken[part])
+
+    @property
+    def extra(self) -> int:
+        return self.missing(0) + self.missing(1)
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,9 @@ def served_bucket(requests: int) -> str:
 class EngineStats:
     """Counters kept incrementally by the scheduler thread; ``snapshot`` may run on any thread.
 
-    Levels: ``compressed_nodes``, ``compressed_tokens`` (logical tokens they cover), ``kept_cells``.
+    Levels: ``compressed_nodes``, ``compressed_tokens`` (logical tokens they cover), ``kept_cells`` (cells
+    they hold on each rank: the same on every tensor-parallel rank, which reserve alike), ``kept_entries``
+    ((layer, KV head, token) entries they keep, over every rank; ``kept_cells`` without TP).
     Running totals: ``requests_compressed``; ``reuse_hits`` (requests whose match reused compressed
     nodes made by other requests) and ``reused_tokens``; ``shared_node_hits`` ((request, node) pairs of
     such reuse); ``compressed_nodes_created`` (a split's head counts as a new node);
@@ -36,7 +38,9 @@ class EngineStats:
     some but not all of their prompt's forwards: a client abort between chunks);
     ``reconstructions_skipped`` (spans left dense because running requests held every slot a KVzip
     pass needed); ``overlap_waits`` (under the overlap schedule, batches formed only after the previous
-    batch's results were processed, because its checkpoints stored compressed spans); evictions by kind
+    batch's results were processed, because its checkpoints stored compressed spans); ``splits_without_room``
+    (spans left dense because the compressed node they hang inside could not be split: under tensor
+    parallelism a split may reserve more cells, and SGLang had no slot for them); evictions by kind
     (``dense_nodes_evicted``, ``dense_slots_evicted``, ``compressed_nodes_evicted``,
     ``compressed_cells_evicted``; ``/flush_cache`` not counted). ``served_histogram`` maps "distinct
     requests a node served" to the number of nodes, over every node created since start.
@@ -45,6 +49,7 @@ class EngineStats:
     compressed_nodes: int = 0
     compressed_tokens: int = 0
     kept_cells: int = 0
+    kept_entries: int = 0
     requests_compressed: int = 0
     reuse_hits: int = 0
     reused_tokens: int = 0
@@ -54,6 +59,7 @@ class EngineStats:
     chunked_prefills: int = 0
     chunked_prefills_aborted: int = 0
     reconstructions_skipped: int = 0
+    splits_without_room: int = 0
     overlap_waits: int = 0
     request_option_errors: int = 0
     dense_nodes_evicted: int = 0
@@ -69,13 +75,16 @@ class EngineStats:
             self.compressed_nodes += 1
             self.compressed_tokens += segment.length
             self.kept_cells += segment.num_cells
+            self.kept_entries += int(segment.rank_counts.per_rank().sum())
             self.compressed_nodes_created += 1
             self.served_histogram[1] += 1
 
-    def node_split(self, served: int) -> None:
+    def node_split(self, served: int, extra_cells: int) -> None:
         """A compressed node that had served ``served`` requests was split: its head is a new node with
-        the same history; cells and tokens are only partitioned."""
+        the same history; tokens are only partitioned, cells too but for ``extra_cells`` more reserved
+        (tensor parallelism: ``segments.Split``)."""
         with self.lock:
+            self.kept_cells += extra_cells
             self.compressed_nodes += 1
             self.compressed_nodes_created += 1
             self.served_histogram[served] += 1
@@ -91,6 +100,7 @@ class EngineStats:
             self.compressed_nodes -= 1
             self.compressed_tokens -= segment.length
             self.kept_cells -= segment.num_cells
+            self.kept_entries -= int(segment.rank_counts.per_rank().sum())
             self.compressed_nodes_evicted += 1
             self.compressed_cells_evicted += segment.num_cells
 
@@ -101,7 +111,7 @@ class EngineStats:
 
     def tree_cleared(self) -> None:
         with self.lock:
-            self.compressed_nodes = self.compressed_tokens = self.kept_cells = 0
+            self.compressed_nodes = self.compressed_tokens = self.kept_cells = self.kept_entries = 0
 
     def count(self, name: str, amount: int = 1) -> None:
         with self.lock:
