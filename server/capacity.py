@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from sgl_kvevict.server.processes import StartupError
-from sgl_kvevict.server.sglang_args import flag_value
+from sgl_kvevict.server.sglang_args import flag_value, tp_size
 
 GIB = 1 << 30
 # Resident memory of one CPU worker's three SGLang processes (HTTP server, scheduler, detokenizer)
@@ -91,9 +91,12 @@ def check_host_memory(workers: int, footprint: Optional[WorkerFootprint], availa
 
 
 def check_gpus(workers: int, sglang_args: list[str], visible: int) -> None:
-    """Worker i runs on GPU base + i (``scale_out`` passes --base-gpu-id): they must exist."""
+    """Worker i runs on GPUs base + i * tp onwards, one per TP rank (``scale_out`` passes --base-gpu-id):
+    they must exist."""
     base = int(flag_value(sglang_args, "--base-gpu-id") or 0)
-    if base + workers > visible:
+    tp = tp_size(sglang_args)
+    if base + workers * tp > visible:
         raise StartupError(
-            f"--workers {workers} needs GPUs {base}..{base + workers - 1} (one per worker) but {visible} are visible"
+            f"--workers {workers} needs GPUs {base}..{base + workers * tp - 1} ({tp} per worker, --tp-size) but "
+            f"{visible} are visible"
         )

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from sgl_kvevict.limits import UnsupportedVersion, check_sglang_version
-from sgl_kvevict.models import ModelError, resolve_model
+from sgl_kvevict.models import ModelError, model_kv_heads, resolve_model
 from sgl_kvevict.scoring.learned import resolve_learned_weights
 from sgl_kvevict.server import scale_out
 from sgl_kvevict.server.flags import LaunchConfig, parse_args
@@ -27,9 +27,16 @@ from sgl_kvevict.server.processes import (
     log,
     wait_until_healthy,
 )
-from sgl_kvevict.server.refusals import FlagError, check_chunked_prefill
-from sgl_kvevict.server.sglang_args import flag_value
-from sgl_kvevict.server.worker import server_env, sglang_args, sglang_command, stats_socket_address
+from sgl_kvevict.server.refusals import FlagError, check_chunked_prefill, check_tensor_parallel
+from sgl_kvevict.server.sglang_args import flag_value, tp_size
+from sgl_kvevict.server.worker import (
+    THREADS_BIND_ENV_VAR,
+    server_env,
+    sglang_args,
+    sglang_command,
+    stats_socket_address,
+    threads_bind,
+)
 from sgl_kvevict.settings import ConfigError
 
 
@@ -47,13 +54,23 @@ def run_single(config: LaunchConfig, model_dir: Path, cpu_mode: bool, signals: S
                 signals.event.wait(1.0)
             if not signals.event.is_set():
                 code = server.exit_code()
-                log(f"SGLang exited with code {code}")
+                log(f"SGLang exited with code {code}{exit_reason(code)}")
                 return code or 1
             log(f"received {signals.name}, shutting down")
             return 0
         finally:
             server.stop()
             log("stopped")
+
+
+def exit_reason(code: int) -> str:
+    """Why SGLang's main process went, where its exit code alone does not say."""
+    if code >= 0:
+        return ""
+    return (
+        f" (killed by signal {-code}: SGLang ends all its processes when one fails, a scheduler or TP rank"
+        " for instance; the failure is in the log above)"
+    )
 
 
 def with_learned_weights(config: LaunchConfig, model_dir: Path) -> LaunchConfig:
@@ -86,12 +103,18 @@ def run(config: LaunchConfig) -> int:
     if config.workers > 1:
         scale_out.check_prerequisites(config)
     model_dir = resolve_model(config.model, log=log)
+    tp = tp_size(launched_args)
+    if config.serving.enabled:
+        check_tensor_parallel(tp, model_kv_heads(model_dir), cpu_mode)
     config = with_learned_weights(config, model_dir)
     if config.workers > 1:
         scale_out.check_capacity(config, model_dir, cpu_mode)
     if cpu_mode:
         dtype = flag_value(launched_args, "--dtype")
         log(f"no CUDA device: CPU development mode (torch_native attention, sgl_kernel stand-in, --dtype {dtype})")
+    bind = threads_bind(config, cpu_mode)
+    if bind is not None:
+        log(f"--tp-size {tp} on CPU: {THREADS_BIND_ENV_VAR}={bind} (the cores of each rank, '|' between ranks)")
     signals = StopSignals()
     if config.workers > 1:
         return scale_out.run(config, model_dir, cpu_mode, signals)

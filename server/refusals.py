@@ -9,7 +9,7 @@ the launcher's back.
 
 from __future__ import annotations
 
-from sgl_kvevict.limits import limit_flags
+from sgl_kvevict.limits import LIMITS, limit_flags
 from sgl_kvevict.server.sglang_args import flag_value, has_flag, int_flag_value, largest_chunk_beside_block
 from sgl_kvevict.serving import ServingConfig
 
@@ -21,6 +21,7 @@ RESERVED_SGLANG_FLAGS = ("--model-path", "--host", "--port")
 READ_SGLANG_FLAGS = (
     "--max-total-tokens", "--mem-fraction-static", "--device", "--dtype",
     "--kv-cache-dtype", "--served-model-name", "--base-gpu-id", "--api-key", "--admin-api-key",
+    "--tp-size", "--tensor-parallel-size",
 )  # fmt: skip
 
 
@@ -81,4 +82,13 @@ def check_chunked_prefill(serving: ServingConfig, sglang_args: list[str]) -> Non
         raise FlagError(
             f"--kv-evict-block-size {block_size} and --chunked-prefill-size {chunk} do not fit together in "
             f"--max-total-tokens {pool}: a block is compressed at the chunk it ends in, so both are dense at once"
+        )
+
+
+def check_tensor_parallel(tp: int, model_kv_heads: int, cpu_mode: bool) -> None:
+    """On CUDA, SGLang replicates KV heads when ranks outnumber them (limits: replicated KV heads)."""
+    if tp > model_kv_heads and not cpu_mode:
+        raise FlagError(
+            f"--tp-size {tp} cannot be used with a --kv-evict-policy on a model with {model_kv_heads} KV heads: "
+            f"{next(limit.reason for limit in LIMITS if limit.name == 'replicated KV heads')}"
         )

@@ -52,7 +52,7 @@ from sgl_kvevict.server.processes import (
     stop_all,
     wait_until_healthy,
 )
-from sgl_kvevict.server.sglang_args import flag_value, has_flag
+from sgl_kvevict.server.sglang_args import flag_value, has_flag, tp_size
 from sgl_kvevict.server.stats_aggregate import STATS_ROUTE, StatsServer
 from sgl_kvevict.server.worker import server_env, sglang_args, sglang_command, stats_socket_address
 
@@ -109,7 +109,8 @@ def worker_config(config: LaunchConfig, index: int, cpu_mode: bool) -> LaunchCon
     if not has_flag(args, "--served-model-name"):
         args += ["--served-model-name", config.model]
     if not cpu_mode:
-        args = [*_without_flag(args, "--base-gpu-id"), "--base-gpu-id", str(_base_gpu(config) + index)]
+        first_gpu = _base_gpu(config) + index * tp_size(args)  # a worker's TP ranks take consecutive GPUs
+        args = [*_without_flag(args, "--base-gpu-id"), "--base-gpu-id", str(first_gpu)]
     return dataclasses.replace(config, sglang_args=args, admin_api_key=None)
 
 

@@ -151,3 +151,8 @@ def largest_chunk_beside_block(block_size: int, pool: int) -> int:
     """The longest prefill chunk beside one dense block in a ``pool``-slot KV pool: block scope compresses
     a block at the chunk it ends in, so both are dense at once, and together they stay below the pool."""
     return pool - block_size - 1
+
+
+def tp_size(args: list[str]) -> int:
+    """SGLang's tensor-parallel size from its flags (both spellings; 1 when absent)."""
+    return int_flag_value(args, "--tp-size") or int_flag_value(args, "--tensor-parallel-size") or 1

@@ -12,8 +12,10 @@ from typing import Iterator, Optional
 
 from sgl_kvevict.engine.stats_channel import ADDRESS_ENV_VAR as STATS_ADDRESS_ENV_VAR
 from sgl_kvevict.server.flags import LaunchConfig
-from sgl_kvevict.server.sglang_args import compression_args, cpu_mode_args, has_flag
+from sgl_kvevict.server.sglang_args import compression_args, cpu_mode_args, has_flag, tp_size
 from sgl_kvevict.serving import ENV_VAR as SERVING_ENV_VAR
+
+THREADS_BIND_ENV_VAR = "SGLANG_CPU_OMP_THREADS_BIND"
 
 
 def sglang_args(config: LaunchConfig, cpu_mode: bool) -> list[str]:
@@ -56,11 +58,32 @@ def stats_socket_address(enabled: bool) -> Iterator[Optional[str]]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
+def threads_bind(config: LaunchConfig, cpu_mode: bool) -> Optional[str]:
+    """CPU mode with several TP ranks: the cores of each rank, ``SGLANG_CPU_OMP_THREADS_BIND`` (SGLang
+    refuses more ranks than NUMA nodes without it). The user's own value wins; else this process's
+    cores in ``--tp-size`` contiguous groups, shared round-robin when ranks outnumber cores."""
+    tp = tp_size(config.sglang_args)
+    if not cpu_mode or tp == 1:
+        return None
+    if os.environ.get(THREADS_BIND_ENV_VAR):
+        return os.environ[THREADS_BIND_ENV_VAR]
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < tp:
+        groups = [[cores[rank % len(cores)]] for rank in range(tp)]
+    else:
+        size = len(cores) // tp
+        groups = [cores[rank * size : (rank + 1) * size] for rank in range(tp)]
+    return "|".join(",".join(str(core) for core in group) for group in groups)
+
+
 def server_env(config: LaunchConfig, cpu_mode: bool, stats_address: Optional[str]) -> dict[str, str]:
     env = dict(os.environ)
     if cpu_mode:
         # With two threads and the other core busy, decode fell from 7 to 0.7 tokens/s here.
         env.setdefault("OMP_NUM_THREADS", "1")
+    bind = threads_bind(config, cpu_mode)
+    if bind is not None:
+        env[THREADS_BIND_ENV_VAR] = bind
     env[SERVING_ENV_VAR] = config.serving.to_env()
     env.pop(STATS_ADDRESS_ENV_VAR, None)
     if stats_address is not None:

@@ -56,7 +56,7 @@ class SetupFacts:
     page_size: int = 1
     cuda_graphs: bool = False  # a decode or prefill graph is configured or was captured
     hierarchical_cache: bool = False
-    tp_size: int = 1
+    kv_heads_replicated: bool = False  # more TP ranks than KV heads on CUDA: SGLang replicates heads
     pp_size: int = 1
     dp_size: int = 1
     attention_dp: bool = False  # --enable-dp-attention or an attention-DP size above 1
@@ -115,9 +115,14 @@ _CUDA_GRAPHS = (
     "every compressed position (the replayable decode, engine/decode_graph.py, is not hooked into SGLang's "
     "graph runner yet); with a policy the launcher disables them"
 )
+_REPLICATED_KV_HEADS = (
+    "with more TP ranks than KV heads SGLang replicates each KV head on several GPUs and splits its query heads "
+    "among them, so no rank sees a head's whole query group; use a --tp-size at most the model's KV heads "
+    "(on CPU SGLang pads heads instead, which works)"
+)
 _DP_ATTENTION = "DP attention splits a batch's attention across ranks; the segment attention runs on one rank"
 
-# The first-version limits (page size 1, no CUDA graphs, TP 1)
+# The first-version limits (page size 1, no CUDA graphs)
 # and SGLang 0.5.23's features that copy, move or share KV by slot rows, which compressed nodes do not
 # hold. Spellings are SGLang 0.5.23's (sglang/srt/arg_groups/fields/*.py); a test checks them.
 LIMITS = (
@@ -130,9 +135,7 @@ LIMITS = (
           lambda f: f.cuda_graphs),
     Limit("hierarchical cache", "HiCache copies tree values slot by slot and compressed nodes hold placeholder slots",
           (LimitFlag(("--enable-hierarchical-cache", "--enable-hicache")),), lambda f: f.hierarchical_cache),
-    Limit("tensor parallelism",
-          "every TP rank would have to take identical compression and arena decisions; TP 1 only for now",
-          (LimitFlag(("--tp-size", "--tensor-parallel-size"), above=1),), lambda f: f.tp_size != 1),
+    Limit("replicated KV heads", _REPLICATED_KV_HEADS, (), lambda f: f.kv_heads_replicated),
     Limit("pipeline parallelism", "each pipeline stage sees only its own layers and layer budgets need all of them",
           (LimitFlag(("--pp-size", "--pipeline-parallel-size"), above=1),), lambda f: f.pp_size != 1),
     Limit("data parallelism",

@@ -112,3 +112,10 @@ def resolve_model(name_or_path: str, *, log=print) -> Path:
     if not (path / "config.json").is_file():
         raise ModelError(f"model folder {path} has no config.json")
     return path.resolve()
+
+
+def model_kv_heads(model_dir: Path) -> int:
+    """The KV heads of the model in ``model_dir`` (its config.json; the text model's for a multimodal one)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    config = config.get("text_config", config)
+    return int(config.get("num_key_value_heads") or config["num_attention_heads"])

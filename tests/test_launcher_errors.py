@@ -36,7 +36,7 @@ def test_unknown_policy_is_refused_with_the_valid_names(tiny_llama_dir):
     "args, message",
     [
         (["--kv-evict-policy", "lava", "--page-size", "16"], "--page-size 16 cannot be used with a --kv-evict-policy"),
-        (["--kv-evict-policy", "lava", "--tp-size=2"], "--tp-size 2 cannot be used"),
+        (["--kv-evict-policy", "lava", "--pp-size=2"], "--pp-size 2 cannot be used"),
         (["--kv-evict-policy", "snapkv", "--chunked-prefill-size", "16"], "smaller than the 32-token observation window"),
         (["--kv-evict-policy", "snapkv", "--kv-evict-scope", "block", "--kv-evict-block-size", "2048",
           "--chunked-prefill-size", "2048", "--max-total-tokens", "4000"], "do not fit together in --max-total-tokens 4000"),

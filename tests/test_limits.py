@@ -22,7 +22,7 @@ BROKEN_SETUPS = {
     "page size": {"page_size": 16},
     "CUDA graphs": {"cuda_graphs": True},
     "hierarchical cache": {"hierarchical_cache": True},
-    "tensor parallelism": {"tp_size": 2},
+    "replicated KV heads": {"kv_heads_replicated": True},
     "pipeline parallelism": {"pp_size": 2},
     "data parallelism": {"dp_size": 2},
     "DP attention": {"attention_dp": True},

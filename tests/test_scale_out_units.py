@@ -109,5 +109,8 @@ def test_capacity_refusals_are_one_line_with_the_numbers():
     with pytest.raises(StartupError, match="needs --max-total-tokens per worker"):
         check_host_memory(2, None, available=8 * GIB)
     check_gpus(2, [], visible=2)
-    with pytest.raises(StartupError, match=r"needs GPUs 1\.\.2 \(one per worker\) but 2 are visible"):
+    with pytest.raises(StartupError, match=r"needs GPUs 1\.\.2 \(1 per worker, --tp-size\) but 2 are visible"):
         check_gpus(2, ["--base-gpu-id", "1"], visible=2)
+    check_gpus(2, ["--tp-size", "2"], visible=4)
+    with pytest.raises(StartupError, match=r"needs GPUs 0\.\.5 \(2 per worker"):
+        check_gpus(3, ["--tp-size", "2"], visible=4)

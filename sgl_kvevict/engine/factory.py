@@ -29,9 +29,11 @@ from sgl_kvevict.engine.reconstruction import Reconstructor
 from sgl_kvevict.engine.setups import EvictionSetup, ModelShape, Setups
 from sgl_kvevict.engine.stats import EngineStats
 from sgl_kvevict.engine.stats_channel import serve_stats
+from sgl_kvevict.engine.tensor_parallel import RankGroup, process_group_gather
 from sgl_kvevict.limits import SetupFacts, violations
 from sgl_kvevict.scoring.kvzip import ReconstructionPrompt
 from sgl_kvevict.serving import RADIX_CACHE_BACKEND, ServingConfig
+from sgl_kvevict.sharding import PADDING, HeadShard
 
 logger = logging.getLogger(__name__)
 # Tokens one reconstruction forward feeds when SGLang does not chunk prefills (its chunk size otherwise):
@@ -58,7 +60,7 @@ def unsupported_features(ctx: TreeCacheBuildContext, attn_backend) -> list[str]:
         cuda_graphs=any(phase.backend != Backend.DISABLED for phase in (graphs.decode, graphs.prefill))
         or runner.decode_cuda_graph_runner is not None,
         hierarchical_cache=ctx.enable_hierarchical_cache,
-        tp_size=ctx.tp_size,
+        kv_heads_replicated=runner.device != "cpu" and ctx.tp_size > total_kv_heads(runner.model_config),
         pp_size=parallel.pp_size,
         dp_size=parallel.dp_size,
         attention_dp=parallel.attn_dp_size > 1,
@@ -91,6 +93,7 @@ def create_compressed_radix_cache(ctx: TreeCacheBuildContext) -> CompressedRadix
         num_q_heads=runner.model_config.get_num_attention_heads(ctx.tp_size),
         num_kv_heads=pool.head_num,
     )
+    ranks = _rank_group(runner.model_config, ctx.tp_size, shape)
     try:
         space = CellSpace.of_buffers(pool.k_buffer, pool.v_buffer)
     except ValueError as error:
@@ -98,9 +101,10 @@ def create_compressed_radix_cache(ctx: TreeCacheBuildContext) -> CompressedRadix
     arena = Arena(space, _slot_source(allocator, space))
     model_dir = Path(runner.model_config.model_path)
     stats = EngineStats()
-    default_setup = EvictionSetup.of(serving.eviction, model_dir)
+    heads = ranks.shard.local_heads if ranks.shard.tp_size > 1 else None
+    default_setup = EvictionSetup.of(serving.eviction, model_dir, heads)
     setups = Setups(
-        default_setup, serving.request_allow_list, model_dir, refused=lambda: stats.count("request_option_errors")
+        default_setup, serving.request_allow_list, model_dir, heads, refused=lambda: stats.count("request_option_errors")
     )
     # Score sources: when the server's setup needs them, or requests may bring their own.
     request = default_setup.stats_request
@@ -109,21 +113,57 @@ def create_compressed_radix_cache(ctx: TreeCacheBuildContext) -> CompressedRadix
     if needs_reconstruction(request) or serving.per_request:
         reconstructor = Reconstructor(runner, _reconstruction_prompt(model_dir), _piece_tokens())
     capture = ScoringCapture(space, pool, hidden_states)
-    coordinator = CompressionCoordinator(setups, serving.scope, shape, capture, stats, reconstructor, chunk_size())
+    coordinator = CompressionCoordinator(
+        setups, serving.scope, shape, capture, stats, reconstructor, chunk_size(), ranks
+    )  # fmt: skip
     cache = CompressedRadixCache(ctx.params, coordinator, arena, stats)
     runner.attn_backend.attach_coordinator(coordinator, space.k_rows, space.v_rows)
     logger.info(
-        "sgl-kvevict: %s; %d KV slots shared by dense and compressed KV (%d cells per slot)",
-        serving.describe(), allocator.size, space.cells_per_slot,
+        "sgl-kvevict: %s; %d KV slots shared by dense and compressed KV (%d cells per slot)%s",
+        serving.describe(), allocator.size, space.cells_per_slot, _describe_rank(ranks),
     )  # fmt: skip
+    if ranks.shard.rank != 0:
+        return cache  # every rank's memory is rank 0's (engine.tensor_parallel): rank 0 reports
 
     def snapshot() -> dict:
-        return {**coordinator.describe(), **stats.snapshot(), **setups.counters(), **cache.memory_levels()}
+        return {
+            **coordinator.describe(), **stats.snapshot(), **setups.counters(), **cache.memory_levels(),
+            "tp_size": ranks.shard.tp_size, "tp_exchanges": ranks.exchanges, "tp_bytes_sent": ranks.bytes_sent,
+        }  # fmt: skip
 
     serve_stats(snapshot)
     if cache.metrics_collector is not None:  # SGLang's --enable-metrics: export ours with its cache labels
         export_metrics(snapshot, cache.metrics_collector.labels)
     return cache
+
+
+def total_kv_heads(model_config) -> int:
+    """The model's own KV heads: before SGLang's CPU padding for ranks that do not divide them."""
+    return getattr(model_config.hf_config, "original_total_num_kv_heads", None) or model_config.get_total_num_kv_heads()
+
+
+def _rank_group(model_config, tp_size: int, shape: ModelShape) -> RankGroup:
+    """This rank's heads and its exchange with the other TP ranks (SGLang's TP group, its CPU side)."""
+    tp_rank = get_parallel().tp_rank if tp_size > 1 else 0
+    shard = HeadShard.of(total_kv_heads(model_config), tp_size, tp_rank)
+    if len(shard.local_heads) != shape.num_kv_heads:
+        raise UnsupportedSetup(
+            f"KV eviction expects {len(shard.local_heads)} KV heads on TP rank {tp_rank} of {tp_size} "
+            f"({shard.num_heads} in the model), SGLang's pool holds {shape.num_kv_heads}"
+        )
+    if tp_size == 1:
+        return RankGroup(shard, shape.num_layers)
+    from sglang.srt.distributed import get_tp_group
+
+    return RankGroup(shard, shape.num_layers, process_group_gather(get_tp_group().cpu_group, tp_size))
+
+
+def _describe_rank(ranks: RankGroup) -> str:
+    shard = ranks.shard
+    if shard.tp_size == 1:
+        return ""
+    heads = ", ".join("padding" if head == PADDING else str(head) for head in shard.local_heads)
+    return f"; TP rank {shard.rank} of {shard.tp_size}, KV heads {heads} of {shard.num_heads}"
 
 
 def _reconstruction_prompt(model_dir: Path) -> ReconstructionPrompt:

@@ -35,11 +35,16 @@ class EvictionSetup:
     stats_request: StatsRequest
 
     @classmethod
-    def of(cls, config: EvictionConfig, model_dir: Optional[Path] = None) -> "EvictionSetup":
-        """``model_dir``: the served model, for policies bound to it (a learned scorer's weights)."""
+    def of(
+        cls, config: EvictionConfig, model_dir: Optional[Path] = None, heads: Optional[tuple[int, ...]] = None
+    ) -> "EvictionSetup":
+        """``model_dir``: the served model, for policies bound to it (a learned scorer's weights);
+        ``heads``: the model's KV heads this tensor-parallel rank holds (None: all of them)."""
         policy = build_policy(config)
         if model_dir is not None:
             policy = policy.for_model(model_dir)
+        if heads is not None:
+            policy = policy.for_heads(heads)
         return cls(config, policy, policy.stats_request())
 
 
@@ -56,13 +61,14 @@ class Setups:
         default: EvictionSetup,
         request_allow: Optional[AllowList] = None,
         model_dir: Optional[Path] = None,
+        heads: Optional[tuple[int, ...]] = None,
         refused: Callable[[], None] = lambda: None,
     ):
         self.default = default
         self._refused = refused
         self._requests = None
         if request_allow is not None:
-            self._requests = RequestSetups(request_allow, lambda config: EvictionSetup.of(config, model_dir))
+            self._requests = RequestSetups(request_allow, lambda config: EvictionSetup.of(config, model_dir, heads))
 
     def for_request(self, extra_key: Optional[str]) -> Optional[EvictionSetup]:
         """The setup of a request with this ``extra_key`` (None when its options are refused)."""
