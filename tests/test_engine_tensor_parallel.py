@@ -93,10 +93,10 @@ def random_prompt(length: int, seed: int) -> list[int]:
     return [rng.randrange(5, 250) for _ in range(length)]
 
 
-def ranks_plan(dump_dir, name: str) -> tuple[dict, list[int]]:
+def ranks_plan(dump_dir, name: str, tp: int = TP) -> tuple[dict, list[int]]:
     """The ranks' plan dumps of ``name`` put together in the model's head order (the single-rank dump
     format), and each rank's kept entries."""
-    dumps = [torch.load(dump_dir / f"{name}.rank{rank}.pt") for rank in range(TP)]
+    dumps = [torch.load(dump_dir / f"{name}.rank{rank}.pt") for rank in range(tp)]
     heads = {}
     for dump in dumps:
         for local, head in enumerate(dump["heads"]):
