@@ -147,6 +147,10 @@ def launcher_notes() -> list[str]:
         "(SGLang's torch_native extend pads a chunk's queries to the whole prompt, the engine's does not; in block "
         "scope less where a block and a chunk would not fit --max-total-tokens together), each unless given. Compressed KV lives in SGLang's own KV "
         "pool, so --max-total-tokens means the same memory with or without a policy.",
+        "--tp-size N above 1: in CPU mode the launcher sets SGLANG_CPU_OMP_THREADS_BIND (each rank its share of "
+        "the cores, shared when ranks outnumber them) unless set, and logs it; with a policy every rank compresses "
+        "its own KV heads and keeps what one rank would (docs/scale-out.md). On CUDA a --tp-size above the model's "
+        "KV heads is refused with a policy (replicated KV heads).",
         f"Refused with a policy (sgl_kvevict/limits.py gives each reason): {refused_flags_text()}.",
         f"sgl-kvevict runs on sglang=={SGLANG_VERSION} only.",
     ]

@@ -41,7 +41,9 @@ TP_FLAGS = ("--tp-size", str(TP), "--max-total-tokens", "4096", *ANY_REQUEST_OPT
 PROMPT_LENGTHS = (300, 520)
 MAX_NEW_TOKENS = 6
 POLICIES = ("topk", "lava", "ada-snapkv", "pyramidkv", "snapkv")
-CASES = [(policy, score) for policy in POLICIES for score in ("attn", "learned")]
+# The methods with both score sources, and KVzip's reconstruction passes (forwards of their own,
+# run by every rank between batches).
+CASES = [(policy, score) for policy in POLICIES for score in ("attn", "learned")] + [("topk", "kvzip")]
 # Policies that weigh heads against each other exchange scores; every policy exchanges its kept counts.
 EXCHANGES = {"topk": 2, "lava": 2, "ada-snapkv": 2, "pyramidkv": 1, "snapkv": 1}
 

@@ -18,7 +18,7 @@ from sgl_kvevict.scope import BlockScope
 from sgl_kvevict.serving import ENV_VAR as SERVING_ENV_VAR, ServingConfig
 from sgl_kvevict.limits import limit_flags
 from sgl_kvevict.server.flags import build_parser, knob_fields, knob_flag, parse_args
-from sgl_kvevict.server.refusals import FlagError, inspected_flags
+from sgl_kvevict.server.refusals import FlagError, check_tensor_parallel, inspected_flags
 from sgl_kvevict.server.sglang_args import (
     CPU_CHUNKED_PREFILL_SIZE,
     CPU_DEFAULT_MAX_TOTAL_TOKENS,
@@ -27,7 +27,7 @@ from sgl_kvevict.server.sglang_args import (
     flag_value,
     host_cpu_flags,
 )
-from sgl_kvevict.server.worker import server_env, sglang_command, stats_socket_address
+from sgl_kvevict.server.worker import THREADS_BIND_ENV_VAR, server_env, sglang_command, stats_socket_address, threads_bind
 
 
 def parse(*args: str):
@@ -451,3 +451,25 @@ def test_the_router_checks_the_api_key_and_takes_the_admin_key_for_its_control_p
     worker = worker_config(config, 0, cpu_mode=True)
     args = sglang_command(worker, "/m", cpu_mode=True)
     assert flag_value(args, "--api-key") == "k:1" and "--admin-api-key" not in args
+
+
+@pytest.mark.parametrize(
+    "tp, cores, bind",
+    [(1, [0, 1], None), (2, [0, 1], "0|1"), (3, [0, 1], "0|1|0"), (2, [4, 5, 6, 7, 8], "4,5|6,7")],
+)
+def test_cpu_tensor_parallel_ranks_get_cores_unless_the_user_chose(tp, cores, bind, monkeypatch):
+    monkeypatch.delenv(THREADS_BIND_ENV_VAR, raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(cores))
+    config = parse_args(["--model", "smollm2", "--kv-evict-policy", "lava", "--tp-size", str(tp)])
+    assert threads_bind(config, cpu_mode=True) == bind
+    assert server_env(config, cpu_mode=True, stats_address=None).get(THREADS_BIND_ENV_VAR) == bind
+    assert threads_bind(config, cpu_mode=False) is None  # CUDA: SGLang binds nothing
+    monkeypatch.setenv(THREADS_BIND_ENV_VAR, "0-3|4-7")
+    assert threads_bind(config, cpu_mode=True) == (None if tp == 1 else "0-3|4-7")
+
+
+def test_replicated_kv_heads_are_refused_on_cuda_only():
+    check_tensor_parallel(4, model_kv_heads=4, cpu_mode=False)
+    check_tensor_parallel(8, model_kv_heads=4, cpu_mode=True)  # SGLang pads heads on CPU
+    with pytest.raises(FlagError, match="--tp-size 8 cannot be used with a --kv-evict-policy on a model with 4 KV heads"):
+        check_tensor_parallel(8, model_kv_heads=4, cpu_mode=False)

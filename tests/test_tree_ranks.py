@@ -75,7 +75,8 @@ def ledger(harness: TreeHarness) -> dict:
 
 def conversations(harness: TreeHarness, record) -> None:
     """The script every rank runs: conversations sharing a system prompt (splits), follow-up turns
-    (reuse), a pool too small for all of them (eviction, moves), a prefill needing most of the pool."""
+    (reuse), two requests racing for one span, a pool too small for all of them (eviction, moves), a
+    prefill needing most of the pool."""
     system = tokens(1, SYSTEM, first=1)
     first_turns = []
     for user in range(4):
@@ -90,6 +91,13 @@ def conversations(harness: TreeHarness, record) -> None:
         record()
         harness.finish(req)
         record()
+    racers = [harness.prefill(tokens(35, 90, first=35), checkpoint=False) for _ in range(2)]  # both scored it
+    for racer in racers:
+        harness.checkpoint(racer)
+        record()
+    for racer in racers:
+        harness.finish(racer)
+    record()
     big = harness.prefill(tokens(40, 230, first=40))
     record()
     harness.finish(big)
@@ -154,6 +162,7 @@ def test_ranks_keeping_different_entries_take_the_same_memory_decisions():
     harnesses = run_ranks(watch_splits, pool_slots=300)
     stats = harnesses[0].stats_snapshot()
     assert stats["compressed_nodes_evicted"] > 0 and stats["reuse_hits"] > 0  # the script did what it says
+    assert stats["compression_races_lost"] == 1
     assert any(extra > 0 for extra in splits_with_extra)  # a split had to reserve more than the node held
     assert stats["kept_entries"] == 0 and harnesses[0].allocator.available_size() == 300  # after the flush
 

@@ -314,11 +314,12 @@ class CompressedRadixCache(RadixCache):
         return EvictResult(num_tokens_evicted=freed)
 
     def _evict_leaf(self, leaf: TreeNode) -> int:
-        """Free the leaf's storage and delete it; returns the slots given back to SGLang."""
+        """Free the leaf's storage and delete it; returns the slots given back to SGLang (a dense leaf's;
+        a compressed leaf's cells go back to the arena, whose slots ``evict`` releases after)."""
         segment = node_record(leaf).segment
         if segment is not None:
             self.arena.free(segment, segment.cells)
-            freed = 0  # its slots go back through release_slots (engine.arena)
+            freed = 0
             self.arena.forget(segment)
             self.stats.compressed_node_evicted(segment)
         else:
