@@ -8,7 +8,6 @@ and the methods that allocate across heads and layers with both score sources.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from engine_client import ANY_REQUEST_OPTIONS, TINY_SERVER_FLAGS, assert_no_leak_after_flush, assert_same_plan
 from engine_client import assert_strict_idle_check_passed, generate, stats
