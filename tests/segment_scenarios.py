@@ -24,6 +24,7 @@ from sgl_kvevict.engine.attention import KVEvictTorchBackend  # noqa: E402
 from sgl_kvevict.engine.batch import CellBatchCache, ForwardRequests, RequestSlice, SegmentMetadata  # noqa: E402
 from sgl_kvevict.engine.cells import CellSpace  # noqa: E402
 from sgl_kvevict.engine.segments import CompressedSegment, PathView, ranges_to_positions  # noqa: E402
+from sgl_kvevict.sharding import RankCounts  # noqa: E402
 
 NUM_LAYERS, HEAD_DIM, NUM_SLOTS = 2, 16, 256
 
@@ -96,7 +97,10 @@ def compressed_segment(start: int, end: int, counts, free_cells: list[int], gene
         for layer_counts in counts
         for count in layer_counts
     ]  # kept positions per (layer, head), ascending (attention does not depend on them: RoPE is in the keys)
-    segment = CompressedSegment(start, end - start, torch.tensor(counts), torch.cat(positions))
+    kept = torch.cat(positions)
+    per_position = torch.bincount(kept - start, minlength=end - start)[None]  # one rank keeps them all
+    rank_counts = RankCounts.of_positions(start, per_position, entries_per_position=len(positions))
+    segment = CompressedSegment(start, end - start, torch.tensor(counts), kept, rank_counts)
     segment.cells = torch.tensor([free_cells.pop() for _ in range(segment.num_cells)], dtype=torch.int64)
     return segment
 

@@ -163,7 +163,10 @@ def test_later_turns_reuse_the_compressed_prefix_on_every_rank(server, learned_w
     assert_no_leak_after_flush(server)
 
 
-@pytest.mark.parametrize("case", [("lava", "attn"), ("topk", "learned"), ("snapkv", "attn")], ids="-".join)
+BLOCK_CASES = [case for case in CASES if case[1] != "kvzip"]
+
+
+@pytest.mark.parametrize("case", BLOCK_CASES, ids=["-".join(case) for case in BLOCK_CASES])
 def test_block_scope_ranks_keep_what_one_device_keeps(case, block_server, reference, dump_dir, learned_weights, tiny_llama_dir):
     config = EvictionConfig.for_policy(case[0], score=case[1], budget="0.5",
                                        **({"learned_weights": learned_weights} if case[1] == "learned" else {}))  # fmt: skip

@@ -1,8 +1,8 @@
 """SmolLM2 (3 KV heads, 9 query heads) at ``--tp-size 3``, one KV head and its query group per rank:
 the ranks keep exactly what the HF reference keeps with the whole model on one device, and decode the
 same greedy tokens, on test_engine_parity_smollm2.py's pass-key prompts (about 600 tokens). Three
-ranks on this machine's two cores: the slowest server of the suite per request, so one prompt a case
-and the methods that allocate across heads and layers with both score sources.
+ranks on this machine's two cores: the slowest server of the suite per request, so one prompt a case:
+the methods that allocate across heads and layers, and the uniform ones, with both score sources.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ pytestmark = [pytest.mark.server, pytest.mark.smollm2]
 
 TP = 3
 CASES = [
-    ("lava", ()), ("lava", (("score", "learned"),)), ("topk", (("score", "learned"),)), ("ada-snapkv", ()),
-    ("pyramidkv", ()), ("snapkv", (("score", "learned"),)),
+    (policy, overrides) for policy in ("topk", "lava", "ada-snapkv", "pyramidkv", "snapkv")
+    for overrides in ((("score", "attn"),), (("score", "learned"),))
 ]  # fmt: skip
 
 
