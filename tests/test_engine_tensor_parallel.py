@@ -74,16 +74,19 @@ def tp_server(tiny_llama_dir, tmp_path, dump_dir, *flags: str):
         patch.setenv(PLAN_DUMP_ENV, str(dump_dir))
         with running_server(tiny_llama_dir, tmp_path, "--kv-evict-policy", "snapkv", *flags, *TP_FLAGS) as running:
             yield running
-            assert_strict_idle_check_passed(running)
 
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir, tmp_path_factory, dump_dir):
-    yield from tp_server(tiny_llama_dir, tmp_path_factory.mktemp("tp"), dump_dir)
+    for running in tp_server(tiny_llama_dir, tmp_path_factory.mktemp("tp"), dump_dir):
+        yield running
+        assert_strict_idle_check_passed(running)
 
 
 @pytest.fixture(scope="module")
 def block_server(tiny_llama_dir, tmp_path_factory, dump_dir):
+    """Block scope; the module's last test kills one of its ranks (a server start saved), so the idle
+    check runs in a test of its own before that."""
     yield from tp_server(
         tiny_llama_dir, tmp_path_factory.mktemp("tp-blocks"), dump_dir, "--kv-evict-scope", "block",
         "--kv-evict-block-size", str(BLOCK), "--kv-evict-budget", "0.5",
@@ -181,14 +184,17 @@ def test_block_scope_ranks_keep_what_one_device_keeps(case, block_server, refere
     assert_no_leak_after_flush(block_server)
 
 
-def test_a_killed_rank_ends_the_server_with_a_clear_error_and_no_process_left(tiny_llama_dir, tmp_path):
-    with running_server(tiny_llama_dir, tmp_path, "--kv-evict-policy", "snapkv", *TP_FLAGS) as running:
-        descendants = psutil.Process(running.process.pid).children(recursive=True)
-        (rank_one,) = [process for process in descendants if "scheduler_TP1" in " ".join(process.cmdline())]
-        rank_one.kill()
-        code = running.process.wait(timeout=120)
-        _, alive = psutil.wait_procs(descendants, timeout=30)
-        assert code != 0 and alive == []
-        log = running.log()
-        assert "Scheduler hit an exception" in log  # rank 0's TP group saw its peer go
-        assert "[sgl-kvevict] SGLang exited with code -9 (killed by signal 9: SGLang ends all its processes" in log
+def test_every_rank_of_the_block_server_kept_its_ledger(block_server):
+    assert_strict_idle_check_passed(block_server)
+
+
+def test_a_killed_rank_ends_the_server_with_a_clear_error_and_no_process_left(block_server):
+    descendants = psutil.Process(block_server.process.pid).children(recursive=True)
+    (rank_one,) = [process for process in descendants if "scheduler_TP1" in " ".join(process.cmdline())]
+    rank_one.kill()
+    code = block_server.process.wait(timeout=120)
+    _, alive = psutil.wait_procs(descendants, timeout=30)
+    assert code != 0 and alive == []
+    log = block_server.log()
+    assert "Scheduler hit an exception" in log  # rank 0's TP group saw its peer go
+    assert "[sgl-kvevict] SGLang exited with code -9 (killed by signal 9: SGLang ends all its processes" in log
