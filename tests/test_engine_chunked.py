@@ -52,15 +52,6 @@ def reference(tiny_llama_dir):
     return ReferenceEngine(tiny_llama_dir, dtype=torch.float32)
 
 
-@pytest.fixture(scope="module")
-def learned_weights(tiny_llama_dir, tmp_path_factory) -> str:
-    from sgl_kvevict.reference.train_scorer import TrainingConfig, train
-
-    config = TrainingConfig(model=str(tiny_llama_dir), out=tmp_path_factory.mktemp("weights"), document_tokens=48,
-                            max_documents=24, test_documents=4)  # fmt: skip
-    return str(train(config, "tests/test_engine_chunked.py", log=lambda line: None))
-
-
 def random_prompt(length: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(5, 250) for _ in range(length)]

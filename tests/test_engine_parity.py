@@ -58,16 +58,6 @@ def dump_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("plans")
 
 
-@pytest.fixture(scope="module")
-def learned_weights(tiny_llama_dir, tmp_path_factory) -> str:
-    """A learned scorer for the tiny model, trained by the project's own command (about a second)."""
-    from sgl_kvevict.reference.train_scorer import TrainingConfig, train
-
-    config = TrainingConfig(model=str(tiny_llama_dir), out=tmp_path_factory.mktemp("weights"), document_tokens=48,
-                            max_documents=24, test_documents=4)  # fmt: skip
-    return str(train(config, "tests/test_engine_parity.py", log=lambda line: None))
-
-
 # Every registered policy at its defaults, and the question-agnostic scores with the allocators that take
 # them: KVzip's reconstruction passes and the learned scorer run inside the server.
 CASES = [(policy, ()) for policy in registered_policies()] + [

@@ -56,15 +56,6 @@ def reference(tiny_llama_dir):
 
 
 @pytest.fixture(scope="module")
-def learned_weights(tiny_llama_dir, tmp_path_factory) -> str:
-    from sgl_kvevict.reference.train_scorer import TrainingConfig, train
-
-    config = TrainingConfig(model=str(tiny_llama_dir), out=tmp_path_factory.mktemp("weights"), document_tokens=48,
-                            max_documents=24, test_documents=4)  # fmt: skip
-    return str(train(config, "tests/test_engine_tensor_parallel.py", log=lambda line: None))
-
-
-@pytest.fixture(scope="module")
 def dump_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("tp-plans")
 
