@@ -27,7 +27,7 @@ from sgl_kvevict.server.processes import (
     log,
     wait_until_healthy,
 )
-from sgl_kvevict.server.refusals import FlagError, check_chunked_prefill, check_tensor_parallel
+from sgl_kvevict.server.refusals import FlagError, check_chunked_prefill, check_cpu_graphs, check_tensor_parallel
 from sgl_kvevict.server.sglang_args import flag_value, tp_size
 from sgl_kvevict.server.worker import (
     THREADS_BIND_ENV_VAR,
@@ -100,6 +100,7 @@ def run(config: LaunchConfig) -> int:
     if config.serving.enabled:
         # Again with the flags this machine adds: CPU mode chooses the chunk when the user did not.
         check_chunked_prefill(config.serving, launched_args)
+        check_cpu_graphs(config.serving, launched_args, cpu_mode)
     if config.workers > 1:
         scale_out.check_prerequisites(config)
     model_dir = resolve_model(config.model, log=log)

@@ -85,6 +85,17 @@ def check_chunked_prefill(serving: ServingConfig, sglang_args: list[str]) -> Non
         )
 
 
+def check_cpu_graphs(serving: ServingConfig, sglang_args: list[str], cpu_mode: bool) -> None:
+    """On CPU SGLang's decode "graphs" are its torch.compile runner (CPUGraphRunner), which the CPU backend
+    has no replayable form for (limits: decode graph backend)."""
+    backend = flag_value(sglang_args, "--cuda-graph-backend-decode")
+    if serving.enabled and cpu_mode and backend not in (None, "disabled"):
+        raise FlagError(
+            f"--cuda-graph-backend-decode {backend} cannot be used with a --kv-evict-policy in CPU mode: SGLang "
+            f"captures CPU decode graphs with torch.compile, and the CPU attention backend has no graph form"
+        )
+
+
 def check_tensor_parallel(tp: int, model_kv_heads: int, cpu_mode: bool) -> None:
     """On CUDA, SGLang replicates KV heads when ranks outnumber them (limits: replicated KV heads)."""
     if tp > model_kv_heads and not cpu_mode:

@@ -51,7 +51,6 @@ CPU_MODE_DEFAULTS: Defaults = (
 # are refused before this list is applied.
 COMPRESSION_DEFAULTS: Defaults = (
     ("--page-size", ("1",)),
-    ("--cuda-graph-backend-decode", ("disabled",)),
     ("--cuda-graph-backend-prefill", ("disabled",)),
 )
 

@@ -54,7 +54,9 @@ class SetupFacts:
     the supported set-up."""
 
     page_size: int = 1
-    cuda_graphs: bool = False  # a decode or prefill graph is configured or was captured
+    prefill_cuda_graphs: bool = False  # a prefill-phase graph is configured
+    decode_graphs: str = "disabled"  # the decode graphs captured: disabled, full, breakable, or cpu (torch.compile)
+    torch_compile: bool = False
     hierarchical_cache: bool = False
     kv_heads_replicated: bool = False  # more TP ranks than KV heads on CUDA: SGLang replicates heads
     pp_size: int = 1
@@ -110,11 +112,19 @@ class Limit:
     violated: Optional[Callable[[SetupFacts], bool]] = None
 
 
-_CUDA_GRAPHS = (
-    "replayed CUDA graphs skip the segment attention's per-batch metadata and read placeholder slot 0 for "
-    "every compressed position (the replayable decode, engine/decode_graph.py, is not hooked into SGLang's "
-    "graph runner yet); with a policy the launcher disables them"
+# The decode graphs that can serve compressed requests (engine/decode_graph.py): SGLang's full CUDA graphs.
+DECODE_GRAPH_BACKENDS = ("full", "disabled")
+_PREFILL_CUDA_GRAPHS = (
+    "a replayed prefill graph skips the segment attention's per-batch metadata and the scoring capture; "
+    "decode graphs are supported (--cuda-graph-backend-decode full, CUDA's default), and --cuda-graph-config "
+    "is refused because it can set the prefill phase (use the per-phase flags); with a policy the launcher "
+    "disables prefill graphs"
 )
+_DECODE_GRAPH_BACKENDS = (
+    "compressed requests replay SGLang's full decode CUDA graphs (a segments graph per batch size); breakable "
+    "graphs and CPU graphs (torch.compile on CPU) have no replayable form of the segment attention"
+)
+_TORCH_COMPILE = "the segment attention's decode graph body has not been traced by torch.compile (untested)"
 _REPLICATED_KV_HEADS = (
     "with more TP ranks than KV heads SGLang replicates each KV head on several GPUs and splits its query heads "
     "among them, so no rank sees a head's whole query group; use a --tp-size at most the model's KV heads "
@@ -122,17 +132,20 @@ _REPLICATED_KV_HEADS = (
 )
 _DP_ATTENTION = "DP attention splits a batch's attention across ranks; the segment attention runs on one rank"
 
-# The first-version limits (page size 1, no CUDA graphs)
+# The first-version limits (page size 1, no prefill graphs)
 # and SGLang 0.5.23's features that copy, move or share KV by slot rows, which compressed nodes do not
 # hold. Spellings are SGLang 0.5.23's (sglang/srt/arg_groups/fields/*.py); a test checks them.
 LIMITS = (
     Limit("page size", "compressed spans are token-granular: pages of more than one slot are not supported yet",
           (LimitFlag(("--page-size",), above=1),), lambda f: f.page_size != 1),
-    Limit("CUDA graphs", _CUDA_GRAPHS,
-          (LimitFlag(("--cuda-graph-backend-decode",), allowed=("disabled",)),
-           LimitFlag(("--cuda-graph-backend-prefill",), allowed=("disabled",)),
+    Limit("prefill CUDA graphs", _PREFILL_CUDA_GRAPHS,
+          (LimitFlag(("--cuda-graph-backend-prefill",), allowed=("disabled",)),
            LimitFlag(("--cuda-graph-config",))),
-          lambda f: f.cuda_graphs),
+          lambda f: f.prefill_cuda_graphs),
+    Limit("decode graph backend", _DECODE_GRAPH_BACKENDS,
+          (LimitFlag(("--cuda-graph-backend-decode",), allowed=DECODE_GRAPH_BACKENDS),),
+          lambda f: f.decode_graphs not in DECODE_GRAPH_BACKENDS),
+    Limit("torch.compile", _TORCH_COMPILE, (LimitFlag(("--enable-torch-compile",)),), lambda f: f.torch_compile),
     Limit("hierarchical cache", "HiCache copies tree values slot by slot and compressed nodes hold placeholder slots",
           (LimitFlag(("--enable-hierarchical-cache", "--enable-hicache")),), lambda f: f.hierarchical_cache),
     Limit("replicated KV heads", _REPLICATED_KV_HEADS, (), lambda f: f.kv_heads_replicated),

@@ -11,6 +11,14 @@ It implements exactly:
   ``kv_data_type`` checked at run; ``run``: ``q`` ``[qo_indptr[-1], H_q, D]``, the cache a tuple of
   4-D NHD tensors ``[pages, page_size, H_kv, D]``, returns out (``o_data_type`` = q's dtype) and,
   with ``return_lse``, lse fp32 ``[qo_indptr[-1], H_q]``);
+* ``BatchDecodeWithPagedKVCacheWrapper`` in CUDA-graph mode, the mode SGLang's decode graphs use
+  (https://docs.flashinfer.ai/api/decode.html): ``use_cuda_graph=True`` with fixed
+  ``paged_kv_indptr_buffer`` ``[B + 1]``, ``paged_kv_indices_buffer`` and
+  ``paged_kv_last_page_len_buffer`` ``[B]``; the batch size is fixed for the wrapper's life and the
+  indices must fit the buffer (``plan`` refuses otherwise, as FlashInfer does); ``plan`` copies the
+  layout into those buffers and fixes heads, page size (1 here), scale and dtypes; ``run(q,
+  paged_kv_cache, return_lse=...)`` reads the buffers *when it runs*, with shapes fixed by the buffers,
+  so a replayed graph (or a traced body) computes from whatever the last ``plan`` left there;
 * ``flashinfer.cascade.merge_state(v_a, s_a, v_b, s_b)``
   (https://docs.flashinfer.ai/generated/flashinfer.cascade.merge_state.html).
 
@@ -191,6 +199,114 @@ class BatchPrefillWithPagedKVCacheWrapper:
         return (out, lse) if return_lse else out
 
 
+@dataclass(frozen=True)
+class _DecodePlan:
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    sm_scale: float
+    q_data_type: torch.dtype
+    kv_data_type: torch.dtype
+
+
+class BatchDecodeWithPagedKVCacheWrapper:
+    def __init__(
+        self,
+        float_workspace_buffer: torch.Tensor,
+        kv_layout: str = "NHD",
+        backend: str = "auto",
+        use_cuda_graph: bool = False,
+        use_tensor_cores: bool = False,
+        paged_kv_indptr_buffer: torch.Tensor | None = None,
+        paged_kv_indices_buffer: torch.Tensor | None = None,
+        paged_kv_last_page_len_buffer: torch.Tensor | None = None,
+    ):
+        _check(float_workspace_buffer.dtype == torch.uint8, "the float workspace buffer must be uint8")
+        if kv_layout != "NHD" or not use_cuda_graph:
+            raise NotImplementedError("the fake implements the NHD layout in CUDA-graph mode only")
+        buffers = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
+        _check(all(isinstance(buffer, torch.Tensor) for buffer in buffers), "CUDA-graph mode needs the three buffers")
+        for name, buffer in zip(("indptr", "indices", "last_page_len"), buffers):
+            _check_index(f"paged_kv_{name}_buffer", buffer)
+        self._fixed_batch_size = len(paged_kv_indptr_buffer) - 1
+        _check_index("paged_kv_last_page_len_buffer", paged_kv_last_page_len_buffer, self._fixed_batch_size)
+        self._paged_kv_indptr_buf, self._paged_kv_indices_buf, self._paged_kv_last_page_len_buf = buffers
+        self._plan: _DecodePlan | None = None
+        self.plan_calls: list[dict] = []
+
+    def plan(
+        self,
+        indptr: torch.Tensor,
+        indices: torch.Tensor,
+        last_page_len: torch.Tensor,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        pos_encoding_mode: str = "NONE",
+        window_left: int = -1,
+        logits_soft_cap: float | None = None,
+        q_data_type: torch.dtype = torch.float16,
+        kv_data_type: torch.dtype | None = None,
+        data_type: torch.dtype | None = None,
+        sm_scale: float | None = None,
+        rope_scale: float | None = None,
+        rope_theta: float | None = None,
+        non_blocking: bool = True,
+        fixed_split_size: int | None = None,
+        disable_split_kv: bool = False,
+    ) -> None:
+        self.plan_calls.append(dict(indptr=indptr, indices=indices, last_page_len=last_page_len, page_size=page_size,
+                                    sm_scale=sm_scale, disable_split_kv=disable_split_kv))  # fmt: skip
+        batch_size = len(indptr) - 1
+        _check(batch_size == self._fixed_batch_size,
+               f"the batch size is fixed in CUDA-graph mode: {batch_size} planned, {self._fixed_batch_size} set")  # fmt: skip
+        _check_indptr("indptr", indptr, batch_size)
+        _check_index("last_page_len", last_page_len, batch_size)
+        _check_index("indices", indices, int(indptr[-1]))
+        _check(len(indices) <= len(self._paged_kv_indices_buf), "the indices exceed the allocated buffer")
+        _check(num_kv_heads >= 1 and num_qo_heads % num_kv_heads == 0, "num_qo_heads: a multiple of num_kv_heads")
+        if page_size != 1:
+            raise NotImplementedError("the fake's decode wrapper implements page size 1 (sgl-kvevict's) only")
+        _check(bool((indptr[1:] > indptr[:-1]).all()), "kv_len = 0: FlashInfer does not document empty KV sequences")
+        _check(bool((last_page_len == 1).all()), "need 1 <= last_page_len <= page_size")
+        _check(pos_encoding_mode == "NONE" and logits_soft_cap is None and window_left == -1, "not implemented")
+        _check(indices.device == self._paged_kv_indices_buf.device, "indices must be on the buffers' device")
+        self._paged_kv_indptr_buf.copy_(indptr, non_blocking=non_blocking)
+        self._paged_kv_indices_buf[: len(indices)].copy_(indices, non_blocking=non_blocking)
+        self._paged_kv_last_page_len_buf.copy_(last_page_len, non_blocking=non_blocking)
+        kv_dtype = kv_data_type or data_type or q_data_type
+        scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+        self._plan = _DecodePlan(num_qo_heads, num_kv_heads, head_dim, scale, q_data_type, kv_dtype)
+
+    def run(self, q: torch.Tensor, paged_kv_cache, *, return_lse: bool = False):
+        """Every request's query over its keys, from the buffers as they are now: every buffer entry is
+        read and the entries of other requests (and stale ones past the batch's) are masked out, so the
+        shapes depend on the buffers alone."""
+        plan = self._plan
+        _check(plan is not None, "run before plan")
+        _check(isinstance(paged_kv_cache, tuple) and len(paged_kv_cache) == 2, "the fake takes (k_cache, v_cache)")
+        k_cache, v_cache = paged_kv_cache
+        batch_size, group = self._fixed_batch_size, plan.num_qo_heads // plan.num_kv_heads
+        _check(q.dtype == plan.q_data_type and k_cache.dtype == plan.kv_data_type == v_cache.dtype, "dtypes differ from the plan")
+        _check(tuple(q.shape) == (batch_size, plan.num_qo_heads, plan.head_dim), f"q shape {tuple(q.shape)} does not match the plan")
+        _check(k_cache.dim() == 4 and k_cache.shape[1:] == (1, plan.num_kv_heads, plan.head_dim), "NHD caches [pages, 1, H_kv, D]")
+        indptr, entries = self._paged_kv_indptr_buf.long(), self._paged_kv_indices_buf.long()
+        position = torch.arange(len(entries), device=entries.device)
+        owned = (position[None, :] >= indptr[:-1, None]) & (position[None, :] < indptr[1:, None])  # [B, N]
+        keys, values = k_cache[entries, 0].float(), v_cache[entries, 0].float()  # [N, H_kv, D]
+        queries = q.float().view(batch_size, plan.num_kv_heads, group, plan.head_dim)
+        logits = torch.einsum("bkgd,nkd->bkgn", queries, keys) * plan.sm_scale
+        logits = logits.masked_fill(~owned[:, None, None, :], float("-inf"))
+        lse_e = torch.logsumexp(logits, dim=-1)
+        probs = torch.exp(logits - lse_e[..., None])
+        # A masked entry has probability 0; its value may be anything (slot 0's NaN), so it is zeroed.
+        out = torch.einsum("bkgn,nkd->bkgd", probs, torch.nan_to_num(values))
+        out = out.reshape(batch_size, plan.num_qo_heads, -1).to(q.dtype)
+        lse = (lse_e / math.log(2.0)).reshape(batch_size, plan.num_qo_heads)
+        return (out, lse) if return_lse else out
+
+
 def merge_state(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: torch.Tensor):
     """``(V, S)`` of the union of two key sets; ``s_*`` are base-2 LSEs fp32 ``[seq_len, num_heads]``."""
     _check(v_a.dim() == 3 and v_a.shape == v_b.shape and v_a.dtype == v_b.dtype, "v_a, v_b: same [seq_len, H, D]")
@@ -207,6 +323,7 @@ def install(monkeypatch) -> types.ModuleType:
     cascade.merge_state = merge_state
     module = types.ModuleType("flashinfer")
     module.BatchPrefillWithPagedKVCacheWrapper = BatchPrefillWithPagedKVCacheWrapper
+    module.BatchDecodeWithPagedKVCacheWrapper = BatchDecodeWithPagedKVCacheWrapper
     module.merge_state = merge_state
     module.cascade = cascade
     monkeypatch.setitem(sys.modules, "flashinfer", module)

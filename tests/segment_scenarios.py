@@ -9,9 +9,11 @@ tests/test_engine_flashinfer.py and tests/test_engine_decode_graph.py.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from types import SimpleNamespace
 
+import fake_flashinfer
 import torch
 
 from sgl_kvevict.compat import activate_cpu_mode
@@ -202,3 +204,17 @@ def torch_backend(scenario: Scenario) -> KVEvictTorchBackend:
     backend.cell_rows = (scenario.space.k_rows, scenario.space.v_rows)
     backend._init_segment_metadata(scenario.forward_batch, scenario.segments)
     return backend
+
+
+def flashinfer_against_fake(monkeypatch):
+    """A fixture body: ``sgl_kvevict.engine.flashinfer_backend`` imported against ``fake_flashinfer`` (and
+    forgotten afterwards), SGLang's FlashInfer backend creating its graph-mode decode wrappers from it."""
+    fake = fake_flashinfer.install(monkeypatch)
+    monkeypatch.delitem(sys.modules, "sgl_kvevict.engine.flashinfer_backend", raising=False)
+    import sglang.srt.layers.attention.flashinfer_backend as stock
+
+    monkeypatch.setattr(stock, "BatchDecodeWithPagedKVCacheWrapper", fake.BatchDecodeWithPagedKVCacheWrapper, raising=False)
+    import sgl_kvevict.engine.flashinfer_backend as module
+
+    yield SimpleNamespace(backend=module, fake=fake)
+    sys.modules.pop("sgl_kvevict.engine.flashinfer_backend", None)

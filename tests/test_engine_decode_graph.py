@@ -1,68 +1,77 @@
-"""The replayable decode (``engine.decode_graph``): fixed buffers filled in place, a body with static shapes.
+"""Decode CUDA graphs with compressed requests (``engine.decode_graph``, the CUDA backend's graph hooks).
 
-A graph-replay harness on CPU: one ``DecodeGraphState`` is filled batch after batch (requests finishing
-and joining, batches padded to a captured size, plain requests beside compressed ones, heads without
-cells) and its body is run as a replay would run it; each step equals the eager backend on the same
-batch and the float64 formula. The body is then held to what a captured region needs: no host
-synchronisation (the sync probe's calls, counted) and shapes that depend on the batch size alone
-(traced by ``torch.compile(fullgraph=True)``, which refuses data-dependent shapes and host reads).
-The same steps run through the Triton kernels: in the interpreter on CPU, and on CUDA
-(``KVEVICT_GPU_TESTS=1``, docs/gpu.md) captured once in a real CUDA graph and replayed after each fill.
+No GPU and no real FlashInfer here (what ran on a GPU: docs/gpu.md). Two levels:
+
+* **The backend under SGLang's decode graph runner, replayed on CPU.** ``GraphRunner`` drives
+  ``KVEvictFlashInferBackend`` the way SGLang 0.5.23's ``DecodeCudaGraphRunner`` does
+  (``decode_cuda_graph_runner.py``): ``init_cuda_graph_state``; per captured batch size and per
+  variant of ``graph_variants()`` (what the plugin's capture hook installs) the capture-time metadata
+  (``init_forward_metadata_out_graph(in_capture=True)``) and the capture of every layer's decode; then
+  per batch ``can_run_graph`` (our ``graph_can_replay``), the variant's ``select``, the inputs copied
+  into the static buffers (padded requests: slot 0), SGLang's own ``build_replay_fb_view``, the replay
+  metadata and the replay. The "graph" is the body traced once by dynamo (``fullgraph=True``, no
+  graph break: no host read, no data-dependent shape) and replayed from that trace with recompilation
+  forbidden, so a replay computes from the captured tensors, as a CUDA graph does, and any Python
+  state the body read at capture that changed since fails the test. FlashInfer's graph-mode decode
+  wrapper is ``tests/fake_flashinfer.py``'s, which reads its fixed buffers when it runs.
+* **The compressed part alone** (``DecodeGraphState``): bounds, in-place fills, no host sync, and the
+  Triton body in the interpreter and, on CUDA (``KVEVICT_GPU_TESTS=1``), captured in a real CUDA graph.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from contextlib import contextmanager
+from types import SimpleNamespace
 
 import pytest
 import torch
-
 from segment_scenarios import (
     DECODE,
     HEAD_DIM,
     NUM_LAYERS,
+    KVPool,
     RequestSpec,
     build_scenario,
+    flashinfer_against_fake,
     layer_of,
     naive_attention,
     run_backend,
     torch_backend,
 )
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.srt.model_executor.runner.decode_cuda_graph_runner import build_replay_fb_view
+from sglang.srt.model_executor.runner_utils.capture_mode import _set_capture_attention_variant
+from test_kernels_support import interpreter_process_test, on_kernel_devices
+
+from benchmarks.decode_graph import captured
+
+from sgl_kvevict.engine import plugin
+from sgl_kvevict.engine.attention import compressed_attention
 from sgl_kvevict.engine.batch import ForwardRequests
 from sgl_kvevict.engine.cells import CellSpace
-from sgl_kvevict.engine.decode_graph import FITS, DecodeGraphState, GraphCapacity
+from sgl_kvevict.engine.decode_graph import FITS, SEGMENTS, STOCK, DecodeGraphState, GraphCapacity, SegmentGraphVariants
+from sgl_kvevict.engine.stats import EngineStats
 from sgl_kvevict.engine.sync_probe import SYNCING_METHODS
-from sglang.srt.model_executor.forward_batch_info import ForwardMode
-from test_kernels_support import interpreter_process_test, on_kernel_devices
 
 test_in_interpreter_process = interpreter_process_test(__file__)
 
-CAPACITY = GraphCapacity(max_batch=6, cells=200, cells_per_sequence=8, dense_keys=24)
 GQA = [pytest.param(2, 2, id="kv2-g2"), pytest.param(1, 3, id="kv1-g3")]
-# Decode steps served by one state: requests finish (the first two), a plain one joins, then a
-# compressed one with more cells per head; each step padded to a captured size above it.
+CAPTURE_BATCH_SIZES = (2, 4, 6)
+CONTEXT_LEN = 64  # the model's context length: a (layer, request, KV head) holds at most this many cells
+# Decode steps of one server: requests finish (the first two), a plain one joins, then a compressed one
+# with more cells per head; each runs as the smallest captured size holding it.
 STEPS = (
-    (DECODE, 4),
-    ((DECODE[2], RequestSpec(12, 1)), 2),
-    ((RequestSpec(12, 1), RequestSpec(20, 1, ((2, 10, ((7, 1), (0, 8))),)), DECODE[0]), 6),
+    DECODE,
+    (DECODE[2], RequestSpec(12, 1)),
+    (RequestSpec(12, 1), RequestSpec(20, 1, ((2, 10, ((7, 1), (0, 8))),)), DECODE[0]),
 )
 
 
-def state_buffers(state: DecodeGraphState) -> tuple[torch.Tensor, ...]:
-    return state.qo_indptr, state.cell_indptr, state.cell_indices, state.dense_indptr, state.dense_indices
-
-
-def replay(state: DecodeGraphState, scenario, layer, batch_size: int) -> torch.Tensor:
-    """What a replay computes for ``scenario``'s requests: the forward's K/V written, the body run on the
-    batch padded to ``batch_size`` (padded queries are zero), the real rows returned ``[B, H_q * D]``."""
-    batch = scenario.segments.forward
-    scenario.pool.set_kv_buffer(layer, scenario.forward_batch, scenario.k, scenario.v)
-    queries = torch.zeros(batch_size, layer.tp_q_head_num, layer.qk_head_dim, dtype=scenario.q.dtype)
-    queries[: len(batch.requests)] = scenario.q.view(len(batch.requests), layer.tp_q_head_num, -1)
-    k_cache, v_cache = scenario.pool.get_kv_buffer(layer.layer_id)
-    out = state.attend(queries, layer, scenario.space.k_rows, scenario.space.v_rows, k_cache, v_cache)
-    return out[: len(batch.requests)].reshape(len(batch.requests), -1)
+@pytest.fixture
+def flashinfer_module(monkeypatch):
+    yield from flashinfer_against_fake(monkeypatch)
 
 
 def decode_scenario(specs, num_kv_heads: int, group: int, seed: int = 0):
@@ -71,47 +80,200 @@ def decode_scenario(specs, num_kv_heads: int, group: int, seed: int = 0):
     return scenario
 
 
+class ScenarioTree:
+    """The tree's side of the graph path: ``forward_begin`` gives each batch's requests as its scenario
+    built them (the engine's ``CompressionCoordinator.forward_begin``), and the engine's counters."""
+
+    def __init__(self):
+        self.stats = EngineStats()
+
+    def forward_begin(self, forward_batch, req_to_token):
+        return forward_batch.requests
+
+
+class GraphRunner:
+    """SGLang's ``DecodeCudaGraphRunner`` as the attention backend sees it (see the module docstring), over
+    one KV pool and one ``req_to_token`` whose content each step replaces with its scenario's."""
+
+    def __init__(self, module, num_kv_heads: int, group: int, context_len: int = CONTEXT_LEN):
+        self.num_kv_heads, self.group = num_kv_heads, group
+        self.layers = [layer_of(layer_id, num_kv_heads, group) for layer_id in range(NUM_LAYERS)]
+        self.pool = KVPool(num_kv_heads, torch.float32, torch.Generator().manual_seed(0))
+        self.req_to_token = torch.zeros(8, 64, dtype=torch.int32)
+        self.backend = self._backend(module, context_len)
+        max_bs = max(CAPTURE_BATCH_SIZES)
+        self.backend.init_segment_graph_state(max_bs)
+        self.variants = self.backend.graph_variants()
+        # The runner's static inputs (DecodeInputBuffers) and the capture's forward batches.
+        num_q_heads = num_kv_heads * group
+        self.q = torch.zeros(NUM_LAYERS, max_bs, num_q_heads * HEAD_DIM)
+        self.k = torch.zeros(NUM_LAYERS, max_bs, num_kv_heads * HEAD_DIM)
+        self.v = torch.zeros_like(self.k)
+        self.buffers = SimpleNamespace(
+            input_ids=torch.zeros(max_bs, dtype=torch.int64), positions=torch.zeros(max_bs, dtype=torch.int64),
+            req_pool_indices=torch.zeros(max_bs, dtype=torch.int64), seq_lens=torch.ones(max_bs, dtype=torch.int64),
+            seq_lens_cpu=torch.ones(max_bs, dtype=torch.int64), out_cache_loc=torch.zeros(max_bs, dtype=torch.int64),
+            encoder_lens=None, mamba_track_indices=None,
+        )  # fmt: skip
+        self.graphs = {}
+        torch._dynamo.reset()  # one runner's captures per test: dynamo caches traces per code object
+        for batch_size in reversed(CAPTURE_BATCH_SIZES):  # SGLang captures the largest first
+            for label in self.variants.capture_labels:
+                if label != STOCK:  # the stock graph is SGLang's own FlashInfer body (CUDA kernels only)
+                    self.graphs[batch_size, label] = self._capture(batch_size, label)
+        _set_capture_attention_variant(None)
+
+    def _backend(self, module, context_len: int):
+        """The backend without ``FlashInferAttnBackend.__init__`` (CUDA only): the attributes its graph
+        path reads, stock's graph buffers as SGLang sizes them."""
+        backend_class = module.backend.KVEvictFlashInferBackend
+        backend = backend_class.__new__(backend_class)
+        max_bs, layer = max(CAPTURE_BATCH_SIZES), self.layers[0]
+        backend.req_to_token_pool = SimpleNamespace(req_to_token=self.req_to_token)
+        backend.token_to_kv_pool = self.pool
+        backend._shape = module.backend.AttentionShape(
+            layer.tp_q_head_num, self.num_kv_heads, HEAD_DIM, HEAD_DIM, layer.scaling, torch.float32, torch.float32
+        )
+        backend.max_context_len = context_len
+        backend.workspace_buffer = torch.empty(1 << 20, dtype=torch.uint8)
+        backend.decode_backend, backend.decode_use_tensor_cores, backend.num_wrappers = "fa2", False, 1
+        backend.kv_indptr = [torch.zeros(max_bs + 1, dtype=torch.int32)]
+        backend.cuda_graph_kv_indices = [torch.zeros(max_bs * context_len, dtype=torch.int32)]
+        backend.kv_last_page_len = torch.ones(max_bs, dtype=torch.int32)
+        backend.disable_cuda_graph_kv_split = False
+        backend.coordinator = ScenarioTree()
+        return backend
+
+    def _static_batch(self, batch_size: int) -> SimpleNamespace:
+        return SimpleNamespace(
+            forward_mode=ForwardMode.DECODE, batch_size=batch_size, out_cache_loc=self.buffers.out_cache_loc[:batch_size],
+            req_pool_indices=self.buffers.req_pool_indices[:batch_size], seq_lens=self.buffers.seq_lens[:batch_size],
+            seq_lens_cpu=self.buffers.seq_lens_cpu[:batch_size], positions=self.buffers.positions[:batch_size],
+        )  # fmt: skip
+
+    def _capture(self, batch_size: int, label: str):
+        _set_capture_attention_variant(label)
+        static = self._static_batch(batch_size)
+        self.backend.init_forward_metadata_out_graph(static, in_capture=True)
+
+        def decode_step() -> list[torch.Tensor]:
+            return [
+                self.backend.forward_decode(self.q[i, :batch_size], self.k[i, :batch_size], self.v[i, :batch_size], layer, static)
+                for i, layer in enumerate(self.layers)
+            ]  # fmt: skip
+
+        graph = torch.compile(decode_step, backend="eager", fullgraph=True, dynamic=False)
+        graph()  # the capture
+        return graph
+
+    def batch(self, scenario, plain: bool = False) -> SimpleNamespace:
+        """The forward batch SGLang hands the runner for ``scenario``'s decode (``plain``: its requests
+        without their compressed paths)."""
+        forward = scenario.segments.forward
+        if plain:
+            forward = ForwardRequests(True, tuple(dataclasses.replace(r, view=None) for r in forward.requests))
+        seq_lens = torch.tensor([request.seq_len for request in forward.requests])
+        return SimpleNamespace(
+            forward_mode=ForwardMode.DECODE, batch_size=len(forward.requests), requests=forward,
+            seq_lens=seq_lens, seq_lens_cpu=seq_lens, seq_lens_sum=int(seq_lens.sum()), max_seq_len_host=None,
+            req_pool_indices=scenario.forward_batch.req_pool_indices, out_cache_loc=scenario.forward_batch.out_cache_loc,
+            out_cache_loc_virtual=None, kv_loc_plan=None, kv_loc_cols=None, max_seq_len_override=None,
+            spec_info=None, lora_ids=None, can_run_decode_cuda_graph=True,
+        )  # fmt: skip
+
+    def load(self, scenario) -> None:
+        """The server's state before ``scenario``'s decode: its pool (without this step's K/V, which the
+        graph writes) and its ``req_to_token`` rows."""
+        for mine, theirs in ((self.pool.k_buffer, scenario.pool.k_buffer), (self.pool.v_buffer, scenario.pool.v_buffer)):
+            for buffer, source in zip(mine, theirs):
+                buffer.copy_(source)
+        self.req_to_token.zero_()
+        self.req_to_token[: len(scenario.req_to_token)] = scenario.req_to_token
+
+    def decode(self, scenario) -> list[torch.Tensor] | None:
+        """One decode step: the real requests' attention output per layer ``[B, H_q * D]`` from the replayed
+        graph, or None when the runner would run the batch eagerly."""
+        forward_batch = self.batch(scenario)
+        count = forward_batch.batch_size
+        if not self.backend.graph_can_replay(forward_batch):
+            return None
+        batch_size = min(size for size in CAPTURE_BATCH_SIZES if size >= count)
+        label = self.variants.select(forward_batch)
+        for static, value in ((self.q, scenario.q), (self.k, scenario.k), (self.v, scenario.v)):
+            static.zero_()
+            static[:, :count] = value
+        buffers = self.buffers
+        buffers.out_cache_loc.zero_()  # padded tokens write slot 0, SGLang's padding slot
+        buffers.out_cache_loc[:count] = forward_batch.out_cache_loc
+        buffers.req_pool_indices[:count] = forward_batch.req_pool_indices
+        buffers.seq_lens.fill_(1)
+        buffers.seq_lens[:count] = forward_batch.seq_lens
+        buffers.seq_lens_cpu.copy_(buffers.seq_lens)
+        view = build_replay_fb_view(
+            forward_batch=forward_batch, buffers=buffers, bs=batch_size, raw_bs=count, num_tokens=batch_size,
+            global_num_tokens_cpu=None, seq_len_fill_value=1, capture_forward_mode=ForwardMode.DECODE,
+            is_encoder_decoder=False,
+        )  # fmt: skip
+        self.backend.init_forward_metadata_out_graph(view)
+        with torch.compiler.set_stance("fail_on_recompile"):  # a replay runs what was captured, nothing else
+            outputs = self.graphs[batch_size, label]()
+        return [out[:count] for out in outputs]
+
+    def buffers_in_use(self) -> list[int]:
+        state = self.backend._decode_graph
+        wrappers = self.backend._graph_dense_wrappers.values()
+        tensors = [state.qo_indptr, state.cell_indptr, state.cell_indices]
+        tensors += [t for w in wrappers for t in (w._paged_kv_indptr_buf, w._paged_kv_indices_buf, w._paged_kv_last_page_len_buf)]
+        return [t.data_ptr() for t in tensors]
+
+
+@pytest.mark.torch_twins  # dynamo traces the torch twins; it does not trace Triton's interpreter
 @pytest.mark.parametrize("num_kv_heads,group", GQA)
-def test_one_state_replays_every_step_as_the_eager_backend_computes_it(num_kv_heads, group):
-    state = DecodeGraphState(CAPACITY, NUM_LAYERS, num_kv_heads, torch.device("cpu"))
-    buffers = [t.data_ptr() for t in state_buffers(state)]
-    for seed, (specs, batch_size) in enumerate(STEPS):
-        replayed, eager = decode_scenario(specs, num_kv_heads, group, seed), decode_scenario(specs, num_kv_heads, group, seed)
-        assert state.fill(replayed.segments.forward, replayed.req_to_token, batch_size) == FITS
+def test_every_decode_step_replays_the_segments_graph_as_attention_computes_it(flashinfer_module, num_kv_heads, group):
+    runner = GraphRunner(flashinfer_module, num_kv_heads, group)
+    assert runner.variants.capture_labels == (STOCK, SEGMENTS)
+    captured = runner.buffers_in_use()
+    for seed, specs in enumerate(STEPS):
+        scenario, eager = decode_scenario(specs, num_kv_heads, group, seed), decode_scenario(specs, num_kv_heads, group, seed)
+        runner.load(scenario)
+        replayed = runner.decode(scenario)
+        assert replayed is not None
         cpu_backend = torch_backend(eager)
-        for layer_id in range(NUM_LAYERS):  # the layers keep different cells per head
-            layer = layer_of(layer_id, num_kv_heads, group)
-            out = replay(state, replayed, layer, batch_size)
-            assert torch.isfinite(out).all()
+        for layer, out in zip(runner.layers, replayed):
+            scenario.pool.set_kv_buffer(layer, scenario.forward_batch, scenario.k, scenario.v)  # for the formula
+            assert torch.isfinite(out).all()  # never the NaN placeholder slot 0
             torch.testing.assert_close(out, run_backend(cpu_backend, eager, layer), atol=2e-5, rtol=1e-5)
-            torch.testing.assert_close(out.double(), naive_attention(replayed, layer), atol=2e-5, rtol=1e-5)
-    # Filled in place: a captured graph keeps reading the same memory.
-    assert buffers == [t.data_ptr() for t in state_buffers(state)]
+            torch.testing.assert_close(out.double(), naive_attention(scenario, layer), atol=2e-5, rtol=1e-5)
+    assert runner.buffers_in_use() == captured  # filled in place: a captured graph reads the same memory
+    assert runner.backend.coordinator.stats.graph_decodes == len(STEPS)
+    assert runner.backend.coordinator.stats.decode_graph_fallbacks == 0
 
 
-@pytest.mark.parametrize(
-    "capacity, reason",
-    [
-        (GraphCapacity(6, 200, 4, 24), "cells, above 4"),  # DECODE's request 0 keeps 5 cells in one head
-        (GraphCapacity(6, 20, 8, 24), "the batch holds"),
-        (GraphCapacity(6, 200, 8, 8), "dense keys, above 8"),
-    ],
-)
-def test_a_batch_beyond_a_bound_does_not_fit_and_leaves_the_buffers(capacity, reason):
-    state = DecodeGraphState(capacity, NUM_LAYERS, 2, torch.device("cpu"))
-    before = [t.clone() for t in state_buffers(state)]
+@pytest.mark.torch_twins
+def test_batches_without_compressed_requests_replay_the_stock_graph(flashinfer_module):
+    runner = GraphRunner(flashinfer_module, 2, 2)
+    plain = runner.batch(decode_scenario(DECODE, 2, 2), plain=True)
+    assert runner.backend.graph_can_replay(plain) and runner.variants.select(plain) == STOCK
+    assert runner.variants.select(runner.batch(decode_scenario(DECODE, 2, 2))) == SEGMENTS
+    runner.backend.coordinator = None  # before SGLang builds the tree: nothing is compressed yet
+    assert runner.variants.select(runner.batch(decode_scenario(DECODE, 2, 2))) == STOCK
+
+
+@pytest.mark.torch_twins
+def test_a_batch_beyond_the_graph_buffers_runs_eagerly_and_is_counted(flashinfer_module):
+    runner = GraphRunner(flashinfer_module, 2, 2, context_len=4)  # DECODE's request 0 has 10 compressed tokens
+    before = [tensor.clone() for tensor in (runner.backend._decode_graph.cell_indptr, runner.backend._decode_graph.cell_indices)]
     scenario = decode_scenario(DECODE, 2, 2)
-    assert reason in state.fill(scenario.segments.forward, scenario.req_to_token, 4)
-    assert all(torch.equal(a, b) for a, b in zip(before, state_buffers(state)))
+    assert runner.decode(scenario) is None
+    assert runner.backend.coordinator.stats.decode_graph_fallbacks == 1
+    after = (runner.backend._decode_graph.cell_indptr, runner.backend._decode_graph.cell_indices)
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    assert runner.backend.graph_can_replay(runner.batch(scenario, plain=True))  # no cells: always fits
 
 
-def test_capacity_bounds_are_validated():
-    with pytest.raises(ValueError, match="cells_per_sequence=0"):
-        GraphCapacity(4, 10, 0, 8)
-
-
-def test_the_replayed_body_never_synchronises(monkeypatch):
-    """Every host-reading tensor call the sync probe counts, counted while the body runs: none."""
+@contextmanager
+def counted_syncs(monkeypatch):
+    """Every host-reading tensor call the sync probe counts, appended to the yielded list."""
     calls = []
     for name in SYNCING_METHODS:
         stock = getattr(torch.Tensor, name)
@@ -122,31 +284,85 @@ def test_the_replayed_body_never_synchronises(monkeypatch):
             return _stock(*args, **kwargs)
 
         monkeypatch.setattr(torch.Tensor, name, counted)
-    state = DecodeGraphState(CAPACITY, NUM_LAYERS, 2, torch.device("cpu"))
+    yield calls
+    monkeypatch.undo()
+
+
+@pytest.mark.torch_twins
+def test_the_replayed_graph_never_synchronises(flashinfer_module, monkeypatch):
+    runner = GraphRunner(flashinfer_module, 2, 2)
     scenario = decode_scenario(DECODE, 2, 2)
-    state.fill(scenario.segments.forward, scenario.req_to_token, 4)
-    calls.clear()  # filling may read the host (it runs before a replay, outside the graph)
-    for layer_id in range(NUM_LAYERS):
-        replay(state, scenario, layer_of(layer_id, 2, 2), 4)
+    runner.load(scenario)
+    graph = runner.graphs[4, SEGMENTS]
+    runner.decode(scenario)  # the replay metadata may read the host: it runs before the replay
+    with counted_syncs(monkeypatch) as calls:
+        with torch.compiler.set_stance("fail_on_recompile"):
+            graph()
     assert calls == []
 
 
-@pytest.mark.torch_twins  # dynamo traces the torch twins; it does not trace Triton's interpreter
-def test_the_replayed_body_traces_into_one_graph_of_static_shapes():
-    """``fullgraph=True`` fails on any graph break: a data-dependent shape (boolean indexing, nonzero) or
-    a host read of a device value. Two fills of different content replay through the one trace."""
-    torch._dynamo.reset()
-    state = DecodeGraphState(CAPACITY, NUM_LAYERS, 2, torch.device("cpu"))
-    compiled = torch.compile(state.attend, backend="eager", fullgraph=True, dynamic=False)
-    for seed, specs in enumerate((DECODE, (RequestSpec(12, 1), DECODE[2], DECODE[0]))):
-        scenario = decode_scenario(specs, 2, 2, seed)
-        state.fill(scenario.segments.forward, scenario.req_to_token, 4)
-        layer = layer_of(0, 2, 2)
-        scenario.pool.set_kv_buffer(layer, scenario.forward_batch, scenario.k, scenario.v)
-        queries = torch.zeros(4, 4, layer.qk_head_dim)
-        queries[:3] = scenario.q.view(3, 4, -1)
-        rows = (queries, layer, scenario.space.k_rows, scenario.space.v_rows, *scenario.pool.get_kv_buffer(0))
-        torch.testing.assert_close(compiled(*rows)[:3], state.attend(*rows)[:3])
+class StandInRunner:
+    """The part of SGLang's ``DecodeCudaGraphRunner`` the plugin's two hooks read."""
+
+    def __init__(self, backend, variants=None):
+        self.attn_backend, self.attention_graph_variants = backend, variants
+        self.capture_forward_mode = ForwardMode.DECODE
+        self.captured_with = None
+
+    def capture(self):
+        self.captured_with = self.attention_graph_variants
+
+    def can_run_graph(self, forward_batch):
+        return forward_batch.batch_size <= 6
+
+
+@pytest.mark.torch_twins
+def test_the_plugin_hooks_capture_our_variants_and_replay_only_fitting_batches(flashinfer_module):
+    runner = GraphRunner(flashinfer_module, 2, 2, context_len=4)
+    stand_in = StandInRunner(runner.backend)
+    plugin.capture_graph_variants(StandInRunner.capture, stand_in)
+    assert isinstance(stand_in.captured_with, SegmentGraphVariants)
+    too_many_cells = runner.batch(decode_scenario(DECODE, 2, 2))
+    assert not plugin.replays_only_fitting_batches(StandInRunner.can_run_graph, stand_in, too_many_cells)
+    plain = runner.batch(decode_scenario(DECODE, 2, 2), plain=True)
+    assert plugin.replays_only_fitting_batches(StandInRunner.can_run_graph, stand_in, plain)
+    with pytest.raises(NotImplementedError, match="its own graph variants"):
+        plugin.capture_graph_variants(StandInRunner.capture, StandInRunner(runner.backend, variants=object()))
+    # The CPU backend has no replayable form: capturing decode graphs with it is refused.
+    with pytest.raises(NotImplementedError, match="need the flashinfer attention backend"):
+        plugin.capture_graph_variants(StandInRunner.capture, StandInRunner(torch_backend(decode_scenario(DECODE, 2, 2))))
+    # A stock backend is left alone.
+    stock = StandInRunner(object())
+    plugin.capture_graph_variants(StandInRunner.capture, stock)
+    assert stock.captured_with is None
+
+
+# ---- the compressed part alone -----------------------------------------------------------------
+
+CAPACITY = GraphCapacity(max_batch=6, cells=200, cells_per_sequence=12)
+
+
+@pytest.mark.parametrize(
+    "capacity, reason",
+    [
+        (GraphCapacity(6, 200, 4), "compressed tokens, above 4"),  # DECODE's requests 0 and 2 have 10
+        (GraphCapacity(6, 20, 12), "the batch reserves"),
+        (GraphCapacity(2, 200, 12), "3 requests, above 2"),
+    ],
+)
+def test_a_batch_beyond_a_bound_does_not_fit_and_leaves_the_buffers(capacity, reason):
+    state = DecodeGraphState(capacity, NUM_LAYERS, 2, torch.device("cpu"))
+    before = [t.clone() for t in (state.cell_indptr, state.cell_indices)]
+    forward = decode_scenario(DECODE, 2, 2).segments.forward
+    assert reason in state.check(forward)
+    if capacity.max_batch >= len(forward.requests):
+        assert reason in state.fill(forward, 4)
+    assert all(torch.equal(a, b) for a, b in zip(before, (state.cell_indptr, state.cell_indices)))
+
+
+def test_capacity_bounds_are_validated():
+    with pytest.raises(ValueError, match="cells_per_sequence=0"):
+        GraphCapacity(4, 10, 0)
 
 
 def pool_storage(scenario) -> torch.Tensor:
@@ -167,56 +383,45 @@ def requests_on(scenario, device: str) -> ForwardRequests:
     return ForwardRequests(True, tuple(dataclasses.replace(r, view=moved(r.view)) for r in requests))
 
 
-def captured_in_a_cuda_graph(body):
-    """``body`` captured once in a CUDA graph (a warm-up outside the capture compiles its kernels); the
-    returned function replays the graph and returns the outputs it captured."""
-    warm_up = torch.cuda.Stream()
-    warm_up.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(warm_up):
-        body()
-    torch.cuda.current_stream().wait_stream(warm_up)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = body()
-
-    def replayed():
-        graph.replay()
-        return outputs
-
-    return replayed
-
-
 @on_kernel_devices
-def test_the_triton_body_replays_every_step(device):
-    """The body through the Triton kernels (the interpreter on CPU) for every step of ``STEPS``, all padded
-    to the largest captured size, against the float64 formula. On CUDA the body of both layers is
-    captured once in a CUDA graph, then each step is filled (its pool copied into the pool the graph
-    reads) and replayed."""
+def test_the_compressed_part_replays_every_step(device):
+    """The compressed part through the Triton kernels (the interpreter on CPU) for every step of ``STEPS``,
+    all padded to the largest captured size, against the eager backend's compressed part. On CUDA the
+    body of both layers is captured once in a CUDA graph, then each step is filled (its pool copied into
+    the pool the graph reads) and replayed."""
     num_kv_heads, group = 2, 2
-    scenarios = [decode_scenario(specs, num_kv_heads, group, seed) for seed, (specs, _) in enumerate(STEPS)]
+    scenarios = [decode_scenario(specs, num_kv_heads, group, seed) for seed, specs in enumerate(STEPS)]
     layers = [layer_of(layer_id, num_kv_heads, group) for layer_id in range(NUM_LAYERS)]
-    for scenario in scenarios:  # each step's new tokens' K/V, written before its attention
-        for layer in layers:
-            scenario.pool.set_kv_buffer(layer, scenario.forward_batch, scenario.k, scenario.v)
     storage = pool_storage(scenarios[0]).to(device)  # the one pool the body reads
-    k_buffers, v_buffers = list(storage[:, 0]), list(storage[:, 1])
-    space = CellSpace.of_buffers(k_buffers, v_buffers)
+    space = CellSpace.of_buffers(list(storage[:, 0]), list(storage[:, 1]))
     state = DecodeGraphState(CAPACITY, NUM_LAYERS, num_kv_heads, torch.device(device))
     batch_size = CAPACITY.max_batch
     queries = torch.zeros(batch_size, num_kv_heads * group, HEAD_DIM, device=device)
 
-    def body() -> list[torch.Tensor]:
-        return [state.attend(queries, layer, space.k_rows, space.v_rows, k_buffers[layer.layer_id], v_buffers[layer.layer_id])
-                for layer in layers]  # fmt: skip
+    def body() -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [state.attend(queries, layer, space.k_rows, space.v_rows) for layer in layers]
 
-    run_body = captured_in_a_cuda_graph(body) if device == "cuda" else body
+    run_body = body
+    if device == "cuda":
+        graph, outputs = captured(body)
+
+        def run_body():
+            graph.replay()
+            return outputs
     for scenario in scenarios:
         storage.copy_(pool_storage(scenario))
         forward = requests_on(scenario, device)
-        assert state.fill(forward, scenario.req_to_token.to(device), batch_size) == FITS
+        assert state.fill(forward, batch_size) == FITS
         count = len(forward.requests)
         queries.zero_()
         queries[:count].copy_(scenario.q.view(count, num_kv_heads * group, HEAD_DIM))
-        for layer, out in zip(layers, run_body()):
-            actual = out[:count].reshape(count, -1).double().cpu()
-            torch.testing.assert_close(actual, naive_attention(scenario, layer), atol=2e-5, rtol=1e-5)
+        segments = scenario.segments
+        for layer, (out, lse) in zip(layers, run_body()):
+            expected_out, expected_lse = compressed_attention(
+                segments, scenario.q.view(count, -1, HEAD_DIM), layer, scenario.space.k_rows, scenario.space.v_rows
+            )
+            rows = segments.query_rows.to(device)
+            torch.testing.assert_close(out[rows].cpu(), expected_out, atol=2e-5, rtol=1e-5)
+            torch.testing.assert_close(lse[rows].cpu(), expected_lse, atol=2e-5, rtol=1e-5)
+            plain = [request.index for request in forward.requests if request.view is None] + list(range(count, batch_size))
+            assert bool((lse[plain] == float("-inf")).all())  # no cells: the merge keeps the dense part

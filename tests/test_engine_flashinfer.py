@@ -14,7 +14,6 @@ without it and given the attributes its segment path reads (``make_flashinfer_ba
 from __future__ import annotations
 
 import math
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -35,6 +34,7 @@ from segment_scenarios import (  # noqa: E402
     NUM_SLOTS,
     Scenario,
     build_scenario,
+    flashinfer_against_fake,
     layer_of,
     naive_attention,
     run_backend,
@@ -44,13 +44,7 @@ from segment_scenarios import (  # noqa: E402
 
 @pytest.fixture
 def flashinfer_module(monkeypatch):
-    """``sgl_kvevict.engine.flashinfer_backend`` imported against the fake (and forgotten afterwards)."""
-    fake = fake_flashinfer.install(monkeypatch)
-    monkeypatch.delitem(sys.modules, "sgl_kvevict.engine.flashinfer_backend", raising=False)
-    import sgl_kvevict.engine.flashinfer_backend as module
-
-    yield SimpleNamespace(backend=module, fake=fake)
-    sys.modules.pop("sgl_kvevict.engine.flashinfer_backend", None)
+    yield from flashinfer_against_fake(monkeypatch)
 
 
 def make_flashinfer_backend(module, scenario: Scenario, num_kv_heads: int = 2, group: int = 2):

@@ -209,6 +209,7 @@ def test_each_incompatible_sglang_flag_is_refused_with_a_policy_and_passed_witho
         ["--chunked-prefill-size", "-1"],
         ["--chunked-prefill-size=0"],
         ["--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill=disabled"],
+        ["--cuda-graph-backend-decode=full"],
         ["--tp-size", "1", "--dp-size", "1"],
         ["--disaggregation-mode", "null"],
         ["--disable-overlap-schedule"],
@@ -317,9 +318,12 @@ def test_sglang_command_on_cuda_disables_what_compression_cannot_use():
     config = parse("--kv-evict-policy", "snapkv", "--max-total-tokens", "4000")
     args = sglang_command(config, "/models/m", cpu_mode=False)
     assert "--disable-overlap-schedule" not in args and "--device" not in args
-    for phase in ("decode", "prefill"):
-        assert flag_value(args, f"--cuda-graph-backend-{phase}") == "disabled"
+    # Decode graphs stay SGLang's default (full CUDA graphs, engine/decode_graph.py); prefill graphs are off.
+    assert "--cuda-graph-backend-decode" not in args
+    assert flag_value(args, "--cuda-graph-backend-prefill") == "disabled"
     assert flag_value(args, "--max-total-tokens") == "4000"
+    given = parse("--kv-evict-policy", "snapkv", "--cuda-graph-backend-decode", "disabled")
+    assert flag_value(sglang_command(given, "/models/m", cpu_mode=False), "--cuda-graph-backend-decode") == "disabled"
 
 
 def test_sglang_command_without_a_policy_is_stock_sglang():

@@ -20,7 +20,9 @@ from sgl_kvevict.limits import (
 # For each limit the tree checks, a set-up that breaks it (and nothing else).
 BROKEN_SETUPS = {
     "page size": {"page_size": 16},
-    "CUDA graphs": {"cuda_graphs": True},
+    "prefill CUDA graphs": {"prefill_cuda_graphs": True},
+    "decode graph backend": {"decode_graphs": "breakable"},
+    "torch.compile": {"torch_compile": True},
     "hierarchical cache": {"hierarchical_cache": True},
     "replicated KV heads": {"kv_heads_replicated": True},
     "pipeline parallelism": {"pp_size": 2},
@@ -62,12 +64,20 @@ def test_every_limit_is_checked_by_the_tree_unless_the_tree_cannot_exist_then():
     assert every_fact == {fact for setup in BROKEN_SETUPS.values() for fact in setup}
 
 
-def test_the_cuda_graph_limit_refuses_every_graph_flag_and_the_tree_refuses_captured_graphs():
-    cuda = next(limit for limit in LIMITS if limit.name == "CUDA graphs")
-    spellings = {spelling for flag in cuda.flags for spelling in flag.spellings}
-    assert spellings == {"--cuda-graph-backend-decode", "--cuda-graph-backend-prefill", "--cuda-graph-config"}
-    assert not cuda.flags[0].refuses("disabled") and cuda.flags[0].refuses("full")
-    assert violations(SetupFacts(cuda_graphs=True))[0].startswith("CUDA graphs: replayed CUDA graphs")
+def test_decode_graphs_are_full_cuda_graphs_or_none_and_prefill_graphs_are_refused():
+    prefill = next(limit for limit in LIMITS if limit.name == "prefill CUDA graphs")
+    decode = next(limit for limit in LIMITS if limit.name == "decode graph backend")
+    assert {spelling for flag in prefill.flags for spelling in flag.spellings} == {
+        "--cuda-graph-backend-prefill", "--cuda-graph-config"
+    }
+    [decode_flag] = decode.flags
+    assert decode_flag.spellings == ("--cuda-graph-backend-decode",)
+    assert [decode_flag.refuses(value) for value in ("full", "disabled", "breakable")] == [False, False, True]
+    assert not prefill.flags[0].refuses("disabled") and prefill.flags[0].refuses("full")
+    for captured in ("full", "disabled"):
+        assert violations(SetupFacts(decode_graphs=captured)) == []
+    [line] = violations(SetupFacts(decode_graphs="cpu"))
+    assert line.startswith("decode graph backend: compressed requests replay SGLang's full decode CUDA graphs")
 
 
 def test_flag_conditions():

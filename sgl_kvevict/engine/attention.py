@@ -134,6 +134,15 @@ class SegmentAttentionBackend:
             return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
         return self._forward_with_segments(q, k, v, layer, forward_batch, save_kv_cache, segments)
 
+    def graph_variants(self):
+        """The decode graphs this backend captures per batch size (SGLang's ``AttentionGraphVariants``), so
+        that a batch with compressed requests never replays a stock graph (which would read their
+        placeholder slots). Only the CUDA backend has them (``flashinfer_backend.py``)."""
+        raise NotImplementedError(
+            f"sgl-kvevict: decode CUDA graphs with compression need the flashinfer attention backend, "
+            f"not {type(self).__name__}"
+        )
+
     def _compressed_attention(self, segments: SegmentMetadata, queries: torch.Tensor, layer):
         return compressed_attention(segments, queries, layer, *self.cell_rows)
 

@@ -14,7 +14,16 @@ from pathlib import Path
 import torch
 from sglang.srt.mem_cache.registry import TreeCacheBuildContext
 from sglang.srt.model_executor.cuda_graph_config import Backend
-from sglang.srt.runtime_context import get_disagg, get_exec, get_memory, get_parallel, get_schedule, get_serving, get_spec
+from sglang.srt.runtime_context import (
+    get_disagg,
+    get_exec,
+    get_flags,
+    get_memory,
+    get_parallel,
+    get_schedule,
+    get_serving,
+    get_spec,
+)
 
 from sgl_kvevict.engine.admission import chunk_size
 from sgl_kvevict.engine.arena import Arena, SlotSource
@@ -54,11 +63,15 @@ def unsupported_features(ctx: TreeCacheBuildContext, attn_backend) -> list[str]:
     graphs = get_exec().graph.cuda_graph_config
     # graphs is never None once SGLang resolved its arguments (cuda_graph_config.py builds the default).
     runner = ctx.tp_worker.model_runner
+    if runner.decode_cuda_graph_runner is None:
+        decode_graphs = Backend.DISABLED
+    else:  # captured: on CPU by SGLang's torch.compile runner
+        decode_graphs = "cpu" if runner.device == "cpu" else graphs.decode.backend
     facts = SetupFacts(
         page_size=ctx.params.page_size,
-        # Configured graphs, or a captured decode graph (a CPU graph under --enable-torch-compile).
-        cuda_graphs=any(phase.backend != Backend.DISABLED for phase in (graphs.decode, graphs.prefill))
-        or runner.decode_cuda_graph_runner is not None,
+        prefill_cuda_graphs=graphs.prefill.backend != Backend.DISABLED,
+        decode_graphs=decode_graphs,
+        torch_compile=get_flags().capture.enable_torch_compile,
         hierarchical_cache=ctx.enable_hierarchical_cache,
         kv_heads_replicated=runner.device != "cpu" and ctx.tp_size > total_kv_heads(runner.model_config),
         pp_size=parallel.pp_size,

@@ -41,6 +41,7 @@ page size > 1, quantised KV caches, attention logit soft-capping (the segment ke
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -49,11 +50,23 @@ import torch
 from flashinfer.cascade import merge_state
 from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+from sglang.srt.model_executor.runner_utils.capture_mode import get_capture_attention_variant
 
 from sgl_kvevict.engine.attention import SegmentAttentionBackend
 from sgl_kvevict.engine.batch import ForwardRequests, SegmentMetadata
+from sgl_kvevict.engine.cells import CellSpace
+from sgl_kvevict.engine.decode_graph import (
+    FITS,
+    SEGMENTS,
+    STOCK,
+    DecodeGraphState,
+    GraphCapacity,
+    SegmentGraphVariants,
+)
 
+logger = logging.getLogger(__name__)
 LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
 _CUDA_MAX_THREADS_PER_BLOCK = 1024
 _UNQUANTISED_KV_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -75,11 +88,15 @@ class DenseLayout:
     kv_last_page_len: torch.Tensor
 
     @classmethod
-    def of(cls, forward: ForwardRequests, req_to_token: torch.Tensor) -> "DenseLayout":
-        """``req_to_token`` ``[rows, max_len]`` int32 (device): the slots of every request's row."""
+    def of(cls, forward: ForwardRequests, req_to_token: torch.Tensor, batch_size: Optional[int] = None) -> "DenseLayout":
+        """``req_to_token`` ``[rows, max_len]`` int32 (device): the slots of every request's row.
+        ``batch_size``: the decode batch padded to a captured graph's size; a padded request has one
+        query and one key, SGLang's padding slot 0 (where its padded token's K/V are written)."""
         slots = [request.dense_keys(req_to_token)[1] for request in forward.requests]
+        padding = (batch_size or len(slots)) - len(slots)
+        slots += [torch.zeros(1, dtype=torch.int64, device=req_to_token.device)] * padding
         kv_counts = [len(request_slots) for request_slots in slots]  # sizes are host-known: no sync
-        qo_counts = [request.num_queries for request in forward.requests]
+        qo_counts = [request.num_queries for request in forward.requests] + [1] * padding
         # The new tokens are dense, so no request has an empty dense part (FlashInfer's kv_len = 0
         # behaviour is undocumented) and its queries are the last entries of its dense list.
         assert all(kv >= qo > 0 for kv, qo in zip(kv_counts, qo_counts))
@@ -88,14 +105,21 @@ class DenseLayout:
             qo_indptr=_indptr(qo_counts),
             kv_indptr=_indptr(kv_counts),
             kv_indices=kv_indices,
-            kv_last_page_len=torch.ones(len(forward.requests), dtype=torch.int32),
+            kv_last_page_len=torch.ones(len(slots), dtype=torch.int32),
         )
+
+    def paged_kv(self, shape: "AttentionShape") -> tuple:
+        """``plan``'s paged-KV arguments, the same for the prefill and the decode wrapper: indptr, indices,
+        last-page lengths, query and KV heads, head dim, page size 1 (one token per page: the slot is the
+        page id)."""
+        return (self.kv_indptr, self.kv_indices, self.kv_last_page_len, shape.num_q_heads, shape.num_kv_heads, shape.head_dim, 1)
 
 
 @dataclass(frozen=True)
 class AttentionShape:
     """What ``plan`` needs of the model, fixed for the server's life. scaling: the softmax scale of the
-    model's attention layers (the first one's when they differ: a layer with another re-plans)."""
+    model's attention layers (the first one's when they differ: a layer with another re-plans, which a
+    decode graph cannot: ``one_scaling`` says whether every layer shares it)."""
 
     num_q_heads: int
     num_kv_heads: int
@@ -104,6 +128,7 @@ class AttentionShape:
     scaling: float
     q_dtype: torch.dtype
     kv_dtype: torch.dtype
+    one_scaling: bool = True
 
     @classmethod
     def of(cls, model_runner, kv_pool) -> "AttentionShape":
@@ -119,6 +144,7 @@ class AttentionShape:
             scaling=first.scaling,
             q_dtype=model_runner.dtype,
             kv_dtype=kv_pool.dtype,
+            one_scaling=all(layer.scaling == first.scaling for layer in layers),
         )
 
 
@@ -163,6 +189,10 @@ def merge_states_base2(
 class KVEvictFlashInferBackend(SegmentAttentionBackend, FlashInferAttnBackend):
     """``FlashInferAttnBackend`` that scores prompts for eviction and attends over compressed nodes."""
 
+    _graph_body = False  # the segments graph's body runs (its capture): set per forward by the metadata hooks
+    _graph_asked: tuple = (None, None)  # (forward batch, its ForwardRequests or None): the last one asked about
+    _replay_forward: Optional[ForwardRequests] = None  # chosen for the segments graph, filled before its replay
+
     def __init__(self, model_runner, **kwargs):
         super().__init__(model_runner, **kwargs)
         problems = [
@@ -194,13 +224,7 @@ class KVEvictFlashInferBackend(SegmentAttentionBackend, FlashInferAttnBackend):
         layout, shape = self._dense_layout, self._shape
         self.prefill_wrappers_paged[0].plan(
             layout.qo_indptr,
-            layout.kv_indptr,
-            layout.kv_indices,
-            layout.kv_last_page_len,
-            shape.num_q_heads,
-            shape.num_kv_heads,
-            shape.head_dim,
-            1,  # page size: one token per page, the token slot is the page id
+            *layout.paged_kv(shape),
             head_dim_vo=shape.v_head_dim,
             causal=True,
             sm_scale=scaling,
@@ -215,20 +239,122 @@ class KVEvictFlashInferBackend(SegmentAttentionBackend, FlashInferAttnBackend):
             self._plan_dense(layer.scaling)
         return self.prefill_wrappers_paged[0]
 
-    def _forward_with_segments(self, q, k, v, layer, forward_batch, save_kv_cache, segments: SegmentMetadata):
+    def _layer_inputs(self, q, k, v, layer, forward_batch, save_kv_cache):
+        """This forward's K/V written; returns the queries ``[N, H_q, D]`` and the layer's paged cache as
+        FlashInfer reads it (NHD, page size 1: ``[slots, 1, H_kv, D]`` each)."""
         if layer.logit_cap:
             raise NotImplementedError("sgl-kvevict segment attention has no logit soft-capping")
         if save_kv_cache and k is not None and v is not None:
             self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc), k, v)
-        num_q_heads, v_head_dim = layer.tp_q_head_num, layer.v_head_dim
-        queries = q.reshape(-1, num_q_heads, layer.qk_head_dim)
         k_cache, v_cache = self.token_to_kv_pool.get_kv_buffer(layer.layer_id)  # [slots, H_kv, D] each
-        wrapper = self._dense_wrapper(layer)
-        # NHD paged cache with page size 1: [pages, page_size = 1, H_kv, D]
-        out, lse_base2 = wrapper.run(queries, (k_cache.unsqueeze(1), v_cache.unsqueeze(1)), return_lse=True)
+        queries = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        return queries, (k_cache.unsqueeze(1), v_cache.unsqueeze(1))
 
+    def _forward_with_segments(self, q, k, v, layer, forward_batch, save_kv_cache, segments: SegmentMetadata):
+        queries, paged_cache = self._layer_inputs(q, k, v, layer, forward_batch, save_kv_cache)
+        out, lse_base2 = self._dense_wrapper(layer).run(queries, paged_cache, return_lse=True)
         compressed_out, compressed_lse = self._compressed_attention(segments, queries, layer)
         rows = segments.query_rows
         merged, _ = merge_states_base2(out[rows], lse_base2[rows], compressed_out, compressed_lse * LOG2_E)
         out[rows] = merged
-        return out.view(-1, num_q_heads * v_head_dim)
+        return out.view(-1, layer.tp_q_head_num * layer.v_head_dim)
+
+    # ---- decode CUDA graphs: SGLang's DecodeCudaGraphRunner with the variants of engine.decode_graph ----
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int, kv_indices_buf=None):
+        super().init_cuda_graph_state(max_bs, max_num_tokens, kv_indices_buf)
+        self.init_segment_graph_state(max_bs)
+
+    def init_segment_graph_state(self, max_bs: int) -> None:
+        """The ``segments`` graphs' buffers, for batches up to ``max_bs`` requests: a batch may read every
+        cell of the pool once (one that reads more, a compressed prefix shared by many requests, decodes
+        eagerly), a (layer, request, KV head) up to the model's context length of cells. The cell views
+        are the pool's, as the tree's (``CellSpace``), which does not exist yet when SGLang captures."""
+        if not self._shape.one_scaling:
+            raise NotImplementedError(
+                "sgl-kvevict decode CUDA graphs need one attention scale for every layer (the graph's dense "
+                "part is planned once per replay); pass --cuda-graph-backend-decode disabled for this model"
+            )
+        pool = self.token_to_kv_pool
+        space = CellSpace.of_buffers(pool.k_buffer, pool.v_buffer)
+        self.cell_rows = (space.k_rows, space.v_rows)
+        capacity = GraphCapacity(max_batch=max_bs, cells=space.k_rows.shape[0], cells_per_sequence=self.max_context_len)
+        self._decode_graph = DecodeGraphState(capacity, space.num_layers, space.num_kv_heads, space.device)
+        self._graph_dense_wrappers = {}  # batch size -> its graph-mode decode wrapper (fixed buffers)
+
+    def graph_variants(self) -> SegmentGraphVariants:
+        return SegmentGraphVariants(select=self.select_graph_variant)
+
+    def graph_can_replay(self, forward_batch) -> bool:
+        """Whether a decode batch the runner could replay fits the ``segments`` buffers (always, without a
+        compressed request); one that does not runs eagerly, counted in ``decode_graph_fallbacks``."""
+        forward = self._graph_forward(forward_batch)
+        why = FITS if forward is None else self._decode_graph.check(forward)
+        if why:
+            self.coordinator.stats.count("decode_graph_fallbacks")
+            logger.debug("decode batch runs eagerly: %s", why)
+        return not why
+
+    def select_graph_variant(self, forward_batch) -> str:
+        """The graph a decode batch replays (SGLang asks before its replay metadata,
+        ``init_forward_metadata_out_graph``, which then fills the ``segments`` buffers for this batch)."""
+        self._replay_forward = self._graph_forward(forward_batch)
+        return STOCK if self._replay_forward is None else SEGMENTS
+
+    def _graph_forward(self, forward_batch) -> Optional[ForwardRequests]:
+        """The decode batch as the engine sees it when it holds a compressed request (None otherwise, and
+        before the tree exists); built once per batch, which the runner asks about several times."""
+        asked_of, forward = self._graph_asked
+        if asked_of is not forward_batch:
+            forward = None
+            if self.coordinator is not None and forward_batch.forward_mode.is_decode():
+                forward = self.coordinator.forward_begin(forward_batch, self.req_to_token_pool.req_to_token)
+                forward = forward if forward.compressed else None
+            self._graph_asked = (forward_batch, forward)
+        return forward
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
+        """Before a decode graph's capture or replay (outside the graph). The ``segments`` graph: the
+        compressed part's buffers filled and the dense part's graph-mode decode wrapper planned over every
+        request's dense positions (a padded request: slot 0); the ``stock`` graph: SGLang's metadata."""
+        if in_capture:  # a batch of padded requests
+            forward = ForwardRequests(True, ()) if get_capture_attention_variant() == SEGMENTS else None
+        else:
+            forward, self._replay_forward = self._replay_forward, None
+            if forward is not None:
+                self.coordinator.stats.count("graph_decodes")
+        self.segments, self._graph_body = None, forward is not None
+        if forward is None:
+            return super().init_forward_metadata_out_graph(forward_batch, in_capture)
+        batch_size, shape = forward_batch.batch_size, self._shape
+        if in_capture:
+            self._graph_dense_wrappers[batch_size] = self._create_decode_wrappers(batch_size, batch_size)[0]
+        self._graph_dense = self._graph_dense_wrappers[batch_size]
+        fits = self._decode_graph.fill(forward, batch_size)
+        assert fits == FITS, fits  # graph_can_replay let only fitting batches replay
+        layout = DenseLayout.of(forward, self.req_to_token_pool.req_to_token, batch_size)
+        self._graph_dense.plan(
+            *layout.paged_kv(shape),
+            q_data_type=shape.q_dtype,
+            kv_data_type=shape.kv_dtype,
+            sm_scale=shape.scaling,
+            non_blocking=True,
+            disable_split_kv=self.disable_cuda_graph_kv_split,  # as SGLang plans its graph wrappers
+        )
+
+    def init_forward_metadata(self, forward_batch):
+        self._graph_body = False  # an eager forward
+        super().init_forward_metadata(forward_batch)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        if self._graph_body:
+            return self._graph_decode(q, k, v, layer, forward_batch, save_kv_cache)
+        return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def _graph_decode(self, q, k, v, layer, forward_batch, save_kv_cache):
+        """The ``segments`` graph's body: every request's dense part (the decode wrapper planned before the
+        replay) merged with its compressed part (``DecodeGraphState``); static shapes, no host read."""
+        queries, paged_cache = self._layer_inputs(q, k, v, layer, forward_batch, save_kv_cache)
+        dense_out, dense_lse_base2 = self._graph_dense.run(queries, paged_cache, return_lse=True)
+        merged = self._decode_graph.attend_with_dense(queries, layer, *self.cell_rows, dense_out, dense_lse_base2 * LN_2)
+        return merged.view(-1, layer.tp_q_head_num * layer.v_head_dim)

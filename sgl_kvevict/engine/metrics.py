@@ -47,6 +47,8 @@ COUNTERS = {
     "chunked_prefills": "Requests whose prompt took more than one prefill forward (chunked prefill).",
     "chunked_prefills_aborted": "Requests released between two prefill forwards of their prompt (aborted between chunks).",
     "overlap_waits": "Batches the overlap schedule formed only after the previous batch's checkpoints stored compressed spans.",
+    "graph_decodes": "Decode batches with compressed requests replayed in a CUDA graph.",
+    "decode_graph_fallbacks": "Decode batches with compressed requests run eagerly: their cells exceed the CUDA graph's buffers.",
 }
 DEFAULT_INTERVAL_SECONDS = 1.0
 

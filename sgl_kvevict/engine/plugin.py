@@ -16,7 +16,10 @@ entry point is how ours get there (docs/sglang.md#processes-and-plugin-loading).
   results are processed before the next batch is formed when its checkpoints store compressed spans
   (``CompressionCoordinator.settles_before_next_batch``); and the three hooks of
   compress-while-prefilling (``engine.admission``) on the longest prompt SGLang accepts, on its prefill
-  admission and on the answer length it allows.
+  admission and on the answer length it allows; and two on SGLang's decode CUDA graph runner: AROUND its
+  ``capture``, the backend's graph variants (``engine.decode_graph``: a ``stock`` and a ``segments``
+  graph per batch size) are installed; AROUND its ``can_run_graph``, a batch whose cells exceed the
+  ``segments`` graph's buffers runs eagerly.
 
 Everything heavy is imported inside the factories, which run only in the scheduler process.
 """
@@ -36,6 +39,10 @@ NEXT_BATCH = "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run"
 WORKER_INFO = "sglang.srt.managers.tp_worker.TpModelWorker.get_worker_info"
 PREFILL_BUDGET_CHECK = "sglang.srt.managers.schedule_policy.PrefillAdder._check_prefill_budget"
 ANSWER_CLIP = "sglang.srt.mem_cache.allocator.base.BaseTokenToKVPoolAllocator.max_new_tokens_for_memory"
+# SGLang's decode CUDA graphs: their capture (per batch size and attention variant), and whether a batch replays.
+_DECODE_GRAPH_RUNNER = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner"
+DECODE_GRAPH_CAPTURE = f"{_DECODE_GRAPH_RUNNER}.capture"
+DECODE_GRAPH_CHECK = f"{_DECODE_GRAPH_RUNNER}.can_run_graph"
 
 
 def register() -> None:
@@ -60,6 +67,8 @@ def register() -> None:
     HookRegistry.register(WORKER_INFO, raise_length_limits, HookType.AFTER)
     HookRegistry.register(PREFILL_BUDGET_CHECK, admit_by_footprint, HookType.AROUND)
     HookRegistry.register(ANSWER_CLIP, clip_answer_by_footprint, HookType.AROUND)
+    HookRegistry.register(DECODE_GRAPH_CAPTURE, capture_graph_variants, HookType.AROUND)
+    HookRegistry.register(DECODE_GRAPH_CHECK, replays_only_fitting_batches, HookType.AROUND)
 
 
 def _after_batch(_result, scheduler, *args, **kwargs) -> None:
@@ -93,6 +102,32 @@ def _settle_before_next_batch(original, scheduler, *args, **kwargs):
     if settle:
         scheduler.last_batch = None  # processed: the loop has nothing left to process for it
     return plan
+
+
+def capture_graph_variants(original, runner, *args, **kwargs):
+    """SGLang captures a decode graph per batch size and per variant of ``runner.attention_graph_variants``
+    (None: one graph). With our backend it captures ours: a batch with a compressed request must replay
+    the ``segments`` graph, whose body reads its cells. Models that bring variants of their own (DSA) are
+    not among those the plugin runs (hybrid and MLA models are refused)."""
+    from sgl_kvevict.engine.attention import SegmentAttentionBackend
+
+    backend = runner.attn_backend
+    if isinstance(backend, SegmentAttentionBackend) and runner.capture_forward_mode.is_decode():
+        if runner.attention_graph_variants is not None:
+            raise NotImplementedError("sgl-kvevict: decode CUDA graphs of a model with its own graph variants")
+        runner.attention_graph_variants = backend.graph_variants()
+    return original(runner, *args, **kwargs)
+
+
+def replays_only_fitting_batches(original, runner, forward_batch, *args, **kwargs) -> bool:
+    """SGLang's check that a batch can replay a captured graph, and ours: its cells fit the ``segments``
+    graph's buffers (``KVEvictFlashInferBackend.graph_can_replay``); otherwise the batch runs eagerly."""
+    from sgl_kvevict.engine.decode_graph import SegmentGraphVariants
+
+    replays = original(runner, forward_batch, *args, **kwargs)
+    if replays and isinstance(runner.attention_graph_variants, SegmentGraphVariants):
+        replays = runner.attn_backend.graph_can_replay(forward_batch)
+    return replays
 
 
 def _create_radix_cache(ctx):

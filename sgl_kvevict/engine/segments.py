@@ -157,6 +157,8 @@ class PathView:
     cells, positions: int64 ``[n]`` on the KV device: cell ids and their logical positions, layer-major,
         then KV head, then path order (so positions ascend within a (layer, head)).
     head_indptr: int64 ``[L, H_kv + 1]`` on the KV device: each KV head's cells inside its layer's slice.
+    reserved_cells: the cells the spans hold, spare ones included: the same on every tensor-parallel rank
+        (``cells`` are this rank's entries), so decisions read from it agree between ranks.
     """
 
     spans: tuple[tuple[int, int], ...]
@@ -165,6 +167,7 @@ class PathView:
     cells: torch.Tensor
     positions: torch.Tensor
     head_indptr: torch.Tensor
+    reserved_cells: int
 
     @classmethod
     def of(cls, segments: Sequence[CompressedSegment], device: torch.device) -> "PathView":
@@ -177,7 +180,8 @@ class PathView:
         layer_offsets = (0, *torch.cumsum(counts.sum(1), 0).tolist())
         head_indptr = torch.nn.functional.pad(torch.cumsum(counts, 1), (1, 0)).to(device)
         spans = tuple((segment.start, segment.end) for segment in segments)
-        return cls(spans, counts, layer_offsets, cells, positions, head_indptr)
+        reserved = sum(segment.num_cells for segment in segments)
+        return cls(spans, counts, layer_offsets, cells, positions, head_indptr, reserved)
 
     @property
     def compressed_tokens(self) -> int:

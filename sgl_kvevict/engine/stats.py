@@ -40,7 +40,10 @@ class EngineStats:
     pass needed); ``overlap_waits`` (under the overlap schedule, batches formed only after the previous
     batch's results were processed, because its checkpoints stored compressed spans); ``splits_without_room``
     (spans left dense because the compressed node they hang inside could not be split: under tensor
-    parallelism a split may reserve more cells, and SGLang had no slot for them); evictions by kind
+    parallelism a split may reserve more cells, and SGLang had no slot for them); ``graph_decodes`` (decode
+    batches with compressed requests replayed in a CUDA graph, the ``segments`` graph) and
+    ``decode_graph_fallbacks`` (such batches run eagerly because their cells exceed that graph's
+    buffers, ``engine.decode_graph``); evictions by kind
     (``dense_nodes_evicted``, ``dense_slots_evicted``, ``compressed_nodes_evicted``,
     ``compressed_cells_evicted``; ``/flush_cache`` not counted). ``served_histogram`` maps "distinct
     requests a node served" to the number of nodes, over every node created since start.
@@ -61,6 +64,8 @@ class EngineStats:
     reconstructions_skipped: int = 0
     splits_without_room: int = 0
     overlap_waits: int = 0
+    graph_decodes: int = 0
+    decode_graph_fallbacks: int = 0
     request_option_errors: int = 0
     dense_nodes_evicted: int = 0
     dense_slots_evicted: int = 0
