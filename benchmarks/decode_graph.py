@@ -210,8 +210,9 @@ class Step:
         self.dense = DenseDecode(batch, compressed)
         self.state = None
         if compressed:
-            capacity = GraphCapacity(batch.batch, len(batch.space.k_rows), batch.history + 1)
-            self.state = DecodeGraphState(capacity, batch.shape.num_layers, batch.shape.num_kv_heads, batch.space.device)
+            rows = len(batch.space.k_rows)
+            capacity = GraphCapacity(batch.batch, rows, batch.history + 1)
+            self.state = DecodeGraphState(capacity, batch.shape.num_layers, batch.shape.num_kv_heads, batch.space.device, rows)
 
     def prepare(self) -> None:
         """The metadata, outside any graph: the dense part's plan, the compressed part's fill."""

@@ -340,6 +340,7 @@ def test_the_plugin_hooks_capture_our_variants_and_replay_only_fitting_batches(f
 # ---- the compressed part alone -----------------------------------------------------------------
 
 CAPACITY = GraphCapacity(max_batch=6, cells=200, cells_per_sequence=12)
+CELL_ID_BOUND = 1024
 
 
 @pytest.mark.parametrize(
@@ -351,7 +352,7 @@ CAPACITY = GraphCapacity(max_batch=6, cells=200, cells_per_sequence=12)
     ],
 )
 def test_a_batch_beyond_a_bound_does_not_fit_and_leaves_the_buffers(capacity, reason):
-    state = DecodeGraphState(capacity, NUM_LAYERS, 2, torch.device("cpu"))
+    state = DecodeGraphState(capacity, NUM_LAYERS, 2, torch.device("cpu"), CELL_ID_BOUND)
     before = [t.clone() for t in (state.cell_indptr, state.cell_indices)]
     forward = decode_scenario(DECODE, 2, 2).segments.forward
     assert reason in state.check(forward)
@@ -360,9 +361,12 @@ def test_a_batch_beyond_a_bound_does_not_fit_and_leaves_the_buffers(capacity, re
     assert all(torch.equal(a, b) for a, b in zip(before, (state.cell_indptr, state.cell_indices)))
 
 
-def test_capacity_bounds_are_validated():
+def test_capacity_bounds_are_validated_and_cell_ids_take_the_narrowest_index():
     with pytest.raises(ValueError, match="cells_per_sequence=0"):
         GraphCapacity(4, 10, 0)
+    cpu = torch.device("cpu")
+    assert DecodeGraphState(CAPACITY, 1, 1, cpu, 2**31 - 1).cell_indices.dtype == torch.int32
+    assert DecodeGraphState(CAPACITY, 1, 1, cpu, 2**31).cell_indices.dtype == torch.int64
 
 
 def pool_storage(scenario) -> torch.Tensor:
@@ -394,7 +398,7 @@ def test_the_compressed_part_replays_every_step(device):
     layers = [layer_of(layer_id, num_kv_heads, group) for layer_id in range(NUM_LAYERS)]
     storage = pool_storage(scenarios[0]).to(device)  # the one pool the body reads
     space = CellSpace.of_buffers(list(storage[:, 0]), list(storage[:, 1]))
-    state = DecodeGraphState(CAPACITY, NUM_LAYERS, num_kv_heads, torch.device(device))
+    state = DecodeGraphState(CAPACITY, NUM_LAYERS, num_kv_heads, torch.device(device), len(space.k_rows))
     batch_size = CAPACITY.max_batch
     queries = torch.zeros(batch_size, num_kv_heads * group, HEAD_DIM, device=device)
 

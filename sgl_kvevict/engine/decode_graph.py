@@ -64,16 +64,20 @@ class DecodeGraphState:
 
     qo_indptr int32 ``[max_batch + 1]``: one query per request (``arange``), never written again.
     cell_indptr int32 ``[L, max_batch * H_kv + 1]``: per layer, the (request, KV head) sequences' offsets
-    into ``cell_indices`` int64 ``[cells]`` (layer-major, then request, then KV head: ``CellBatch``'s order).
+    into ``cell_indices`` ``[cells]`` (layer-major, then request, then KV head: ``CellBatch``'s order),
+    int32 where the cell ids fit (``cell_id_bound``): it is sized by the pool, so its width counts.
     """
 
-    def __init__(self, capacity: GraphCapacity, num_layers: int, num_kv_heads: int, device: torch.device):
+    def __init__(
+        self, capacity: GraphCapacity, num_layers: int, num_kv_heads: int, device: torch.device, cell_id_bound: int
+    ):
         self.capacity = capacity
         self.num_kv_heads = num_kv_heads
         sequences = capacity.max_batch * num_kv_heads
+        index_dtype = torch.int32 if cell_id_bound <= torch.iinfo(torch.int32).max else torch.int64
         self.qo_indptr = torch.arange(capacity.max_batch + 1, dtype=torch.int32, device=device)
         self.cell_indptr = torch.zeros(num_layers, sequences + 1, dtype=torch.int32, device=device)
-        self.cell_indices = torch.zeros(capacity.cells, dtype=torch.int64, device=device)
+        self.cell_indices = torch.zeros(capacity.cells, dtype=index_dtype, device=device)
 
     def _counts(self, forward: ForwardRequests, batch_size: int) -> torch.Tensor:
         """int64 ``[L, batch_size, H_kv]`` (host): the cells of every (layer, request, KV head)."""

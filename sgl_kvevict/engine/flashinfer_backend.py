@@ -278,8 +278,9 @@ class KVEvictFlashInferBackend(SegmentAttentionBackend, FlashInferAttnBackend):
         pool = self.token_to_kv_pool
         space = CellSpace.of_buffers(pool.k_buffer, pool.v_buffer)
         self.cell_rows = (space.k_rows, space.v_rows)
-        capacity = GraphCapacity(max_batch=max_bs, cells=space.k_rows.shape[0], cells_per_sequence=self.max_context_len)
-        self._decode_graph = DecodeGraphState(capacity, space.num_layers, space.num_kv_heads, space.device)
+        rows = space.k_rows.shape[0]
+        capacity = GraphCapacity(max_batch=max_bs, cells=rows, cells_per_sequence=self.max_context_len)
+        self._decode_graph = DecodeGraphState(capacity, space.num_layers, space.num_kv_heads, space.device, rows)
         self._graph_dense_wrappers = {}  # batch size -> its graph-mode decode wrapper (fixed buffers)
 
     def graph_variants(self) -> SegmentGraphVariants:
