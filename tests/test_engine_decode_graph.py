@@ -272,30 +272,30 @@ def test_a_batch_beyond_the_graph_buffers_runs_eagerly_and_is_counted(flashinfer
 
 
 @contextmanager
-def counted_syncs(monkeypatch):
+def counted_syncs():
     """Every host-reading tensor call the sync probe counts, appended to the yielded list."""
     calls = []
-    for name in SYNCING_METHODS:
-        stock = getattr(torch.Tensor, name)
+    with pytest.MonkeyPatch.context() as patch:
+        for name in SYNCING_METHODS:
+            stock = getattr(torch.Tensor, name)
 
-        @functools.wraps(stock)
-        def counted(*args, _stock=stock, _name=name, **kwargs):
-            calls.append(_name)
-            return _stock(*args, **kwargs)
+            @functools.wraps(stock)
+            def counted(*args, _stock=stock, _name=name, **kwargs):
+                calls.append(_name)
+                return _stock(*args, **kwargs)
 
-        monkeypatch.setattr(torch.Tensor, name, counted)
-    yield calls
-    monkeypatch.undo()
+            patch.setattr(torch.Tensor, name, counted)
+        yield calls
 
 
 @pytest.mark.torch_twins
-def test_the_replayed_graph_never_synchronises(flashinfer_module, monkeypatch):
+def test_the_replayed_graph_never_synchronises(flashinfer_module):
     runner = GraphRunner(flashinfer_module, 2, 2)
     scenario = decode_scenario(DECODE, 2, 2)
     runner.load(scenario)
     graph = runner.graphs[4, SEGMENTS]
     runner.decode(scenario)  # the replay metadata may read the host: it runs before the replay
-    with counted_syncs(monkeypatch) as calls:
+    with counted_syncs() as calls:
         with torch.compiler.set_stance("fail_on_recompile"):
             graph()
     assert calls == []

@@ -31,9 +31,19 @@ tensors, reads ``q`` in place, and returns ``lse = -inf`` for heads without cell
 FlashInfer's ``kv_len = 0`` behaviour is undocumented. At decode it splits a sequence's cells over
 several programs (flash-decoding) and merges their partial states (``kernels/segment_attention.py``).
 
+**Decode CUDA graphs** (SGLang's ``DecodeCudaGraphRunner``; docs/design.md#segment-attention): the
+backend captures two graphs per batch size, SGLang's own (``stock``) and ``segments``, chosen per batch
+by ``select_graph_variant``. The ``segments`` graph runs every request of the batch through a
+graph-mode ``BatchDecodeWithPagedKVCacheWrapper`` over its dense positions (one wrapper per batch size
+on SGLang's fixed graph buffers, planned in ``init_forward_metadata_out_graph`` before each replay)
+and ``DecodeGraphState`` over its cells, merged in the graph. ``graph_can_replay`` sends a batch whose
+cells exceed the buffers to the eager path. The plugin's hooks on the runner install the variants and
+the check (``plugin.py``).
+
 LSE bases: FlashInfer's ``run(..., return_lse=True)`` returns base-2 LSEs (``log2 sum exp``) and
 ``merge_state`` consumes them; ``segment_attention`` returns natural-log LSEs, converted here by
-``* log2(e)`` before merging.
+``* log2(e)`` before merging (the graph body converts FlashInfer's instead, ``* ln 2``, for
+``kernels.merge_attention_states``).
 
 Limits (refused, not approximated): sliding-window and cross-attention models (two wrapper sets),
 page size > 1, quantised KV caches, attention logit soft-capping (the segment kernel has none).
