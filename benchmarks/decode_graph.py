@@ -79,8 +79,9 @@ class DecodeBatch:
         self.shape, self.batch, self.history = shape, batch, history
         context = history + 1
         slots_total = batch * context + 1  # slot 0: SGLang's padding slot
-        storage = torch.randn(shape.num_layers, 2, slots_total, shape.num_kv_heads, shape.head_dim, generator=generator)
-        storage = storage.to(device=device, dtype=dtype)
+        # Drawn on the device: at Llama shapes, batch 8 and 8K history, the pool is 4.3G values.
+        storage = torch.empty(shape.num_layers, 2, slots_total, shape.num_kv_heads, shape.head_dim, device=device, dtype=dtype)
+        storage.normal_(generator=torch.Generator(device=device).manual_seed(seed))
         self.k_buffers = [storage[layer, 0] for layer in range(shape.num_layers)]
         self.v_buffers = [storage[layer, 1] for layer in range(shape.num_layers)]
         self.space = CellSpace.of_buffers(self.k_buffers, self.v_buffers)
