@@ -39,6 +39,7 @@ from sgl_kvevict.engine.batch import ForwardRequests, RequestSlice
 from sgl_kvevict.engine.cells import CellSpace
 from sgl_kvevict.engine.decode_graph import FITS, DecodeGraphState, GraphCapacity
 from sgl_kvevict.engine.segments import PathView
+from sgl_kvevict.kernels import segment_attention
 
 RECENT = 64  # the dense tail of every history (the observation window and the tokens since)
 KEPT = 0.25
@@ -114,10 +115,8 @@ class DecodeBatch:
                 rows = self.space.entry_rows(torch.full_like(kept, layer), slots[kept], torch.full_like(kept, head))
                 cells.append(rows)
                 positions.append(kept)
-        layer_offsets = (0, *torch.cumsum(counts.sum(1), 0).tolist())
-        head_indptr = torch.nn.functional.pad(torch.cumsum(counts, 1), (1, 0)).to(device)
         cells = torch.cat(cells)
-        return PathView(((0, compressed_len),), counts, layer_offsets, cells, torch.cat(positions), head_indptr, len(cells))
+        return PathView.of_entries(((0, compressed_len),), counts, cells, torch.cat(positions), len(cells))
 
     def dense_part(self, compressed: bool) -> list[torch.Tensor]:
         """Per request, the slots the dense attention reads: all, or the tail after the compressed span."""
@@ -157,7 +156,8 @@ def dense_layout(part: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, 
 
 class DenseDecode:
     """The dense part of a step: FlashInfer's graph-mode decode wrapper on CUDA (planned per step, run per
-    layer: out and natural-log lse), a float32 torch loop elsewhere (for ``--check``)."""
+    layer: out and natural-log lse); elsewhere (``--check``) ``kernels.segment_attention`` over each
+    (request, KV head)'s dense slots read as rows ``slot * H_kv + head`` of the layer's cache."""
 
     def __init__(self, batch: DecodeBatch, compressed: bool):
         self.batch, self.compressed = batch, compressed
@@ -176,10 +176,15 @@ class DenseDecode:
             )  # fmt: skip
 
     def plan(self) -> None:
-        if self.wrapper is None:
-            return
         shape, dtype = self.batch.shape, self.batch.k_buffers[0].dtype
-        indptr, indices, last = dense_layout(self.batch.dense_part(self.compressed))
+        part = self.batch.dense_part(self.compressed)
+        if self.wrapper is None:
+            heads = torch.arange(shape.num_kv_heads)
+            rows = torch.cat([(slots[None, :] * shape.num_kv_heads + heads[:, None]).flatten() for slots in part])
+            counts = torch.tensor([len(slots) for slots in part]).repeat_interleave(shape.num_kv_heads)
+            self.rows = (torch.nn.functional.pad(torch.cumsum(counts, 0), (1, 0)), rows, max(len(slots) for slots in part))
+            return
+        indptr, indices, last = dense_layout(part)
         self.wrapper.plan(
             indptr, indices, last, shape.num_q_heads, shape.num_kv_heads, shape.head_dim, 1,
             q_data_type=dtype, kv_data_type=dtype, sm_scale=1 / math.sqrt(shape.head_dim),
@@ -191,16 +196,12 @@ class DenseDecode:
         if self.wrapper is not None:
             out, lse_base2 = self.wrapper.run(queries, (k_cache.unsqueeze(1), v_cache.unsqueeze(1)), return_lse=True)
             return out, lse_base2 * math.log(2.0)
-        group = batch.shape.num_q_heads // batch.shape.num_kv_heads
-        out = torch.empty_like(queries, dtype=torch.float32)
-        lse = torch.empty(queries.shape[:2], dtype=torch.float32)
-        for index, slots in enumerate(batch.dense_part(self.compressed)):
-            keys, values = k_cache[slots].float(), v_cache[slots].float()  # [n, H_kv, D]
-            q = queries[index].float().view(batch.shape.num_kv_heads, group, -1)
-            logits = torch.einsum("kgd,nkd->kgn", q, keys) * layer.scaling
-            lse[index] = torch.logsumexp(logits, -1).flatten()
-            out[index] = torch.einsum("kgn,nkd->kgd", torch.softmax(logits, -1), values).flatten(0, 1)
-        return out.to(queries.dtype), lse
+        kv_indptr, rows, longest = self.rows
+        head_dim = batch.shape.head_dim
+        return segment_attention(
+            queries, k_cache.view(-1, head_dim), v_cache.view(-1, head_dim), torch.arange(batch.batch + 1), kv_indptr,
+            rows, batch.shape.num_kv_heads, layer.scaling, 1, longest,
+        )  # fmt: skip
 
 
 class Step:

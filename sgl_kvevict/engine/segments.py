@@ -177,11 +177,19 @@ class PathView:
         cells = torch.cat([segment.device_cells(device) for segment in segments])[order.to(device)]
         positions = torch.cat([segment.positions for segment in segments])[order].to(device)
         counts = per_segment.sum(0).view_as(segments[0].counts)
-        layer_offsets = (0, *torch.cumsum(counts.sum(1), 0).tolist())
-        head_indptr = torch.nn.functional.pad(torch.cumsum(counts, 1), (1, 0)).to(device)
         spans = tuple((segment.start, segment.end) for segment in segments)
         reserved = sum(segment.num_cells for segment in segments)
-        return cls(spans, counts, layer_offsets, cells, positions, head_indptr, reserved)
+        return cls.of_entries(spans, counts, cells, positions, reserved)
+
+    @classmethod
+    def of_entries(
+        cls, spans, counts: torch.Tensor, cells: torch.Tensor, positions: torch.Tensor, reserved_cells: int
+    ) -> "PathView":
+        """The view of entries already in the view's order (``cells``, ``positions``), with the offsets
+        derived from ``counts``."""
+        layer_offsets = (0, *torch.cumsum(counts.sum(1), 0).tolist())
+        head_indptr = torch.nn.functional.pad(torch.cumsum(counts, 1), (1, 0)).to(cells.device)
+        return cls(spans, counts, layer_offsets, cells, positions, head_indptr, reserved_cells)
 
     @property
     def compressed_tokens(self) -> int:
