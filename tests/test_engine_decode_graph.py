@@ -21,8 +21,9 @@ No GPU and no real FlashInfer here (what ran on a GPU: docs/gpu.md). Two levels:
 from __future__ import annotations
 
 import dataclasses
-import functools
+import os
 from contextlib import contextmanager
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -53,7 +54,7 @@ from sgl_kvevict.engine.batch import ForwardRequests
 from sgl_kvevict.engine.cells import CellSpace
 from sgl_kvevict.engine.decode_graph import FITS, SEGMENTS, STOCK, DecodeGraphState, GraphCapacity, SegmentGraphVariants
 from sgl_kvevict.engine.stats import EngineStats
-from sgl_kvevict.engine.sync_probe import SYNCING_METHODS
+from sgl_kvevict.engine.sync_probe import SYNCING_METHODS, SyncProbe
 
 test_in_interpreter_process = interpreter_process_test(__file__)
 
@@ -273,19 +274,12 @@ def test_a_batch_beyond_the_graph_buffers_runs_eagerly_and_is_counted(flashinfer
 
 @contextmanager
 def counted_syncs():
-    """Every host-reading tensor call the sync probe counts, appended to the yielded list."""
-    calls = []
+    """The sync probe's counter over every host-reading tensor call it counts (``SyncProbe.calls``)."""
+    probe = SyncProbe(Path(os.devnull))
     with pytest.MonkeyPatch.context() as patch:
         for name in SYNCING_METHODS:
-            stock = getattr(torch.Tensor, name)
-
-            @functools.wraps(stock)
-            def counted(*args, _stock=stock, _name=name, **kwargs):
-                calls.append(_name)
-                return _stock(*args, **kwargs)
-
-            patch.setattr(torch.Tensor, name, counted)
-        yield calls
+            patch.setattr(torch.Tensor, name, probe.counted(getattr(torch.Tensor, name)))
+        yield probe
 
 
 @pytest.mark.torch_twins
@@ -295,10 +289,10 @@ def test_the_replayed_graph_never_synchronises(flashinfer_module):
     runner.load(scenario)
     graph = runner.graphs[4, SEGMENTS]
     runner.decode(scenario)  # the replay metadata may read the host: it runs before the replay
-    with counted_syncs() as calls:
+    with counted_syncs() as probe:
         with torch.compiler.set_stance("fail_on_recompile"):
             graph()
-    assert calls == []
+    assert probe.calls == 0
 
 
 class StandInRunner:
@@ -405,13 +399,15 @@ def test_the_compressed_part_replays_every_step(device):
     def body() -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [state.attend(queries, layer, space.k_rows, space.v_rows) for layer in layers]
 
-    run_body = body
     if device == "cuda":
         graph, outputs = captured(body)
 
         def run_body():
             graph.replay()
             return outputs
+
+    else:
+        run_body = body
     for scenario in scenarios:
         storage.copy_(pool_storage(scenario))
         forward = requests_on(scenario, device)
