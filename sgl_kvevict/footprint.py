@@ -22,7 +22,6 @@ from typing import Optional
 
 from sgl_kvevict.config import EvictionConfig
 from sgl_kvevict.scope import BlockScope, Scope
-from sgl_kvevict.scoring.window import RECONSTRUCTION_QUERIES
 from sgl_kvevict.scoring import SCORE_KINDS
 
 
@@ -41,8 +40,7 @@ class PrefillFootprint:
         """The footprint of prompts served with ``config`` in ``scope``; None when they are held dense."""
         if not isinstance(scope, BlockScope) or chunk_size is None or chunk_size <= 0 or config.budget is None:
             return None
-        score_kind = SCORE_KINDS[config.score].scorer
-        if score_kind is not None and score_kind.request.queries == RECONSTRUCTION_QUERIES:
+        if SCORE_KINDS[config.score].scored_by_passes:
             return None
         kept = min(config.budget.per_head(scope.block_size), scope.block_size)
         return cls(scope.block_size, kept, chunk_size)

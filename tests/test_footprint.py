@@ -56,6 +56,8 @@ def test_only_block_scope_with_chunks_and_a_budget_compresses_while_prefilling()
     assert PrefillFootprint.of(config, RequestScope(), 512) is None
     assert PrefillFootprint.of(config, BlockScope(256), None) is None
     assert PrefillFootprint.of(EvictionConfig.for_policy("snapkv", budget="0.25", score="kvzip"), BlockScope(256), 512) is None
+    for score in ("attn", "learned", "obc-value", "obc-key", "obc-joint"):  # scored by the prefill itself
+        assert PrefillFootprint.of(EvictionConfig.for_policy("snapkv", budget="0.25", score=score), BlockScope(256), 512)
 
 
 def test_a_prompt_that_fits_dense_never_needs_more_than_its_dense_slots():

@@ -30,6 +30,8 @@ from sgl_kvevict.scoring import (
 from sgl_kvevict.scoring.kvzip import (
     FIRST_INSTRUCTION,
     LATER_INSTRUCTION,
+    MIN_CHUNK_TOKENS,
+    NoRoomForPasses,
     ReconstructionPrompt,
     merge_chunk_stats,
     reconstruction_chunks,
@@ -370,6 +372,25 @@ def test_reconstruction_chunks_cover_the_segment_with_overlapping_instructions(l
             previous_tail = tuple(ids[first - overlap : first])
             assert chunk.input_ids == (2, 2, 2) + previous_tail + (9,) + repeated
     assert sum(chunk.context_end - chunk.context_start for chunk in chunks) == length
+
+
+def test_reconstruction_chunks_shrink_to_end_within_the_context_length():
+    """Passes are fed from the segment end on: near the model's context length the chunks shrink so that
+    every pass ends within it, and a segment with no room for a minimum pass raises."""
+    prompt = ReconstructionPrompt((1, 1), (2, 2, 2), (9,), chunk_size=2048, overlap=8)
+    assert prompt.fixed_tokens == 3 + 8 + 1
+    start, length, limit = 1000, 3000, 4200
+    chunks = reconstruction_chunks(list(range(length)), start, prompt, position_limit=limit)
+    size = limit - (start + length) - prompt.fixed_tokens
+    assert [c.context_end - c.context_start for c in chunks[:-1]] == [size] * (len(chunks) - 1)
+    assert sum(c.context_end - c.context_start for c in chunks) == length
+    assert max(start + length + len(c.input_ids) for c in chunks) == limit
+    far = reconstruction_chunks(list(range(length)), start, prompt, position_limit=start + length + 2048 + 12)
+    assert len(far) == 2  # room for the configured chunk size: unchanged
+    enough = start + length + prompt.fixed_tokens + MIN_CHUNK_TOKENS
+    assert reconstruction_chunks(list(range(length)), start, prompt, position_limit=enough)
+    with pytest.raises(NoRoomForPasses, match="ending at 4000 leaves 63 positions"):
+        reconstruction_chunks(list(range(length)), start, prompt, position_limit=enough - 1)
 
 
 def test_reconstruction_prompt_rejects_an_overlap_longer_than_a_chunk():

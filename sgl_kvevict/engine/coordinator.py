@@ -53,6 +53,7 @@ from sgl_kvevict.footprint import PrefillFootprint
 from sgl_kvevict.plan import CompressionPlan
 from sgl_kvevict.policies.base import SegmentSpec
 from sgl_kvevict.scope import BlockScope, Scope
+from sgl_kvevict.scoring.kvzip import NoRoomForPasses
 from sgl_kvevict.sharding import RankCounts
 
 logger = logging.getLogger(__name__)
@@ -191,20 +192,28 @@ class CompressionCoordinator:
         if record.prefilled and record.prefill_forwards > 1:
             self.stats.count("chunked_prefills")
         jobs: list[ForwardJob] = []
-        for compression in record.compressions:
+        for compression in list(record.compressions):
             if compression.stage is not Stage.PREFILLING or compression.spec.end <= start:
                 continue
             ends_here = compression.spec.end <= end
             if compression.needs_reconstruction:
                 if ends_here:
-                    compression.stage = Stage.RECONSTRUCTING
-                    self.reconstructor.submit(req, compression)
+                    self._submit_reconstruction(req, compression)
                 continue
             if compression.compressor.needs_stats:
                 jobs += self._statistics_jobs(compression, request, req_to_token)
             if ends_here:
                 compression.stage = Stage.READY  # the forward observes every layer before any checkpoint
         return jobs
+
+    def _submit_reconstruction(self, req, compression: SpanCompression) -> None:
+        try:
+            self.reconstructor.submit(req, compression)
+        except NoRoomForPasses:
+            self.stats.count("reconstructions_skipped")
+            request_record(req).compressions.remove(compression)  # the span stays dense
+            return
+        compression.stage = Stage.RECONSTRUCTING
 
     @staticmethod
     def _statistics_jobs(compression: SpanCompression, request: RequestSlice, req_to_token) -> list[ForwardJob]:

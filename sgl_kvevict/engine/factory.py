@@ -124,7 +124,9 @@ def create_compressed_radix_cache(ctx: TreeCacheBuildContext) -> CompressedRadix
     hidden_states = HiddenStateCapture(runner.model) if request.hidden_states or serving.per_request else None
     reconstructor = None
     if needs_reconstruction(request) or serving.per_request:
-        reconstructor = Reconstructor(runner, _reconstruction_prompt(model_dir), _piece_tokens())
+        # Passes run at positions after their span: rotary tables and req_to_token rows end here.
+        position_limit = min(runner.model_config.context_len, runner.req_to_token_pool.req_to_token.shape[1])
+        reconstructor = Reconstructor(runner, _reconstruction_prompt(model_dir), _piece_tokens(), position_limit)
     capture = ScoringCapture(space, pool, hidden_states)
     coordinator = CompressionCoordinator(
         setups, serving.scope, shape, capture, stats, reconstructor, chunk_size(), ranks

@@ -19,6 +19,9 @@ do (a max stays a max, sums add). Row and slots go back when the chunk is done, 
 ends: nothing of a pass is inserted in the tree, and the request's own row, output and sampled tokens
 are untouched.
 
+A span ending too close to the model's context length for its passes (``scoring.kvzip.NoRoomForPasses``)
+is refused at ``submit`` and stays dense.
+
 A piece's forward is an ordinary EXTEND batch of one pseudo-request (``ModelRunner.forward``); the
 coordinator's ``forward_begin`` recognises it by its rid (``Reconstructor.piece_in_flight``).
 """
@@ -98,21 +101,25 @@ class Reconstructor:
     """Runs the reconstruction passes of one scheduler's requests, oldest work first.
 
     model_runner: SGLang's, for the forwards. prompt: the passes' fixed token ids. piece_tokens: the
-    most tokens one forward feeds. The ``store`` each call takes is the tree: its pools, ``evict`` for
+    most tokens one forward feeds. position_limit: the positions a pass may use (the model's context
+    length, at most a ``req_to_token`` row). The ``store`` each call takes is the tree: its pools, ``evict`` for
     slots, and ``path_view`` of a request.
     """
 
-    def __init__(self, model_runner, prompt: ReconstructionPrompt, piece_tokens: int):
+    def __init__(self, model_runner, prompt: ReconstructionPrompt, piece_tokens: int, position_limit: int):
         self.model_runner = model_runner
         self.prompt = prompt
         self.piece_tokens = piece_tokens
+        self.position_limit = position_limit
         self.queue: list[ReconstructionWork] = []
         self.piece_in_flight: Optional[PieceInFlight] = None
         self._rids = itertools.count()
 
     def submit(self, req, compression: SpanCompression) -> None:
+        """Queue the passes of ``compression``'s span. Raises ``NoRoomForPasses`` (nothing queued)."""
         spec = compression.spec
-        chunks = reconstruction_chunks(req.full_untruncated_fill_ids[spec.start : spec.end], spec.start, self.prompt)
+        ids = req.full_untruncated_fill_ids[spec.start : spec.end]
+        chunks = reconstruction_chunks(ids, spec.start, self.prompt, self.position_limit)
         self.queue.append(ReconstructionWork(req, compression, chunks, ChunkStats(end=spec.end)))
 
     def step(self, work: ReconstructionWork, store) -> bool:

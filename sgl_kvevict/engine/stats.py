@@ -37,7 +37,7 @@ class EngineStats:
     whose prompt took more than one forward); ``chunked_prefills_aborted`` (requests released after
     some but not all of their prompt's forwards: a client abort between chunks);
     ``reconstructions_skipped`` (spans left dense because running requests held every slot a KVzip
-    pass needed); ``overlap_waits`` (under the overlap schedule, batches formed only after the previous
+    pass needed, or because the span ends too close to the context length for its passes); ``overlap_waits`` (under the overlap schedule, batches formed only after the previous
     batch's results were processed, because its checkpoints stored compressed spans); ``splits_without_room``
     (spans left dense because the compressed node they hang inside could not be split: under tensor
     parallelism a split may reserve more cells, and SGLang had no slot for them); ``graph_decodes`` (decode

@@ -59,6 +59,8 @@ class SegmentScoring:
     hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)
     # Per layer: the reconstruction statistics merged over the chunks so far.
     reconstructed: dict[int, WindowStats] = field(default_factory=dict)
+    # The segment could not be scored (its passes do not fit before the context length): kept whole.
+    kept_whole: bool = False
 
     @classmethod
     def start(cls, policy: Policy, spec: SegmentSpec) -> "SegmentScoring":
@@ -130,7 +132,14 @@ class SegmentScoring:
             return stats
         return dataclasses.replace(stats, hidden_states=self.hidden_states.pop(layer), hidden_start=self.spec.start)
 
+    def keep_whole(self) -> None:
+        self.kept_whole = True
+        self.hidden_states.clear()
+
     def plan(self) -> CompressionPlan:
+        if self.kept_whole:
+            spec = self.spec
+            return CompressionPlan.keep_all(spec.start, spec.end, spec.num_layers, spec.num_kv_heads)
         return self.compressor.plan()
 
 

@@ -41,7 +41,7 @@ from sgl_kvevict.reference.attention import (
 )
 from sgl_kvevict.reference.keep_mask import HeadwiseKeepMask
 from sgl_kvevict.reference.schedule import Mode, Schedule, Segment
-from sgl_kvevict.scoring.kvzip import ReconstructionPrompt, reconstruction_chunks
+from sgl_kvevict.scoring.kvzip import NoRoomForPasses, ReconstructionPrompt, reconstruction_chunks
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -112,6 +112,7 @@ class ReferenceEngine:
         self.num_layers = config.num_hidden_layers
         self.num_q_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads or config.num_attention_heads
+        self.context_length = config.max_position_embeddings
         eos = self.model.generation_config.eos_token_id
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else eos or ())
 
@@ -196,10 +197,16 @@ class ReferenceEngine:
 
     def _reconstruct(self, sequence: ReferenceSequence, scoring: SegmentScoring) -> None:
         """KVzip's passes for one segment (``scoring.kvzip``, contract steps 2-4): each chunk at positions
-        from the segment end, over the context ``[0, end)`` as kept now; its cache entries dropped after."""
+        from the segment end, over the context ``[0, end)`` as kept now; its cache entries dropped after. A
+        segment whose passes do not fit before the context length is kept whole, as the server keeps it."""
         spec = scoring.spec
         segment_ids = sequence.token_ids[spec.start : spec.end]
-        for chunk in reconstruction_chunks(segment_ids, spec.start, self.reconstruction_prompt):
+        try:
+            chunks = reconstruction_chunks(segment_ids, spec.start, self.reconstruction_prompt, self.context_length)
+        except NoRoomForPasses:
+            scoring.keep_whole()
+            return
+        for chunk in chunks:
             context = ReconstructionContext(sequence.keep_mask, scoring, cache_length=sequence.length)
             self._forward(sequence, chunk.input_ids, spec.end, context)
             sequence.cache.crop(-len(chunk.input_ids))

@@ -23,7 +23,7 @@ from sgl_kvevict.scoring.kvzip import KVzipScorer
 from sgl_kvevict.scoring.lava import LavaScorer
 from sgl_kvevict.scoring.learned import LEARNED_SCORE, LearnedKnobs, LearnedScorer, resolve_learned_weights
 from sgl_kvevict.scoring.obcache import OBCacheScorer
-from sgl_kvevict.scoring.window import StatsRequest, WindowStats, window_stats
+from sgl_kvevict.scoring.window import RECONSTRUCTION_QUERIES, StatsRequest, WindowStats, window_stats
 from sgl_kvevict.settings import Settings
 
 
@@ -40,6 +40,13 @@ class ScoreKind:
     def knobs_type(self) -> type[Settings]:
         """The score's own knobs (none for the policy's attention scorer)."""
         return Settings if self.scorer is None else self.scorer.knobs_type
+
+    @property
+    def scored_by_passes(self) -> bool:
+        """Whether the score comes from passes after the prefill (KVzip) rather than from the prefill."""
+        # A class-level request where the score fixes it (OBCache's depends on which of its three).
+        request = getattr(self.scorer, "request", None)
+        return isinstance(request, StatsRequest) and request.queries == RECONSTRUCTION_QUERIES
 
 
 SCORE_KINDS: dict[str, ScoreKind] = {

@@ -17,6 +17,11 @@ segment's token ids ``[start, end)`` into chunks of ``chunk_size`` (2048) tokens
 * chunk k > 0: ``"\\n\\nRepeat the part of the previous context exactly, starting with"`` + the last
   ``overlap`` (8) tokens of chunk k - 1 + assistant opening + its tokens.
 
+A pass runs at positions after the segment end, so it must end within the model's context length
+(``position_limit``: rotary tables and ``req_to_token`` rows stop there): a segment ending near the
+limit gets smaller chunks, and one ending closer than ``MIN_CHUNK_TOKENS`` plus the fixed parts of a
+pass cannot be scored (``NoRoomForPasses``: the engines keep it whole).
+
 Every token of the segment is repeated, chat-template tokens included (an engine cannot tell them
 apart from the content; see docs/methods/kvzip.md).
 
@@ -56,6 +61,9 @@ FIRST_INSTRUCTION = "\n\nRepeat the previous context exactly."
 LATER_INSTRUCTION = "\n\nRepeat the part of the previous context exactly, starting with"
 DEFAULT_CHUNK_SIZE = 2048
 DEFAULT_OVERLAP = 8
+# The smallest chunk a segment near the context limit is cut into: below it a pass would be mostly its
+# instruction, and the passes' cost (each reads the whole context) would grow without bound.
+MIN_CHUNK_TOKENS = 64
 # Ends the user message when the chat template is rendered to find the assistant-turn opening: plain
 # text, so no template trims it away.
 _END_OF_USER_MESSAGE = "KVZIP_END_OF_USER_MESSAGE"
@@ -81,6 +89,10 @@ def assistant_turn_opening(tokenizer: ChatTokenizer) -> str:
         enable_thinking=False,  # Qwen3-style templates: the reply starts without a thinking block
     )
     return rendered.split(_END_OF_USER_MESSAGE, 1)[1]
+
+
+class NoRoomForPasses(ValueError):
+    """A segment ends too close to the model's context length for its reconstruction passes."""
 
 
 @dataclass(frozen=True)
@@ -112,6 +124,24 @@ class ReconstructionPrompt:
             overlap,
         )
 
+    @property
+    def fixed_tokens(self) -> int:
+        """The most tokens a pass feeds besides its chunk (instruction, overlap, assistant opening)."""
+        return max(len(self.first_instruction), len(self.later_instruction) + self.overlap) + len(self.assistant_opening)
+
+    def chunk_size_before(self, segment_end: int, position_limit: Optional[int]) -> int:
+        """The chunk size whose passes, fed from position ``segment_end``, end within ``position_limit``
+        (None: no limit). Raises ``NoRoomForPasses`` when that is under ``MIN_CHUNK_TOKENS`` (or the overlap)."""
+        if position_limit is None:
+            return self.chunk_size
+        room = position_limit - segment_end - self.fixed_tokens
+        if room < min(self.chunk_size, max(MIN_CHUNK_TOKENS, self.overlap + 1)):
+            raise NoRoomForPasses(
+                f"a segment ending at {segment_end} leaves {max(room, 0)} positions for its reconstruction passes "
+                f"before the context length {position_limit}"
+            )
+        return min(self.chunk_size, room)
+
 
 @dataclass(frozen=True)
 class ReconstructionChunk:
@@ -124,14 +154,16 @@ class ReconstructionChunk:
 
 
 def reconstruction_chunks(
-    segment_ids: Sequence[int], segment_start: int, prompt: ReconstructionPrompt
+    segment_ids: Sequence[int], segment_start: int, prompt: ReconstructionPrompt, position_limit: Optional[int] = None
 ) -> list[ReconstructionChunk]:
     """The reconstruction passes of the segment whose token ids are ``segment_ids`` (positions from
-    ``segment_start``), in order."""
+    ``segment_start``), in order, each ending within ``position_limit`` (the model's context length;
+    None: no limit). Raises ``NoRoomForPasses`` (``ReconstructionPrompt.chunk_size_before``)."""
     ids = tuple(int(token) for token in segment_ids)
+    chunk_size = prompt.chunk_size_before(segment_start + len(ids), position_limit)
     chunks = []
-    for offset in range(0, len(ids), prompt.chunk_size):
-        repeated = ids[offset : offset + prompt.chunk_size]
+    for offset in range(0, len(ids), chunk_size):
+        repeated = ids[offset : offset + chunk_size]
         if offset == 0:
             instruction = prompt.first_instruction
         else:
