@@ -4,6 +4,7 @@ outputs and server logs go."""
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 from pathlib import Path
 from typing import Optional
@@ -40,3 +41,10 @@ def log_folder(log_dir: Optional[Path], benchmark: str) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     print(f"server logs in {folder}", flush=True)
     return folder
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """A run killed mid-write must leave the previous checkpoint, not half a file."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    os.replace(partial, path)

@@ -49,7 +49,7 @@ import torch
 from benchmarks.cli import RESULTS_DIR, benchmark_parser
 from benchmarks.numerics import numerics_environment, numerics_probe, tasks_fingerprint
 from benchmarks.quality_report import FULL, CellKey, CellResult, SampleResult, load_report, write_outputs
-from benchmarks.tasks import TASK_KINDS, Task, task_suite
+from benchmarks.tasks import RULER_KINDS, TASK_KINDS, Task, task_suite
 from sgl_kvevict.config import ConfigError, EvictionConfig, build_policy
 from sgl_kvevict.policies import Policy, get_policy_class, registered_policies
 from sgl_kvevict.reference import Mode, Prompt, ReferenceEngine
@@ -367,7 +367,7 @@ FULL_DEFAULTS = {
     "budgets": "0.5,0.25,0.1",
     "lengths": "1000,2000",
     "samples": 20,
-    "kinds": ",".join(TASK_KINDS),
+    "kinds": ",".join(RULER_KINDS),
 }
 
 
@@ -392,7 +392,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[GridConfig, argpar
         help="comma-separated scopes of the compressed range: none (request scope, one segment) or a block "
         "size in tokens (block scope, the reference's block_size); e.g. none,256 (default none)",
     )
-    parser.add_argument("--kinds", help=f"task kinds (default all: {','.join(TASK_KINDS)})")
+    parser.add_argument("--kinds", help=f"task kinds (default {','.join(RULER_KINDS)}; also: facts)")
     parser.add_argument("--samples", type=int, help="samples per cell (default 20; quick 6)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default="smollm2", help="'smollm2' or a HF model folder")

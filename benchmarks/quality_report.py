@@ -11,12 +11,12 @@ of the same sample), the score's extra work and planning.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from benchmarks.cli import write_atomically
 from benchmarks.intervals import Proportion, ordering, wilson
 
 FULL = "full"
@@ -174,19 +174,12 @@ def load_report(payload: dict) -> tuple[list[CellResult], dict]:
     return [cell_from_json(cell) for cell in payload["cells"]], payload["meta"]
 
 
-def _write_atomically(path: Path, text: str) -> None:
-    """A run killed mid-write must leave the previous checkpoint, not half a file."""
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(text)
-    os.replace(partial, path)
-
-
 def write_outputs(results: Sequence[CellResult], meta: dict, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     cells = summaries(results)
     payload = {"meta": meta, "orderings": orderings(cells), "cells": [cell_to_json(s) for s in cells]}
-    _write_atomically(out_dir / "quality.json", json.dumps(payload, indent=1) + "\n")
-    _write_atomically(out_dir / "quality.md", markdown_report(cells, payload["orderings"], meta))
+    write_atomically(out_dir / "quality.json", json.dumps(payload, indent=1) + "\n")
+    write_atomically(out_dir / "quality.md", markdown_report(cells, payload["orderings"], meta))
     plot(cells, meta["grid"]["modes"], meta["grid"]["lengths"], out_dir / "quality.png")
 
 

@@ -42,7 +42,7 @@ import aiohttp
 from benchmarks.intervals import wilson
 from benchmarks.load.client import STATS_PATH, StreamedReply, get_json, numeric_fields, stream_completion
 from benchmarks.load.conversations import model_token_counter
-from benchmarks.cli import add_output_args, benchmark_parser, log_folder
+from benchmarks.cli import add_output_args, benchmark_parser, log_folder, write_atomically
 from benchmarks.load.report import environment
 from benchmarks.load.servers import ServerError, ServerVariant, check_launcher_accepts, launched_server, server_variants
 from benchmarks.load.soak import flush_when_idle
@@ -129,7 +129,7 @@ def conversation(task: Task, summary: Optional[str] = None) -> list[dict]:
     ]
 
 
-async def _ask(session: aiohttp.ClientSession, base_url: str, messages: list[dict], max_tokens: int) -> StreamedReply:
+async def ask(session: aiohttp.ClientSession, base_url: str, messages: list[dict], max_tokens: int) -> StreamedReply:
     payload = {"model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0}
     if messages[-1]["role"] == "assistant":
         payload["continue_final_message"] = True
@@ -153,9 +153,9 @@ async def run_samples(
         for index, task in enumerate(tasks):
             if not await flush_when_idle(session, base_url, timeout=60):
                 raise ServerError(f"{base_url} did not flush its cache")
-            turn1 = await _ask(session, base_url, conversation(task), config.summary_tokens)
+            turn1 = await ask(session, base_url, conversation(task), config.summary_tokens)
             before = await get_json(session, base_url + STATS_PATH)
-            turn2 = await _ask(session, base_url, conversation(task, turn1.text), config.answer_tokens)
+            turn2 = await ask(session, base_url, conversation(task, turn1.text), config.answer_tokens)
             after = await get_json(session, base_url + STATS_PATH)
             records.append(
                 SampleRecord(
@@ -294,10 +294,8 @@ def write_outputs(servers: list[dict], meta: dict, out: Path, name: str) -> list
     payload = {"environment": environment(), "meta": meta, "servers": servers}
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / f"{name}.json", out / f"{name}.md"]
-    for path, text in ((paths[0], json.dumps(payload, indent=1) + "\n"), (paths[1], markdown(payload))):
-        partial = path.with_name(path.name + ".partial")
-        partial.write_text(text)
-        os.replace(partial, path)
+    write_atomically(paths[0], json.dumps(payload, indent=1) + "\n")
+    write_atomically(paths[1], markdown(payload))
     return paths
 
 

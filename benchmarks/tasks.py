@@ -7,10 +7,16 @@ is one string that must appear in the model's greedy output:
 * ``multikey``: four "special magic number for <word>" needles; the question asks for one of them;
 * ``vartrack``: a chain ``VAR A = 12345``, ``VAR B = A``, ... spread over the context; the question
   asks for the value of the last variable;
-* ``fact``: three meetings with different people in different rooms; the question asks one room.
+* ``fact``: three meetings with different people in different rooms; the question asks one room;
+* ``facts``: four numbered facts of different kinds (a locker code, a meeting room, a train platform,
+  a shelter tag: ``FACT_KINDS``), each stated once; each question's answer prefix is its statement up
+  to the number, so the answer is a copy of what the document says, and the facts do not look alike
+  (a small model confuses the near-identical needles of ``multikey`` and ``fact`` at length).
 
 Each task also has an answer prefix (RULER's ``answer_prefix``) that starts the assistant turn, so a
-few generated tokens hold the answer.
+few generated tokens hold the answer. ``Task.questions`` lists every question its context answers
+(one per fact needle of ``multikey`` and ``fact``; the task's own question first), so one compressed
+document can be asked several questions.
 
 The filler is drawn sentence by sentence from a small grammar over word lists, so no sentence
 repeats verbatim (a repeated sentence makes attention scores degenerate) and it never contains digits
@@ -23,10 +29,13 @@ from __future__ import annotations
 import bisect
 import itertools
 import random
+import re
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-TASK_KINDS = ("passkey", "multikey", "vartrack", "fact")
+# The RULER-like kinds the quality suites cycle through by default; every kind.
+RULER_KINDS = ("passkey", "multikey", "vartrack", "fact")
+TASK_KINDS = (*RULER_KINDS, "facts")
 DEFAULT_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 
 _SUBJECTS = (
@@ -75,6 +84,11 @@ _KEY_WORDS = (
     "harbor", "thistle", "cobalt", "nightingale", "quartz", "juniper", "tundra",
 )
 _NAMES = ("Dana", "Marcus", "Priya", "Tomas", "Ingrid", "Kenji", "Lucia", "Omar", "Sofia", "Wendell")
+_COLOURS = ("red", "blue", "green", "yellow", "white", "black", "orange", "purple", "grey", "brown")
+_PLACES = ("gym", "station", "museum", "school", "library", "harbour office", "town hall", "hospital")
+_TOPICS = ("budget", "roof repair", "summer fair", "new bridge", "school trip", "water supply", "garden plan")
+_CITIES = ("Lisbon", "Oslo", "Krakow", "Dublin", "Seville", "Tallinn", "Porto", "Ghent", "Bergen", "Turin")
+_ANIMALS = ("grey cat", "old dog", "white rabbit", "brown horse", "small goat", "black parrot", "young fox")
 _VARIABLE_LETTERS = "ABCDEFGHJKLMNPQRSTUVWXYZ"
 
 
@@ -87,27 +101,98 @@ class Needle:
 
 
 @dataclass(frozen=True)
-class Task:
-    """One sample. ``depth`` is the depth of the needle holding the answer (``needles[answer_needle]``).
+class FactKind:
+    """A kind of numbered fact: the sentence stating it and the question asking it (``{number}`` and
+    the slots' names as fields), the values each slot draws from, the digits of its number."""
+
+    statement: str
+    question: str
+    slots: dict[str, tuple[str, ...]]
+    digits: int
+
+    def answer_prefix(self, **values: str) -> str:
+        """The statement up to its number: the reply's start that the number completes."""
+        return self.statement.split("{number}")[0].format(**values).rstrip()
+
+
+FACT_KINDS = (
+    FactKind(
+        "The {colour} locker at the {place} opens with the code {number}.",
+        "Which code opens the {colour} locker at the {place}?",
+        {"colour": _COLOURS, "place": _PLACES},
+        5,
+    ),
+    FactKind(
+        "The meeting of {person} about the {topic} takes place in room {number}.",
+        "In which room does the meeting of {person} about the {topic} take place?",
+        {"person": _NAMES, "topic": _TOPICS},
+        3,
+    ),
+    FactKind(
+        "The night train to {city} always leaves from platform {number}.",
+        "From which platform does the night train to {city} leave?",
+        {"city": _CITIES},
+        2,
+    ),
+    FactKind(
+        "At the shelter, the {animal} wears tag number {number}.",
+        "What tag number does the {animal} at the shelter wear?",
+        {"animal": _ANIMALS},
+        4,
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Question:
+    """A question the context answers: ``answer`` is stated by needle ``needle`` of its task.
 
     answer_prefix: the start of the assistant's reply, fed with the question (never compressed).
     """
 
-    kind: str
-    seed: int
-    context: str
     question: str
     answer_prefix: str
     answer: str
+    needle: int
+
+    def is_correct(self, output: str) -> bool:
+        """The answer appears in ``output``, not as part of a longer number."""
+        return re.search(rf"(?<!\d){re.escape(self.answer)}(?!\d)", output) is not None
+
+
+@dataclass(frozen=True)
+class Task:
+    """One sample: a context and the questions it answers, the task's own first (``question``,
+    ``answer_prefix``, ``answer``: that one's). ``depth`` is the depth of its needle."""
+
+    kind: str
+    seed: int
+    context: str
     needles: tuple[Needle, ...]
-    answer_needle: int
+    questions: tuple[Question, ...]
+
+    @property
+    def question(self) -> str:
+        return self.questions[0].question
+
+    @property
+    def answer_prefix(self) -> str:
+        return self.questions[0].answer_prefix
+
+    @property
+    def answer(self) -> str:
+        return self.questions[0].answer
+
+    @property
+    def answer_needle(self) -> int:
+        return self.questions[0].needle
 
     @property
     def depth(self) -> float:
         return self.needles[self.answer_needle].depth
 
     def is_correct(self, output: str) -> bool:
-        return self.answer in output
+        return self.questions[0].is_correct(output)
 
 
 def filler_sentence(rng: random.Random) -> str:
@@ -168,15 +253,19 @@ def make_task(kind: str, seed: int, target_tokens: int, depth: float, count_toke
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth {depth} must be in [0, 1]")
     rng = random.Random(f"{kind}:{seed}")
-    needles, answer_needle, question, answer_prefix, answer = _NEEDLE_MAKERS[kind](rng, depth)
+    needles, questions = _NEEDLE_MAKERS[kind](rng, depth)
     context, realised = build_context(rng, needles, target_tokens, count_tokens)
-    return Task(kind, seed, context, question, answer_prefix, answer, realised, answer_needle)
+    return Task(kind, seed, context, realised, questions)
 
 
 def _passkey(rng: random.Random, depth: float):
     key = _number(rng, 5)
     needle = Needle(f"The pass key is {key}. Remember it. {key} is the pass key.", depth)
-    return (needle,), 0, "What is the pass key?", "The pass key is:", key
+    return (needle,), (Question("What is the pass key?", "The pass key is:", key, 0),)
+
+
+def _asked_first(questions: list[Question], asked: int) -> tuple[Question, ...]:
+    return (questions[asked], *questions[:asked], *questions[asked + 1 :])
 
 
 def _multikey(rng: random.Random, depth: float):
@@ -189,8 +278,11 @@ def _multikey(rng: random.Random, depth: float):
         Needle(f"One of the special magic numbers for {word} is: {number}.", depth if i == asked else next(others))
         for i, (word, number) in enumerate(zip(words, numbers))
     )
-    question = f"What is the special magic number for {words[asked]}?"
-    return needles, asked, question, f"The special magic number for {words[asked]} is:", numbers[asked]
+    questions = [
+        Question(f"What is the special magic number for {word}?", f"The special magic number for {word} is:", number, i)
+        for i, (word, number) in enumerate(zip(words, numbers))
+    ]
+    return needles, _asked_first(questions, asked)
 
 
 def _vartrack(rng: random.Random, depth: float):
@@ -200,8 +292,7 @@ def _vartrack(rng: random.Random, depth: float):
     depths = [depth + (1.0 - depth) * i / 4 for i in range(4)]
     texts = [f"VAR {names[0]} = {value}."] + [f"VAR {names[i]} = VAR {names[i - 1]}." for i in range(1, 4)]
     needles = tuple(Needle(text, d) for text, d in zip(texts, depths))
-    question = f"What is the value of VAR {names[-1]}?"
-    return needles, 0, question, f"The value of VAR {names[-1]} is:", value
+    return needles, (Question(f"What is the value of VAR {names[-1]}?", f"The value of VAR {names[-1]} is:", value, 0),)
 
 
 def _fact(rng: random.Random, depth: float):
@@ -212,11 +303,27 @@ def _fact(rng: random.Random, depth: float):
         Needle(f"The meeting with {person} is in Room {room}.", depth if i == 0 else next(others))
         for i, (person, room) in enumerate(zip(people, rooms))
     )
-    question = f"In which room is the meeting with {people[0]}?"
-    return needles, 0, question, f"The meeting with {people[0]} is in Room", str(rooms[0])
+    questions = tuple(
+        Question(f"In which room is the meeting with {person}?", f"The meeting with {person} is in Room", str(room), i)
+        for i, (person, room) in enumerate(zip(people, rooms))
+    )
+    return needles, questions
 
 
-_NEEDLE_MAKERS = {"passkey": _passkey, "multikey": _multikey, "vartrack": _vartrack, "fact": _fact}
+def _facts(rng: random.Random, depth: float):
+    kinds = rng.sample(FACT_KINDS, len(FACT_KINDS))
+    # The asked fact (the first kind drawn) at `depth`; the others spread evenly over the context.
+    depths = [depth, *((i + 0.5) / (len(kinds) - 1) for i in range(len(kinds) - 1))]
+    needles, questions = [], []
+    for index, kind in enumerate(kinds):
+        values = {slot: rng.choice(choices) for slot, choices in kind.slots.items()}
+        number = _number(rng, kind.digits)
+        needles.append(Needle(kind.statement.format(number=number, **values), depths[index]))
+        questions.append(Question(kind.question.format(**values), kind.answer_prefix(**values), number, index))
+    return tuple(needles), tuple(questions)
+
+
+_NEEDLE_MAKERS = {"passkey": _passkey, "multikey": _multikey, "vartrack": _vartrack, "fact": _fact, "facts": _facts}
 
 
 def task_suite(
@@ -224,7 +331,7 @@ def task_suite(
     samples: int,
     target_tokens: int,
     count_tokens: Callable[[str], int],
-    kinds: Sequence[str] = TASK_KINDS,
+    kinds: Sequence[str] = RULER_KINDS,
     depths: Sequence[float] = DEFAULT_DEPTHS,
 ) -> list[Task]:
     """``samples`` tasks cycling through ``kinds`` and ``depths`` (coprime lengths mix them)."""

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from benchmarks.tasks import TASK_KINDS, make_task, task_suite
+from benchmarks.tasks import RULER_KINDS, TASK_KINDS, make_task, task_suite
 
 
 def count_words(text: str) -> int:
@@ -18,6 +18,19 @@ def test_tasks_are_deterministic_in_the_seed(kind):
     first = make_task(kind, seed=7, target_tokens=300, depth=0.4, count_tokens=count_words)
     assert first == make_task(kind, seed=7, target_tokens=300, depth=0.4, count_tokens=count_words)
     assert first.context != make_task(kind, seed=8, target_tokens=300, depth=0.4, count_tokens=count_words).context
+
+
+@pytest.mark.parametrize("kind, count", [("passkey", 1), ("multikey", 4), ("vartrack", 1), ("fact", 3), ("facts", 4)])
+def test_every_question_of_a_task_is_answered_by_its_own_needle_alone(kind, count):
+    task = make_task(kind, seed=5, target_tokens=400, depth=0.6, count_tokens=count_words)
+    assert len(task.questions) == count and task.questions[0].question == task.question
+    assert len({q.answer for q in task.questions}) == len({q.needle for q in task.questions}) == count
+    for question in task.questions:
+        assert question.answer in task.needles[question.needle].text
+        others = [n.text for i, n in enumerate(task.needles) if i != question.needle]
+        assert not any(question.answer in text for text in others)
+        assert question.answer not in question.question + question.answer_prefix
+        assert question.is_correct(f"x {question.answer} y") and not question.is_correct("x")
 
 
 @pytest.mark.parametrize("kind", TASK_KINDS)
@@ -55,6 +68,6 @@ def test_variable_chain_is_in_order_and_ends_with_the_asked_variable():
 
 def test_suite_cycles_kinds_and_depths():
     suite = task_suite(seed=0, samples=8, target_tokens=200, count_tokens=count_words)
-    assert [t.kind for t in suite] == list(TASK_KINDS) * 2
+    assert [t.kind for t in suite] == list(RULER_KINDS) * 2
     assert len({round(t.depth, 1) for t in suite}) >= 4
     assert len({t.answer for t in suite}) == 8

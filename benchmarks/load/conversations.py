@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from benchmarks.tasks import Needle, build_context
+from benchmarks.tasks import FACT_KINDS, Needle, build_context
 
 DOCUMENT_INTRO = "Read the following document carefully. I will ask you several questions about it.\n\n"
 SYSTEM_INTRO = (
@@ -30,54 +30,8 @@ SYSTEM_INTRO = (
 )
 NUMBER_ONLY = " Answer with the number only."
 
-# Each kind: the sentence stating the fact, the question asking it, the attribute lists its slots draw
-# from (sampled without replacement inside one document, so no two facts share a subject), and the
-# number of digits of its answer.
-_COLOURS = ("red", "blue", "green", "yellow", "white", "black", "orange", "purple", "grey", "brown")
-_PLACES = ("gym", "station", "museum", "school", "library", "harbour office", "town hall", "hospital")
-_PEOPLE = ("Dana", "Marcus", "Priya", "Tomas", "Ingrid", "Kenji", "Lucia", "Omar", "Sofia", "Wendell")
-_TOPICS = ("budget", "roof repair", "summer fair", "new bridge", "school trip", "water supply", "garden plan")
-_CITIES = ("Lisbon", "Oslo", "Krakow", "Dublin", "Seville", "Tallinn", "Porto", "Ghent", "Bergen", "Turin")
-_ANIMALS = ("grey cat", "old dog", "white rabbit", "brown horse", "small goat", "black parrot", "young fox")
-
-
-@dataclass(frozen=True)
-class _FactKind:
-    statement: str
-    question: str
-    slots: dict[str, tuple[str, ...]]
-    digits: int
-
-
-_FACT_KINDS = (
-    _FactKind(
-        "The {colour} locker at the {place} opens with the code {number}.",
-        "Which code opens the {colour} locker at the {place}?",
-        {"colour": _COLOURS, "place": _PLACES},
-        5,
-    ),
-    _FactKind(
-        "The meeting of {person} about the {topic} takes place in room {number}.",
-        "In which room does the meeting of {person} about the {topic} take place?",
-        {"person": _PEOPLE, "topic": _TOPICS},
-        3,
-    ),
-    _FactKind(
-        "The night train to {city} always leaves from platform {number}.",
-        "From which platform does the night train to {city} leave?",
-        {"city": _CITIES},
-        2,
-    ),
-    _FactKind(
-        "At the shelter, the {animal} wears tag number {number}.",
-        "What tag number does the {animal} at the shelter wear?",
-        {"animal": _ANIMALS},
-        4,
-    ),
-)
-
 # Subjects are never reused inside a document, so the smallest slot list bounds each kind.
-MAX_FACTS_PER_DOCUMENT = len(_FACT_KINDS) * min(len(values) for kind in _FACT_KINDS for values in kind.slots.values())
+MAX_FACTS_PER_DOCUMENT = len(FACT_KINDS) * min(len(values) for kind in FACT_KINDS for values in kind.slots.values())
 
 OPEN_QUESTIONS = (
     "In one short sentence, what is the document about?",
@@ -170,7 +124,7 @@ class ConversationSpec:
 
 def _make_facts(rng: random.Random, count: int) -> list[Fact]:
     """``count`` facts with distinct subjects and distinct answers, kinds cycling in a random order."""
-    kinds = rng.sample(_FACT_KINDS, len(_FACT_KINDS))
+    kinds = rng.sample(FACT_KINDS, len(FACT_KINDS))
     unused = [{slot: rng.sample(values, len(values)) for slot, values in kind.slots.items()} for kind in kinds]
     facts: list[Fact] = []
     answers: set[str] = set()

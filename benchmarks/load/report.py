@@ -21,6 +21,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from benchmarks.cli import write_atomically
 from benchmarks.intervals import wilson
 from benchmarks.load.driver import RunResult
 from benchmarks.load.metrics import RunMetrics
@@ -446,13 +447,8 @@ def write_comparison(results: Sequence[RunResult], meta: dict, out_dir: Path, na
     }
     paths = [out_dir / f"{name}.json", out_dir / f"{name}.md", out_dir / f"{name}.png"]
     sweep = meta.get("kind") == "sweep"
-    for path, text in (
-        (paths[0], json.dumps(payload, indent=1) + "\n"),
-        (paths[1], sweep_markdown(payload, results) if sweep else compare_markdown(payload, results)),
-    ):
-        partial = path.with_name(path.name + ".partial")
-        partial.write_text(text)
-        os.replace(partial, path)  # a run killed mid-write leaves the previous checkpoint
+    write_atomically(paths[0], json.dumps(payload, indent=1) + "\n")
+    write_atomically(paths[1], sweep_markdown(payload, results) if sweep else compare_markdown(payload, results))
     if sweep:
         sweep_plot(payload, results, paths[2])
     else:

@@ -61,6 +61,15 @@ class ServerVariant:
         return flags + (["--kv-evict-budget", self.budget] if self.budget is not None else []) + list(self.extra)
 
     @classmethod
+    def from_flags(cls, label: str, flags: Sequence[str]) -> "ServerVariant":
+        """A variant given as launcher flags (``--kv-evict-policy`` among them, or stock), named ``label``."""
+        flags = list(flags)
+        if "--kv-evict-policy" not in flags:
+            return cls(VANILLA_POLICY, None, tuple(flags), label)
+        at = flags.index("--kv-evict-policy")
+        return cls(flags[at + 1], None, tuple(flags[:at] + flags[at + 2 :]), label)
+
+    @classmethod
     def block_scope(cls, policy: str, budget: Optional[str], block_size: Optional[int]) -> "ServerVariant":
         """``policy`` in block scope (the launcher's default block size when ``block_size`` is None)."""
         size = [] if block_size is None else ["--kv-evict-block-size", str(block_size)]
