@@ -65,6 +65,12 @@ class CommonSettings(Settings):
         "'kvzip' (attention a reconstruction of the context pays them; one extra pass over the context) or "
         "'learned' (a per-layer regressor from hidden states predicting KVzip's score; no extra pass)",
     )
+    score_threshold: Optional[float] = setting(
+        None,
+        help="keep the candidates whose score is at least this value (KVzap's usage: e.g. -6 for the learned "
+        "score, which predicts log KVzip scores), at most the budget, which becomes a cap: each span keeps "
+        "what its own scores earn, so a span with more that matters keeps more (score-based policies)",
+    )
     sink_tokens: int = setting(
         4,
         help="the sequence's first tokens (attention sinks, absolute positions) are never evicted by any "

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from sgl_kvevict.common_settings import CommonSettings
-from sgl_kvevict.policies import Policy, PolicyDefaults, get_policy_class, registered_policies
+from sgl_kvevict.policies import Policy, PolicyDefaults, ScoredPolicy, get_policy_class, registered_policies
 from sgl_kvevict.scoring import SCORE_KINDS, SCORES
 from sgl_kvevict.settings import Budget, ConfigError, Settings, label_of, parse_text, settings_of
 
@@ -219,6 +219,8 @@ class EvictionConfig:
         parts = [f"policy={self.policy}"]
         if common.budget is not None:
             parts.append(f"budget={common.budget}")
+        if common.score_threshold is not None:
+            parts.append(f"score_threshold={common.score_threshold:g}")
         parts += [f"window={common.window}", f"score={common.score}", f"gqa={common.gqa}", f"pooling={common.pooling}"]
         return " ".join(parts)
 
@@ -232,6 +234,12 @@ def _resolve_common(policy: str, defaults: PolicyDefaults, given: Mapping[str, A
     if score not in defaults.scores:
         raise ConfigError(f"score {score!r} does not apply to policy {policy!r} (valid: {', '.join(defaults.scores)})")
     score_kind = SCORE_KINDS[score]
+    ranks_by_score = defaults.takes_budget and issubclass(_policy_class(policy), ScoredPolicy)
+    if given.get("score_threshold") is not None and not ranks_by_score:
+        raise ConfigError(
+            f"policy {policy!r} does not rank candidates by a score under a budget; remove score threshold "
+            f"{given['score_threshold']!r}"
+        )
     resolved = {
         "budget": _resolve_budget(policy, defaults, given.get("budget")),
         "window": given.get("window", defaults.window),

@@ -88,7 +88,7 @@ def test_every_eviction_option_has_a_flag_reaching_the_serving_config(tmp_path):
     values = {"budget": "64t", "window": "8", "pooling": "avg", "pooling_kernel": "5", "gqa": "sum",
               "score": "learned", "learned_weights": str(weights), "alpha": "0.3", "pyramid_beta": "10", "dbudget_threshold": "0.02",
               "dbudget_query_rows": "2", "dbudget_frozen_layers": "0,3", "sink_tokens": "2",
-              "min_segment_length": "16"}  # fmt: skip
+              "min_segment_length": "16", "score_threshold": "-6.5"}  # fmt: skip
     assert set(values) == {f.name for f in knobs}, "a new eviction option needs a value in this test"
     # A policy takes the common options and its own (its score's too): two policies take them all.
     dbudget_own = {"dbudget_threshold", "dbudget_query_rows", "dbudget_frozen_layers"}

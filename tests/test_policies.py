@@ -22,6 +22,7 @@ from sgl_kvevict.plan import CompressionPlan
 from sgl_kvevict.policies import SegmentSpec, registered_policies
 from sgl_kvevict.policies.layout import SegmentLayout
 from sgl_kvevict.scoring import WindowStats
+from sgl_kvevict.settings import ConfigError
 
 WINDOW = 8
 SPECS = [
@@ -418,6 +419,62 @@ def test_topk_keeps_the_global_top_k_over_every_layer_and_head(spec, score, budg
     assert kept == expected
     per_layer = plan.counts().sum(1)
     assert len(set(per_layer.tolist())) > 1  # the budget really moved between layers
+
+
+def global_ranking(scores: list[torch.Tensor]) -> list[tuple[float, int, int, int]]:
+    """(-score, layer, head, offset) of every candidate, best first (ties: earlier layer, head, offset)."""
+    return sorted((-float(s[h, p]), layer, h, p) for layer, s in enumerate(scores) for h in range(s.shape[0]) for p in range(s.shape[1]))
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("score", ["kvzip", "learned", "attn"])
+@pytest.mark.parametrize("quantile", [0.05, 0.15, 0.6])
+def test_a_score_threshold_keeps_what_scores_above_it_under_the_budget_cap(spec, score, quantile, tmp_path):
+    """topk with ``score_threshold``: the candidates at or above the threshold (rounded down to a whole
+    number per (layer, KV head)), never more than the budget keeps; brute force over Python tuples."""
+    plain = policy_config("topk", spec, tmp_path, budget="0.3", score=score, window=WINDOW)
+    scores, layout, capped_plan = observed_scores(plain, spec, seed=4)
+    ranking = global_ranking(scores)
+    threshold = -ranking[int(quantile * len(ranking))][0]
+    config = policy_config("topk", spec, tmp_path, budget="0.3", score=score, window=WINDOW, score_threshold=threshold)
+    plan = observed_scores(config, spec, seed=4)[2]
+    heads = spec.num_layers * spec.num_kv_heads
+    above = sum(1 for negated, *_ in ranking if -negated >= threshold)
+    total = min(layout.selected_per_head, above // heads) * heads
+    expected = {tuple(entry) for _, *entry in ranking[:total]}
+    kept = {(layer, h, p) for layer in range(spec.num_layers) for h, p in kept_entries(candidate_mask(plan, layer, layout))}
+    assert kept == expected and all(-negated >= threshold for negated, *_ in ranking[:total])
+    if above // heads >= layout.selected_per_head:  # the cap binds: the budget's own plan
+        assert all(torch.equal(a.kept_positions, b.kept_positions) for a, b in zip(plan.layers, capped_plan.layers))
+    assert_sinks_and_window_kept(plan, 4, WINDOW)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_a_score_threshold_sets_how_many_a_balanced_policy_keeps_not_where(spec):
+    """snapkv keeps as many candidates as score above the threshold, spread evenly over its heads, each
+    head its own best; a threshold above every score keeps the sinks and the window only."""
+    scores, layout, _ = observed_scores(EvictionConfig.for_policy("snapkv", budget="0.3", window=WINDOW), spec)
+    threshold = float(torch.cat([s.flatten() for s in scores]).quantile(0.9))
+    config = EvictionConfig.for_policy("snapkv", budget="0.3", window=WINDOW, score_threshold=threshold)
+    plan = observed_scores(config, spec)[2]
+    heads = spec.num_layers * spec.num_kv_heads
+    per_head = sum(int((s >= threshold).sum()) for s in scores) // heads
+    assert 0 < per_head < layout.selected_per_head
+    for layer, layer_scores in enumerate(scores):
+        mask = candidate_mask(plan, layer, layout)
+        assert mask.sum(1).tolist() == [per_head] * spec.num_kv_heads
+        for head in range(spec.num_kv_heads):
+            assert {p for _, p in top_entries(layer_scores[head : head + 1], per_head)} == set(mask[head].nonzero().flatten().tolist())
+    above_all = EvictionConfig.for_policy("snapkv", budget="0.3", window=WINDOW, score_threshold=1e9)
+    nothing = observed_scores(above_all, spec)[2]
+    assert nothing.total_kept() == heads * (layout.window + layout.num_sinks)
+    assert not build_policy(config).plans_each_head_alone()  # tensor parallelism exchanges the scores
+
+
+@pytest.mark.parametrize("policy", ["streaming", "dbudget", "full"])
+def test_a_score_threshold_is_refused_where_nothing_ranks_by_score_under_a_budget(policy):
+    with pytest.raises(ConfigError, match="score threshold"):
+        EvictionConfig.for_policy(policy, score_threshold=-6.0)
 
 
 @pytest.mark.parametrize("spec", SPECS)

@@ -13,6 +13,7 @@ Sinks and window are part of every plan and count in the budget. ``WindowStats``
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -74,6 +75,11 @@ class SegmentLayout:
     def selected_per_head(self) -> int:
         """Average candidates kept per (layer, KV head): the per-head budget minus sinks and window."""
         return self.per_head_budget - self.window - self.num_sinks
+
+    def with_selected(self, selected_per_head: int) -> "SegmentLayout":
+        """The same geometry with ``selected_per_head`` candidates kept per (layer, KV head) on average
+        (a score threshold decides it per segment, under the budget)."""
+        return dataclasses.replace(self, per_head_budget=selected_per_head + self.window + self.num_sinks)
 
     def always_kept(self) -> torch.Tensor:
         """int64 ``[sinks + window]``: the positions every (layer, KV head) keeps."""

@@ -7,6 +7,11 @@ A score-based method is three choices, each a hook with a default:
 * ``layer_budgets``: candidates kept per layer (default: the same in every layer);
 * ``head_counts``: how a layer's budget splits over its KV heads (default: evenly).
 
+With a score threshold (``CommonSettings.score_threshold``) the budget is a cap: a segment keeps as many
+candidates in all as score at least the threshold (never more than the budget allows), and the hooks
+place them as they place a fixed budget. Under ``topk`` that keeps exactly the candidates above the
+threshold (KVzap's usage); a layer- or head-balanced policy keeps as many, spread its own way.
+
 The compressor stores one ``[H_kv, n_candidates]`` score tensor per layer during the forward pass
 and decides everything in ``plan()``: layer budgets that depend on every layer (LAVa, PyramidKV)
 are computed once after the last layer (docs/methods/lava.md#one-shot-equals-the-cascade).
@@ -53,6 +58,8 @@ class ScoredPolicy(Policy):
         split, the same budget in every layer). Then ranks holding different heads plan without an
         exchange (``SegmentCompressor.shared_state``); a policy overriding a hook exchanges, unless it says
         its hook reads no scores."""
+        if self.common.score_threshold is not None:
+            return False  # how many a head keeps depends on every head's scores
         return type(self).layer_budgets is ScoredPolicy.layer_budgets and type(self).head_counts is ScoredPolicy.head_counts
 
     def stats_request(self) -> StatsRequest:
@@ -131,6 +138,10 @@ class ScoredCompressor(SegmentCompressor):
 
     def _plan(self, layout: SegmentLayout, scores: list[torch.Tensor]) -> CompressionPlan:
         """scores: ``[H_kv, n]`` per layer, ``H_kv`` the heads of ``layout``."""
+        threshold = self.policy.common.score_threshold
+        if threshold is not None:
+            above = sum(int((layer_scores >= threshold).sum()) for layer_scores in scores)
+            layout = layout.with_selected(min(layout.selected_per_head, above // (len(scores) * len(scores[0]))))
         layers = []
         for layer_scores, layer_budget in zip(scores, self.policy.layer_budgets(layout, scores)):
             sorted_scores, ranked_offsets = rank_candidates(layer_scores)
