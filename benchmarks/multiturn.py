@@ -38,7 +38,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from benchmarks.load.conversations import ConversationError, ConversationSpec, build_conversations, model_token_counter
+from benchmarks.load.conversations import ConversationError, ConversationSpec, build_conversations, model_context_length, model_token_counter
 from benchmarks.load.driver import (
     POOL_NAMES,
     CompareConfig,
@@ -64,6 +64,9 @@ FULL = {"users": 8, "turns": 6, "document_tokens": 2000, "fact_every": 2}
 SWEEP = {"users": 6, "turns": 4, "document_tokens": 1750, "fact_every": 1}
 # How far past the pool the soak's beyond-pool prompt goes.
 BEYOND_POOL_MARGIN = 256
+# How far under the model's context length the soak's near-limit prompt stops (the chat template, the
+# instruction and the answer fit in it, or SGLang refuses the prompt for its length: both are fine).
+NEAR_LIMIT_MARGIN = 96
 # The engine's chunked-prefill counters the soak report quotes.
 CHUNK_COUNTERS = ("chunked_prefills", "chunked_prefills_aborted")
 SETTING_ERRORS = (ConversationError, DriverError, LoadError, SoakError, ValueError)
@@ -194,8 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     soak.add_argument(
         "--long-prompt-tokens", type=int,
-        help="also send fresh prompts this long (longer than a prefill chunk), some aborted between chunks, and one "
-        "longer than the pool (needs a started server); default: no long prompts",
+        help="also send fresh prompts this long (longer than a prefill chunk), some aborted between chunks, one "
+        "longer than the pool (needs a started server) and one just under the model's context length; default: no "
+        "long prompts",
     )  # fmt: skip
     soak.add_argument("--scopes", default="request", help="comma-separated scopes of the policy, one server each (default request)")
     soak.add_argument("--block-size", type=int, help="block size in block scope (default: the launcher's)")
@@ -370,6 +374,7 @@ def soak_run_markdown(run: dict, log_checked: bool) -> list[str]:
 
 
 def _soak_config(args: argparse.Namespace, beyond_pool_tokens: Optional[int]) -> SoakConfig:
+    long = args.long_prompt_tokens is not None
     return SoakConfig(
         seconds=args.seconds,
         max_requests=args.max_requests,
@@ -377,7 +382,8 @@ def _soak_config(args: argparse.Namespace, beyond_pool_tokens: Optional[int]) ->
         prompt_tokens=(min(40, args.max_prompt_tokens), args.max_prompt_tokens),
         seed=args.seed,
         long_prompt_tokens=args.long_prompt_tokens,
-        beyond_pool_tokens=beyond_pool_tokens if args.long_prompt_tokens else None,
+        beyond_pool_tokens=beyond_pool_tokens if long else None,
+        near_limit_tokens=model_context_length(args.model) - NEAR_LIMIT_MARGIN if long else None,
     )
 
 

@@ -199,3 +199,13 @@ def model_token_counter(model: str) -> Callable[[str], int]:
 
     tokenizer = Tokenizer.from_file(str(resolve_model(model, log=lambda m: print(m, file=sys.stderr)) / "tokenizer.json"))
     return lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+def model_context_length(model: str) -> int:
+    """The served model's context length (``max_position_embeddings`` of its config)."""
+    import json
+
+    from sgl_kvevict.models import resolve_model
+
+    folder = resolve_model(model, log=lambda m: print(m, file=sys.stderr))
+    return int(json.loads((folder / "config.json").read_text())["max_position_embeddings"])

@@ -21,6 +21,9 @@ With ``long_prompt_tokens`` (prompts longer than a prefill chunk), three more ki
   well-formed where the server compresses while prefilling (block scope), else refused with SGLang's
   length message, as stock SGLang refuses it (a 4xx, or for a streamed chat an error chunk after its
   200 headers); a 5xx, a hang, a broken stream or another error is a violation.
+* ``near_limit`` (with ``near_limit_tokens``, a prompt just under the model's context length): the same
+  rule; it exercises scoring at the last positions (KVzip's passes run after the span, so near the
+  limit they shrink or the span stays dense: ``scoring.kvzip``).
 
 Afterwards: wait for the server to go idle, ``POST /flush_cache``, and check that the server is
 healthy and answers, that ``/kvevict/stats`` (when it exists) shows every ``*_used`` counter at 0
@@ -46,7 +49,7 @@ FAULT_KINDS = (
     "chat", "abort_prefill", "abort_decode", "short_prompt",
     "invalid_json", "negative_max_tokens", "wrong_field_type", "unknown_field",
 )  # fmt: skip
-LONG_KINDS = ("long_prompt", "abort_between_chunks", "beyond_pool")
+LONG_KINDS = ("long_prompt", "abort_between_chunks", "beyond_pool", "near_limit")
 MUST_BE_REFUSED = ("invalid_json", "negative_max_tokens", "wrong_field_type")
 SHORT_PROMPT_LIMIT = 32
 # Requests of each kind per normal chat request after the first round (chat takes the rest).
@@ -55,7 +58,7 @@ DEFAULT_FAULT_SHARE = {
     "invalid_json": 0.03, "negative_max_tokens": 0.03, "wrong_field_type": 0.03, "unknown_field": 0.03,
 }  # fmt: skip
 # Long prompts cost a CPU server seconds each: a few per hundred requests.
-LONG_FAULT_SHARE = {"long_prompt": 0.02, "abort_between_chunks": 0.02, "beyond_pool": 0.01}
+LONG_FAULT_SHARE = {"long_prompt": 0.02, "abort_between_chunks": 0.02, "beyond_pool": 0.01, "near_limit": 0.01}
 ABORT_BETWEEN_CHUNKS_SECONDS = (1.0, 8.0)
 # SGLang's refusal of a prompt longer than the server accepts (its tokenizer's length check).
 LENGTH_REFUSAL = "exceeds the maximum allowed length"
@@ -75,7 +78,8 @@ class SoakConfig:
         that get aborted mid-prefill (keep it under the server's pool and context).
     max_tokens: range of answer lengths.
     long_prompt_tokens: length of the long kinds' prompts (None: no long kinds).
-    beyond_pool_tokens: length of the ``beyond_pool`` prompt (None: not sent; needs long kinds)."""
+    beyond_pool_tokens: length of the ``beyond_pool`` prompt (None: not sent; needs long kinds).
+    near_limit_tokens: length of the ``near_limit`` prompt (None: not sent; needs long kinds)."""
 
     seconds: float
     max_requests: int
@@ -85,12 +89,15 @@ class SoakConfig:
     seed: int = 0
     long_prompt_tokens: Optional[int] = None
     beyond_pool_tokens: Optional[int] = None
+    near_limit_tokens: Optional[int] = None
 
     @property
     def kinds(self) -> tuple[str, ...]:
         """The request kinds this soak sends."""
-        long = () if self.long_prompt_tokens is None else LONG_KINDS[: 3 if self.beyond_pool_tokens else 2]
-        return FAULT_KINDS + long
+        if self.long_prompt_tokens is None:
+            return FAULT_KINDS
+        sized = {"beyond_pool": self.beyond_pool_tokens, "near_limit": self.near_limit_tokens}
+        return FAULT_KINDS + tuple(kind for kind in LONG_KINDS if sized.get(kind, True))
 
     def fault_share(self) -> dict[str, float]:
         """Requests of each fault kind per request after the first round (chat takes the rest)."""
@@ -108,8 +115,9 @@ class SoakConfig:
                 raise SoakError(f"{name} range ({low}, {high}) must satisfy 1 <= low <= high")
         if self.long_prompt_tokens is not None and self.long_prompt_tokens < 1:
             raise SoakError(f"long_prompt_tokens {self.long_prompt_tokens} must be at least 1")
-        if self.beyond_pool_tokens is not None and self.long_prompt_tokens is None:
-            raise SoakError("a beyond-pool prompt is one of the long kinds: give long_prompt_tokens too")
+        for name in ("beyond_pool_tokens", "near_limit_tokens"):
+            if getattr(self, name) is not None and self.long_prompt_tokens is None:
+                raise SoakError(f"{name} sizes one of the long kinds: give long_prompt_tokens too")
 
 
 @dataclass
@@ -229,8 +237,9 @@ class _Requests:
             payload = self._chat_payload(" ".join(self._sentences(rng, self.config.long_prompt_tokens)), max_tokens)
             abort_after = rng.uniform(*ABORT_BETWEEN_CHUNKS_SECONDS) if kind == "abort_between_chunks" else None
             self._record_stream(kind, await stream_completion(self.session, chat_url, payload, abort_after_seconds=abort_after))
-        elif kind == "beyond_pool":
-            payload = self._chat_payload(" ".join(self._sentences(rng, self.config.beyond_pool_tokens)), max_tokens)
+        elif kind in ("beyond_pool", "near_limit"):
+            tokens = self.config.beyond_pool_tokens if kind == "beyond_pool" else self.config.near_limit_tokens
+            payload = self._chat_payload(" ".join(self._sentences(rng, tokens)), max_tokens)
             reply = await stream_completion(self.session, chat_url, payload)
             if reply.error is not None and LENGTH_REFUSAL in reply.error:
                 # Stock's refusal; a streamed chat's can come after its 200 headers, as an error chunk.
