@@ -6,7 +6,7 @@ compressed document, each asked after the document was reused.
     python -m benchmarks.long_documents --server "default 1500=--kv-evict-policy topk ... --max-total-tokens 1500"
     python -m benchmarks.long_documents ... --resume                                  # after an interruption
 
-Per document (``benchmarks/tasks.py``'s ``facts``: natural-language filler with four numbered facts of
+Per document (``benchmarks/tasks.py``'s ``facts``: natural-language filler with three numbered facts of
 different kinds spread over it): turn 1 is the document and
 a question-agnostic instruction ("Summarise the text above in one sentence."), so a policy server
 compresses the document before it knows any question. Then every question of the document is asked
@@ -362,7 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(repeatable; default: the make-serve default and the same in request scope)",
     )  # fmt: skip
     parser.add_argument("--lengths", default=",".join(map(str, DEFAULT_LENGTHS)), help="document lengths in model tokens (default 2000,4000,7000)")
-    parser.add_argument("--documents", type=int, default=6, help="documents per length (default 6: 24 questions with the default kind)")
+    parser.add_argument("--documents", type=int, default=8, help="documents per length (default 8: 24 questions with the default kind)")
     parser.add_argument("--kinds", default=",".join(DEFAULT_KINDS), help="task kinds, cycled (default facts)")
     parser.add_argument("--seed", type=int, default=0, help="task seed (default 0)")
     parser.add_argument("--summary-tokens", type=int, default=32, help="turn 1's answer cap (default 32)")
