@@ -108,8 +108,15 @@ def pinned_names(path: Path) -> set[str]:
 # --- downloads -----------------------------------------------------------------------------------
 
 
+def wheel_distribution(wheel: Path) -> tuple[str, str]:
+    """(normalised name, version) from a wheel's file name."""
+    name, version = wheel.name.split("-")[:2]
+    return normalised(name), version
+
+
 def pip_download(requirements: Path, dest: Path, for_lent_machine: bool) -> list[Path]:
-    """The wheels ``requirements`` pins, without dependencies (every one is pinned), into ``dest``."""
+    """The wheels ``requirements`` pins, without dependencies (every one is pinned), into ``dest``
+    (a cache: wheels of earlier pins stay there and are not returned)."""
     dest.mkdir(parents=True, exist_ok=True)
     target = ["--python-version", "3.12", "--implementation", "cp"] if for_lent_machine else []
     for platform in LENT_MACHINE_PLATFORMS if for_lent_machine else ():
@@ -119,15 +126,16 @@ def pip_download(requirements: Path, dest: Path, for_lent_machine: bool) -> list
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         raise KitError(f"pip download of {requirements.relative_to(REPO)} failed:\n{result.stderr[-3000:]}")
-    wanted = pinned_names(requirements)
-    wheels = [wheel for wheel in sorted(dest.glob("*.whl")) if normalised(wheel.name.split("-")[0]) in wanted]
-    if {normalised(wheel.name.split("-")[0]) for wheel in wheels} != wanted:
-        raise KitError(f"{dest} lacks wheels for {sorted(wanted - {normalised(w.name.split('-')[0]) for w in wheels})}")
+    pins = {normalised(name): version for name, version in (line.split("==") for line in read_requirements(requirements))}
+    wheels = [wheel for wheel in sorted(dest.glob("*.whl")) if pins.get(wheel_distribution(wheel)[0]) == wheel_distribution(wheel)[1]]
+    found = [wheel_distribution(wheel)[0] for wheel in wheels]
+    if sorted(found) != sorted(pins):
+        raise KitError(f"{dest}: expected one wheel per pin, found {sorted(found)} for {sorted(pins)}")
     return wheels
 
 
 def wheel_named(wheels: Iterable[Path], distribution: str) -> Path:
-    return next(wheel for wheel in wheels if normalised(wheel.name.split("-")[0]) == normalised(distribution))
+    return next(wheel for wheel in wheels if wheel_distribution(wheel)[0] == normalised(distribution))
 
 
 # --- the import trace ----------------------------------------------------------------------------
@@ -316,7 +324,7 @@ def write_kit_wheels(wheels: list[Path], flashinfer_imported: set[str], dest: Pa
     trims = {"sglang": (sglang_keeps, stub), "flashinfer-python": (flashinfer_keeper(flashinfer_imported), {})}
     sizes = {}
     for wheel in wheels:
-        distribution = normalised(wheel.name.split("-")[0])
+        distribution = wheel_distribution(wheel)[0]
         if distribution not in trims:
             shutil.copy2(wheel, dest / wheel.name)
             sizes[wheel.name] = {"bytes": wheel.stat().st_size}

@@ -121,6 +121,11 @@ def sgl_kernel_kind() -> str:
     return "stand-in" if getattr(module, "__sgl_kvevict_standin__", False) else "real"
 
 
+def sgl_kernel_submodules() -> list[str]:
+    """The ``sgl_kernel`` submodules imported now (SGLang's CUDA branches import some; CPU mode none)."""
+    return sorted(name for name in sys.modules if name.startswith("sgl_kernel.") and not name.startswith("sgl_kernel._"))
+
+
 def run(fake_cuda_device: bool, fake_flashinfer_module: bool) -> dict:
     if fake_cuda_device:
         fake_cuda()
@@ -133,6 +138,7 @@ def run(fake_cuda_device: bool, fake_flashinfer_module: bool) -> dict:
     return {
         "imports": results,
         "sgl_kernel": sgl_kernel_kind(),
+        "sgl_kernel_submodules": sgl_kernel_submodules(),
         "origins": origins(),
         "loaded": {package: loaded_files(package) for package in TRACED_PACKAGES},
         "distributions": imported_distributions(),
