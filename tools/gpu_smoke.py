@@ -635,16 +635,24 @@ def dry_steps(steps: list[Step]) -> list[Step]:
 # --- the run -------------------------------------------------------------------------------------
 
 
+def command_output(command: list[str]) -> str:
+    """``command``'s output, stripped; empty where the program is missing or fails."""
+    if shutil.which(command[0]) is None:
+        return ""
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO)
+    return result.stdout.strip() if result.returncode == 0 else ""
+
+
 def header(smoke: Smoke, mode: str) -> list[str]:
     manifest = json.loads((KIT / "manifest.json").read_text()) if (KIT / "manifest.json").exists() else {}
     lines = ["# GPU smoke run (tools/gpu_smoke.sh)", "",
              f"- mode: {mode}; budget {smoke.budget.left():.0f} s; tie margin {TIE_MARGIN}, logprob tolerance {LOGPROB_TOLERANCE}",
              f"- kit: built {manifest.get('built', '?')} from {manifest.get('commit', '?')}"]  # fmt: skip
     if mode != "dry run":
-        code, output = run_command(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"], 20, smoke.work / "nvidia-smi.log") if shutil.which("nvidia-smi") else (1, "no nvidia-smi")
-        lines.append(f"- GPU: {output.strip() if code == 0 else 'none (' + output.strip()[:80] + ')'}")
-        versions = subprocess.run([sys.executable, "-c", VERSIONS], capture_output=True, text=True, cwd=REPO, timeout=120)
-        lines.append(f"- versions: {versions.stdout.strip() or versions.stderr.strip().splitlines()[-1:]}")
+        gpu = command_output(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"])
+        nvcc = command_output(["nvcc", "--version"]).splitlines()
+        lines += [f"- GPU: {gpu or 'none'}", f"- nvcc (FlashInfer's JIT): {nvcc[-1] if nvcc else 'not on PATH'}",
+                  f"- versions: {command_output([sys.executable, '-c', VERSIONS]) or 'unreadable'}"]  # fmt: skip
     return lines
 
 

@@ -33,6 +33,10 @@ else
 fi
 # What lets a Llama forward run without the real sgl_kernel (docs/gpu.md).
 export SGLANG_FORCE_FUSED_OP_BACKEND=torch SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1 PYTHONUNBUFFERED=1
+# FlashInfer's JIT calls nvcc: where the CUDA toolkit is installed but not on PATH, put it there.
+if ! command -v nvcc > /dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
+    export PATH="/usr/local/cuda/bin:$PATH" CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+fi
 left=$((BUDGET - (SECONDS - started)))
 # SIGTERM at the budget lets the driver stop its server and finish the report; SIGKILL 20 s later.
 timeout --signal=TERM --kill-after=20 "$left" "$PYTHON" tools/gpu_smoke.py --out "$OUT" --budget "$((left - 10))" --install "$install" "$@"
