@@ -8,6 +8,8 @@
 #                protect every port it opens: docs/deployment.md)
 #   make test    set up if needed, then run the whole test suite (TEST_WORKERS=2 processes)
 #   make test-fast  the suite without the tests that start a server (a few minutes)
+#   make gpu-kit    the wheels, stand-ins and model config a lent GPU machine needs, in gpu-kit/ (ignored;
+#                   docs/gpu.md, "Run the server on a lent GPU")
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -35,7 +37,7 @@ API_KEY ?=
 ADMIN_API_KEY ?=
 KEY_FLAGS := $(if $(API_KEY),--api-key $(API_KEY)) $(if $(ADMIN_API_KEY),--admin-api-key $(ADMIN_API_KEY))
 
-.PHONY: setup serve test test-fast clean-venv
+.PHONY: setup serve test test-fast gpu-kit clean-venv
 
 setup: $(STAMP)
 
@@ -65,6 +67,10 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest tests -m "not server" -q $(XDIST)
+
+# Downloads from PyPI (cached in build/gpu-kit-downloads), so it needs the network; never committed.
+gpu-kit: setup
+	$(PY) tools/gpu_kit.py
 
 clean-venv:
 	rm -rf $(VENV)

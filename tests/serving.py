@@ -64,15 +64,15 @@ class RunningServer:
         )
 
 
-def _wait_for_serving_line(process: subprocess.Popen, log_path: Path) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_SECONDS
+def _wait_for_serving_line(process: subprocess.Popen, log_path: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if "] serving " in log_path.read_text(errors="replace"):
             return
         if process.poll() is not None:
             raise RuntimeError(f"launcher exited with {process.returncode}:\n{log_path.read_text()[-4000:]}")
         time.sleep(0.5)
-    raise TimeoutError(f"server not serving after {STARTUP_TIMEOUT_SECONDS} s:\n{log_path.read_text()[-4000:]}")
+    raise TimeoutError(f"server not serving after {timeout:.0f} s:\n{log_path.read_text()[-4000:]}")
 
 
 def stop_launcher(process: subprocess.Popen) -> int:
@@ -95,7 +95,9 @@ def stop_launcher(process: subprocess.Popen) -> int:
 
 
 @contextlib.contextmanager
-def running_server(model: str | Path, tmp_path: Path, *extra: str) -> Iterator[RunningServer]:
+def running_server(
+    model: str | Path, tmp_path: Path, *extra: str, startup_timeout: float = STARTUP_TIMEOUT_SECONDS
+) -> Iterator[RunningServer]:
     """The launcher in its own session (so a test can account for every process it started)."""
     port = free_port()
     log_path = tmp_path / f"server-{port}.log"
@@ -107,7 +109,7 @@ def running_server(model: str | Path, tmp_path: Path, *extra: str) -> Iterator[R
             start_new_session=True,
         )
     try:
-        _wait_for_serving_line(process, log_path)
+        _wait_for_serving_line(process, log_path, startup_timeout)
         keys = flag_value(list(extra), "--api-key"), flag_value(list(extra), "--admin-api-key")
         yield RunningServer(f"http://127.0.0.1:{port}", process, log_path, *keys)
     finally:
