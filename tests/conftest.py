@@ -57,9 +57,9 @@ def pytest_runtest_setup(item):
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> "Path":
     """A random-weight fp32 Llama (2 layers, 4 query heads, 2 KV heads, head_dim 16) with a tokenizer."""
-    from sgl_kvevict.checkpoints import build_tiny_llama
+    from sgl_kvevict.checkpoints import build_tiny_model
 
-    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="session")
