@@ -9,7 +9,8 @@ engine keeps and decodes the same greedy tokens (fp32); a later turn reuses the 
 still decodes the reference's tokens; after a flush every cell and slot is back. A refused architecture
 exits the launcher with code 2 and the limit's line, before SGLang starts. Which architectures are
 refused is the launcher's reading of config.json (``architectures.py``); the last test holds that
-reading to SGLang's own for every architecture of the matrix.
+reading to SGLang's own for every architecture of the matrix, and the first the generated tables
+(docs/compatibility.md, the README) to these expectations.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from sgl_kvevict.architectures import model_facts_of
 from sgl_kvevict.checkpoints import COMPATIBILITY_MATRIX, build_tiny_model
 from sgl_kvevict.config import EvictionConfig, build_policy
 from sgl_kvevict.engine.coordinator import PLAN_DUMP_ENV
+from sgl_kvevict.server import compat_table
 
 pytestmark = pytest.mark.server
 
@@ -50,8 +52,10 @@ MAX_NEW_TOKENS = 6
 NEW_TURN_TOKENS = 20
 
 
-def test_the_expectations_cover_the_whole_matrix_once():
+def test_the_expectations_cover_the_whole_matrix_once_and_the_tables_say_them():
     assert sorted([*SERVED, *REFUSED]) == sorted(arch.name for arch in COMPATIBILITY_MATRIX)
+    verdicts = {row.arch.name: row.verdict for row in compat_table.rows()}
+    assert verdicts == {name: "served" if name in SERVED else f"refused: {REFUSED.get(name)}" for name in verdicts}
 
 
 @pytest.fixture(scope="module")
