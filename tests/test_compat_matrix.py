@@ -3,8 +3,9 @@
 the model loads.
 
 A served architecture gets one server started as ``make serve`` starts one (``topk`` with the learned
-score, its weights trained by the project's own command on that model), which also serves ``snapkv``
-(attention scores) per request. For both: the server keeps exactly the positions the HF reference
+score, its weights trained by the project's own command on that model), which also serves per request
+``topk`` with a KVzap scorer folder (random, in the layout NVIDIA publishes) and ``snapkv`` (attention
+scores). For each: the server keeps exactly the positions the HF reference
 engine keeps and decodes the same greedy tokens (fp32); a later turn reuses the compressed prefix and
 still decodes the reference's tokens; after a flush every cell and slot is back. A refused architecture
 exits the launcher with code 2 and the limit's line, before SGLang starts. Which architectures are
@@ -20,6 +21,7 @@ import random
 import pytest
 import torch
 
+from conftest_policies import kvzap_folder
 from engine_client import (
     ANY_REQUEST_OPTIONS,
     TINY_SERVER_FLAGS,
@@ -35,6 +37,7 @@ from sgl_kvevict.architectures import model_facts_of
 from sgl_kvevict.checkpoints import COMPATIBILITY_MATRIX, build_tiny_model
 from sgl_kvevict.config import EvictionConfig, build_policy
 from sgl_kvevict.engine.coordinator import PLAN_DUMP_ENV
+from sgl_kvevict.scoring.learned import ModelShape
 from sgl_kvevict.server import compat_table
 
 pytestmark = pytest.mark.server
@@ -79,13 +82,15 @@ def random_prompt(length: int, seed: int) -> list[int]:
 class Served:
     """One architecture's model, learned weights, reference engine and running server."""
 
-    def __init__(self, name, model_dir, weights, reference, server, dump_dir):
-        self.name, self.model_dir, self.weights = name, model_dir, weights
+    def __init__(self, name, model_dir, weights, kvzap, reference, server, dump_dir):
+        self.name, self.model_dir, self.weights, self.kvzap = name, model_dir, weights, kvzap
         self.reference, self.server, self.dump_dir = reference, server, dump_dir
 
     def config(self, policy: str) -> EvictionConfig:
         if policy == "topk":  # the server's own setting
             return EvictionConfig.for_policy("topk", score="learned", learned_weights=self.weights)
+        if policy == "topk-kvzap":  # a KVzap MLP scorer folder for this model, as NVIDIA publishes them
+            return EvictionConfig.for_policy("topk", score="learned", learned_weights=str(self.kvzap))
         return EvictionConfig.for_policy(policy)
 
 
@@ -99,13 +104,17 @@ def served(request, tiny_models, tmp_path_factory):
     training = TrainingConfig(model=str(model_dir), out=tmp_path_factory.mktemp(f"{name}-weights"),
                               document_tokens=48, max_documents=24, test_documents=4)  # fmt: skip
     weights = str(train(training, "tests/test_compat_matrix.py", log=lambda line: None))
+    shape = ModelShape.of(model_dir)
+    kvzap, _ = kvzap_folder(tmp_path_factory.mktemp(f"{name}-kvzap"), shape.num_layers, shape.hidden_size,
+                            shape.num_kv_heads, hidden_dim=32)  # fmt: skip
     dump_dir = tmp_path_factory.mktemp(f"{name}-plans")
     flags = ("--kv-evict-policy", "topk", "--kv-evict-score", "learned", "--kv-evict-learned-weights", weights,
              *ANY_REQUEST_OPTIONS, "--max-total-tokens", "4096", *TINY_SERVER_FLAGS)  # fmt: skip
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(PLAN_DUMP_ENV, str(dump_dir))
         with running_server(model_dir, tmp_path_factory.mktemp(f"{name}-server"), *flags) as server:
-            yield Served(name, model_dir, weights, ReferenceEngine(model_dir, dtype=torch.float32), server, dump_dir)
+            reference = ReferenceEngine(model_dir, dtype=torch.float32)
+            yield Served(name, model_dir, weights, kvzap, reference, server, dump_dir)
             assert_strict_idle_check_passed(server)
 
 
@@ -115,7 +124,7 @@ def serve(served: Served, policy: str, prompt: list[int], rid: str) -> dict:
     return generate(served.server, prompt, MAX_NEW_TOKENS, rid=rid, options=options)
 
 
-@pytest.mark.parametrize("policy", ["topk", "snapkv"])
+@pytest.mark.parametrize("policy", ["topk", "topk-kvzap", "snapkv"])
 def test_the_server_keeps_and_answers_what_the_reference_does(served, policy):
     prompt = random_prompt(PROMPT_LENGTH, seed=1)
     rid = f"{served.name}-{policy}"

@@ -63,7 +63,7 @@ def test_the_bundled_weights_are_found_by_fingerprint(trained, tiny_llama_dir, m
     assert resolve_learned_weights(EvictionConfig.for_policy("topk").score_knobs, tiny_llama_dir) is None  # kvzip: none needed
     bound = build_policy(config).for_model(tiny_llama_dir)
     assert isinstance(bound.scorer, LearnedScorer) and bound.scorer.weights is LearnedWeights.load(path)
-    # Another model (same shapes, other weights) has no weights: one line naming the training command.
+    # Another model (same shapes, other weights) has no weights: one line naming both ways to get them.
     other = tmp_path / "other-model"
     other.mkdir()
     (other / "config.json").write_text((tiny_llama_dir / "config.json").read_text())
@@ -72,6 +72,7 @@ def test_the_bundled_weights_are_found_by_fingerprint(trained, tiny_llama_dir, m
         resolve_learned_weights(config.score_knobs, other)
     message = str(error.value)
     assert "no bundled weights" in message and "python -m sgl_kvevict.reference.train_scorer --model" in message
+    assert "folder of a KVzap scorer published for this model" in message
     assert "\n" not in message
 
 

@@ -163,7 +163,7 @@ class HeldOutMetrics:
     per_head_overlap: list[float]
 
     def add(self, features: list[torch.Tensor], targets: list[torch.Tensor], weights: LearnedWeights) -> None:
-        predictions = [x @ weights.weight[layer].t() + weights.bias[layer] for layer, x in enumerate(features)]
+        predictions = [weights.scores(layer, x).t() for layer, x in enumerate(features)]
         for stats, x, y in zip(self.statistics, features, targets):
             stats.add(x, y)
         true = torch.stack(targets).transpose(1, 2)  # [L, H_kv, n]
