@@ -71,7 +71,8 @@ def tiny_tokenizer(vocab_size: int = 512):
     tok.train_from_iterator(
         corpus,
         trainers.BpeTrainer(
-            vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+            vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
         ),
     )
     return PreTrainedTokenizerFast(
