@@ -148,12 +148,6 @@ class LearnedWeights:
         first = self.weight if self.hidden_weight is None else self.hidden_weight
         return ModelShape(num_layers, first.shape[2], num_kv_heads)
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """By name, the hidden layer's only when there is one."""
-        named = {"weight": self.weight, "bias": self.bias, "hidden_weight": self.hidden_weight,
-                 "hidden_bias": self.hidden_bias}  # fmt: skip
-        return {name: tensor for name, tensor in named.items() if tensor is not None}
-
     def for_heads(self, rows: torch.Tensor, real: torch.Tensor) -> "LearnedWeights":
         """The output rows ``rows`` only, each scaled by ``real`` (0: a padded head); the hidden layer
         is shared by every head."""
@@ -183,9 +177,12 @@ class LearnedWeights:
             )
 
     def save(self, path: Path) -> None:
-        """Write ``path`` (safetensors) and its manifest ``path.with_suffix('.json')``."""
+        """Write linear weights (what ``train_scorer`` fits) to ``path`` (safetensors) and their manifest
+        ``path.with_suffix('.json')``."""
+        if self.hidden_weight is not None:
+            raise ValueError("our weights file holds a linear map; a KVzap MLP stays in its own folder")
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_file({name: tensor.contiguous() for name, tensor in self.tensors().items()}, str(path))
+        save_file({"weight": self.weight.contiguous(), "bias": self.bias.contiguous()}, str(path))
         manifest_path(path).write_text(json.dumps(self.manifest, indent=1) + "\n")
 
     @classmethod
@@ -194,13 +191,11 @@ class LearnedWeights:
         path = Path(path).resolve()
         try:
             return _load(path, path.stat().st_mtime_ns)
-        except (OSError, ValueError, KeyError, TypeError, SafetensorError) as error:
+        except (OSError, ValueError, KeyError, TypeError, SafetensorError) as error:  # TypeError: a malformed config.json
             raise ConfigError(
                 f"learned weights {path} cannot be read ({error}); expected a safetensors file with 'weight' "
-                "[layers, KV heads, hidden size] and 'bias' [layers, KV heads] (optionally 'hidden_weight' "
-                "[layers, width, hidden size] and 'hidden_bias' [layers, width]) and its manifest beside it "
-                f"(.json), or a KVzap checkpoint folder (config.json with model_type {KVZAP_MODEL_TYPE!r}, "
-                f"{KVZAP_WEIGHTS_FILE})"
+                "[layers, KV heads, hidden size] and 'bias' [layers, KV heads] and its manifest beside it (.json), "
+                f"or a KVzap checkpoint folder (config.json with model_type {KVZAP_MODEL_TYPE!r}, {KVZAP_WEIGHTS_FILE})"
             ) from None
 
 
@@ -215,19 +210,12 @@ def _load(path: Path, mtime_ns: int) -> LearnedWeights:
         manifest = {"format": "kvzap", "source": str(path), "config": checkpoint.config}
         return LearnedWeights(checkpoint.weight, checkpoint.bias, manifest, checkpoint.hidden_weight,
                               checkpoint.hidden_bias)  # fmt: skip
-    tensors = {name: tensor.float() for name, tensor in load_file(str(path)).items()}
-    weights = LearnedWeights(
-        tensors["weight"], tensors["bias"], json.loads(manifest_path(path).read_text()),
-        tensors.get("hidden_weight"), tensors.get("hidden_bias"),
-    )  # fmt: skip
-    layers, heads, inputs = weights.weight.shape
-    hidden = weights.hidden_weight
-    if weights.bias.shape != (layers, heads) or (hidden is not None and (
-        hidden.shape[:2] != (layers, inputs) or weights.hidden_bias.shape != (layers, inputs)
-    )):  # fmt: skip
-        shapes = {name: tuple(tensor.shape) for name, tensor in weights.tensors().items()}
-        raise ValueError(f"the tensors' shapes {shapes} do not match")
-    return weights
+    tensors = load_file(str(path))
+    manifest = json.loads(manifest_path(path).read_text())
+    weight, bias = tensors["weight"].float(), tensors["bias"].float()
+    if weight.dim() != 3 or bias.shape != weight.shape[:2]:
+        raise ValueError(f"weight {tuple(weight.shape)} and bias {tuple(bias.shape)} do not match")
+    return LearnedWeights(weight, bias, manifest)
 
 
 def ways_to_get_weights(model_dir: Path) -> str:
