@@ -135,8 +135,8 @@ _REPLICATED_KV_HEADS = (
 )
 _DP_ATTENTION = "DP attention splits a batch's attention across ranks; the segment attention runs on one rank"
 _MLA = (
-    "MLA models (DeepSeek-V2/V3, Kimi K2) cache one latent vector per token that every query head reads, not a K "
-    "and V per KV head: there is nothing to keep per head, and their pool is not the per-head layout cells address"
+    "DeepSeek-V2/V3 and Kimi K2 cache one latent vector per token that every query head reads, not a K and V per "
+    "KV head: there is nothing to keep per head, and their pool is not the per-head layout cells address"
 )
 _SLIDING_WINDOW_LAYERS = (
     "local attention layers (Gemma 2/3, gpt-oss, Llama 4's chunked layers) attend over the last positions' dense "
