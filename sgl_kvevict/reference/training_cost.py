@@ -36,8 +36,8 @@ from sgl_kvevict.scoring.kvzip import DEFAULT_CHUNK_SIZE
 from sgl_kvevict.scoring.learned import ModelShape
 
 # FLOP/s of the reference engine's training work on one CPU thread: fitted to the CPU seconds of
-# SmolLM2-135M documents of 1K, 2K and 7K tokens on this project's (shared, loaded) 2-core CI machine,
-# within 30% of each (docs/compatibility.md).
+# SmolLM2-135M documents of 1K, 2K, 4K and 7K tokens on this project's (shared, loaded) 2-core CI
+# machine, within 30% of each (docs/compatibility.md).
 CPU_RATE = 30e9
 # Assumed, not measured: an H100 runs fp32 at about 60 TFLOP/s at best.
 GPU_RATE = 12e12
