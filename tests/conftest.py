@@ -65,10 +65,10 @@ def tiny_llama_dir(tmp_path_factory) -> "Path":
 @pytest.fixture(scope="session")
 def learned_weights(tiny_llama_dir, tmp_path_factory) -> str:
     """A learned scorer for the tiny model, trained by the project's own command (about a second)."""
-    from sgl_kvevict.reference.train_scorer import TrainingConfig, train
+    from conftest_policies import tiny_training
+    from sgl_kvevict.reference.train_scorer import train
 
-    config = TrainingConfig(model=str(tiny_llama_dir), out=tmp_path_factory.mktemp("weights"), document_tokens=48,
-                            max_documents=24, test_documents=4)  # fmt: skip
+    config = tiny_training(tiny_llama_dir, tmp_path_factory.mktemp("weights"))
     return str(train(config, "tests/conftest.py", log=lambda line: None))
 
 

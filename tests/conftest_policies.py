@@ -91,6 +91,14 @@ def kvzap_folder(
     return folder, tensors
 
 
+def tiny_training(model_dir: Path, out: Path, **options):
+    """The learned scorer's training on a tiny model: 24 short documents, 4 held out (about a second)."""
+    from sgl_kvevict.reference.train_scorer import TrainingConfig
+
+    return TrainingConfig(model=str(model_dir), out=out, document_tokens=48, max_documents=24, test_documents=4,
+                          **options)  # fmt: skip
+
+
 def policy_config(policy: str, spec: SegmentSpec, weights_dir: Path, **options) -> EvictionConfig:
     """``EvictionConfig.for_policy``, with random learned weights of ``spec``'s shape for score learned."""
     if options.get("score") == "learned":

@@ -21,7 +21,7 @@ import random
 import pytest
 import torch
 
-from conftest_policies import kvzap_folder
+from conftest_policies import kvzap_folder, tiny_training
 from engine_client import (
     ANY_REQUEST_OPTIONS,
     TINY_SERVER_FLAGS,
@@ -97,12 +97,11 @@ class Served:
 @pytest.fixture(scope="module", params=SERVED)
 def served(request, tiny_models, tmp_path_factory):
     from sgl_kvevict.reference.engine import ReferenceEngine
-    from sgl_kvevict.reference.train_scorer import TrainingConfig, train
+    from sgl_kvevict.reference.train_scorer import train
 
     name = request.param
     model_dir = tiny_models(name)
-    training = TrainingConfig(model=str(model_dir), out=tmp_path_factory.mktemp(f"{name}-weights"),
-                              document_tokens=48, max_documents=24, test_documents=4)  # fmt: skip
+    training = tiny_training(model_dir, tmp_path_factory.mktemp(f"{name}-weights"))
     weights = str(train(training, "tests/test_compat_matrix.py", log=lambda line: None))
     shape = ModelShape.of(model_dir)
     kvzap, _ = kvzap_folder(tmp_path_factory.mktemp(f"{name}-kvzap"), shape.num_layers, shape.hidden_size,

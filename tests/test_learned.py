@@ -9,11 +9,11 @@ import math
 import pytest
 import torch
 
-from conftest_policies import learned_weights_file
+from conftest_policies import learned_weights_file, tiny_training
 from sgl_kvevict.config import EvictionConfig, build_policy
 from sgl_kvevict.reference import Mode, ReferenceEngine
 from sgl_kvevict.reference.ridge import RegressionStatistics
-from sgl_kvevict.reference.train_scorer import TrainingConfig, main, top_overlap, train
+from sgl_kvevict.reference.train_scorer import main, top_overlap, train
 from sgl_kvevict.scoring import learned
 from sgl_kvevict.scoring.learned import (
     LearnedScorer,
@@ -29,7 +29,7 @@ from sgl_kvevict.settings import ConfigError
 def trained(tiny_llama_dir, tmp_path_factory):
     """Weights trained on the tiny model from 24 short pydoc documents (4 held out), about a second."""
     out = tmp_path_factory.mktemp("weights")
-    config = TrainingConfig(model=str(tiny_llama_dir), out=out, document_tokens=48, max_documents=24, test_documents=4)
+    config = tiny_training(tiny_llama_dir, out)
     lines: list[str] = []
     path = train(config, "test command", log=lines.append)
     return path, lines
@@ -198,8 +198,7 @@ def test_the_users_own_documents_train_the_scorer_and_the_fit_is_reported_beside
     assert {name for name, _ in source_texts(str(corpus))} == {
         f"file:{'notes/' if index % 2 else ''}{name}.txt" for index, name in enumerate(names)
     }
-    config = TrainingConfig(model=str(tiny_llama_dir), out=tmp_path / "out", sources=(str(corpus),), document_tokens=48,
-                            max_documents=24, test_documents=4)  # fmt: skip
+    config = tiny_training(tiny_llama_dir, tmp_path / "out", sources=(str(corpus),))
     lines: list[str] = []
     path = train(config, "test command", log=lines.append)
     manifest = json.loads(path.with_suffix(".json").read_text())
