@@ -156,6 +156,9 @@ def launcher_notes() -> list[str]:
         "its own KV heads and keeps what one rank would (docs/scale-out.md). On CUDA a --tp-size above the model's "
         "KV heads is refused with a policy (replicated KV heads).",
         f"Refused with a policy (sgl_kvevict/limits.py gives each reason): {refused_flags_text()}.",
+        "Models refused with a policy, from their config.json before they load: MLA (DeepSeek-V2/V3), local "
+        "attention layers (Gemma 2/3, gpt-oss), state-space layers (Qwen3-Next, Falcon-H1); which architectures "
+        "were tested: docs/compatibility.md.",
         f"sgl-kvevict runs on sglang=={SGLANG_VERSION} only.",
     ]
 

@@ -27,7 +27,13 @@ from sgl_kvevict.server.processes import (
     log,
     wait_until_healthy,
 )
-from sgl_kvevict.server.refusals import FlagError, check_chunked_prefill, check_cpu_graphs, check_tensor_parallel
+from sgl_kvevict.server.refusals import (
+    FlagError,
+    check_chunked_prefill,
+    check_cpu_graphs,
+    check_model_architecture,
+    check_tensor_parallel,
+)
 from sgl_kvevict.server.sglang_args import flag_value, tp_size
 from sgl_kvevict.server.worker import (
     THREADS_BIND_ENV_VAR,
@@ -106,6 +112,7 @@ def run(config: LaunchConfig) -> int:
     model_dir = resolve_model(config.model, log=log)
     tp = tp_size(launched_args)
     if config.serving.enabled:
+        check_model_architecture(model_dir)
         check_tensor_parallel(tp, model_kv_heads(model_dir), cpu_mode)
     config = with_learned_weights(config, model_dir)
     if config.workers > 1:

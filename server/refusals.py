@@ -9,7 +9,10 @@ the launcher's back.
 
 from __future__ import annotations
 
-from sgl_kvevict.limits import LIMITS, limit_flags
+from pathlib import Path
+
+from sgl_kvevict.architectures import model_facts_of
+from sgl_kvevict.limits import LIMITS, SetupFacts, limit_flags, violations
 from sgl_kvevict.server.sglang_args import flag_value, has_flag, int_flag_value, largest_chunk_beside_block
 from sgl_kvevict.serving import ServingConfig
 
@@ -102,4 +105,14 @@ def check_tensor_parallel(tp: int, model_kv_heads: int, cpu_mode: bool) -> None:
         raise FlagError(
             f"--tp-size {tp} cannot be used with a --kv-evict-policy on a model with {model_kv_heads} KV heads: "
             f"{next(limit.reason for limit in LIMITS if limit.name == 'replicated KV heads')}"
+        )
+
+
+def check_model_architecture(model_dir: Path) -> None:
+    """With a policy: the model keeps K and V per KV head in SGLang's one pool (limits: MLA, sliding-window
+    and state-space layers), as its config.json says, before it loads."""
+    problems = violations(SetupFacts(**model_facts_of(model_dir)))
+    if problems:
+        raise FlagError(
+            f"the model in {model_dir} cannot be served with a --kv-evict-policy: {problems[0]} (docs/compatibility.md)"
         )

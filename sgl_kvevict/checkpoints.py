@@ -1,4 +1,4 @@
-"""Build model folders that SGLang and HF both load: the GGUF conversion and a tiny random Llama.
+"""Build model folders that SGLang and HF both load: the GGUF conversion and tiny random models.
 
 Both produce a plain HF folder (config.json, model.safetensors, tokenizer files with a chat template).
 Outside ``reference/`` because the model resolver (``models.py``) needs the conversion and the reference
@@ -7,7 +7,10 @@ engine needs the resolver; like ``reference/``, it prepares transformers before 
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Mapping
 
 import torch
 
@@ -45,8 +48,9 @@ def convert_gguf_to_safetensors(gguf_file: Path, out_dir: Path) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
-def _train_tiny_tokenizer(vocab_size: int):
-    """A byte-level BPE trained on generated text, with ChatML special tokens."""
+@functools.lru_cache(maxsize=2)
+def tiny_tokenizer(vocab_size: int = 512):
+    """A byte-level BPE trained on generated text, with ChatML special tokens (trained once per process)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -67,7 +71,8 @@ def _train_tiny_tokenizer(vocab_size: int):
     tok.train_from_iterator(
         corpus,
         trainers.BpeTrainer(
-            vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+            vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
         ),
     )
     return PreTrainedTokenizerFast(
@@ -80,38 +85,105 @@ def _train_tiny_tokenizer(vocab_size: int):
     )
 
 
-def build_tiny_llama(
+@dataclass(frozen=True)
+class TinyArchitecture:
+    """A scaled-down, random-weight version of one HF architecture, for fast tests: 2 layers, 4 query /
+    2 KV heads (GQA), fp32, the tiny tokenizer. ``fields`` are the config fields that make it that
+    architecture (its rotary variant, head size, sliding windows, MLA, linear attention, ...) beyond
+    the common ones; ``examples``: checkpoints of it people serve."""
+
+    name: str
+    title: str
+    examples: str
+    config_class: str
+    model_class: str
+    head_dim: int = 16
+    fields: Mapping[str, Any] = field(default_factory=dict)
+
+    def config(self, num_layers: int = 2, num_q_heads: int = 4, num_kv_heads: int = 2, vocab_size: int = 512):
+        """Its transformers config at these sizes, with the tiny tokenizer's vocabulary and special tokens."""
+        import transformers
+
+        tokenizer = tiny_tokenizer(vocab_size)
+        hidden_size = self.fields.get("hidden_size", num_q_heads * self.head_dim)
+        common = dict(
+            vocab_size=len(tokenizer),
+            hidden_size=hidden_size,
+            intermediate_size=2 * hidden_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_q_heads,
+            num_key_value_heads=num_kv_heads,
+            head_dim=self.head_dim,
+            max_position_embeddings=4096,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            tie_word_embeddings=False,
+            dtype="float32",
+        )
+        return getattr(transformers, self.config_class)(**{**common, **self.fields})
+
+
+# The model most tests run: head dim 16, hidden size 64.
+TINY_LLAMA = TinyArchitecture("llama", "Llama", "SmolLM2", "LlamaConfig", "LlamaForCausalLM",
+                              fields=dict(rope_theta=10000.0))  # fmt: skip
+# The compatibility matrix (tests/test_compat_matrix.py, docs/compatibility.md): the architectures SGLang
+# users serve most, scaled down from the public configs of the named checkpoints with their head
+# sizes (Llama 3.2 1B, Qwen2.5 0.5B: 64; Phi-3 mini: 96; Qwen3, Mistral: 128; Gemma 3: 256), and
+# one of each kind the plugin refuses.
+COMPATIBILITY_MATRIX = (
+    TinyArchitecture("llama3", "Llama 3", "Llama-3.1-8B-Instruct, Llama-3.2-1B", "LlamaConfig", "LlamaForCausalLM",
+                     head_dim=64, fields=dict(rope_parameters=dict(
+                         rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                         high_freq_factor=4.0, original_max_position_embeddings=1024))),
+    TinyArchitecture("qwen2.5", "Qwen2.5", "Qwen2.5-0.5B/7B-Instruct", "Qwen2Config", "Qwen2ForCausalLM",
+                     head_dim=64, fields=dict(rope_theta=1000000.0)),
+    TinyArchitecture("qwen3", "Qwen3", "Qwen3-0.6B/8B/32B", "Qwen3Config", "Qwen3ForCausalLM",
+                     head_dim=128, fields=dict(hidden_size=128, rope_theta=1000000.0)),
+    TinyArchitecture("mistral", "Mistral", "Mistral-7B-Instruct-v0.3", "MistralConfig", "MistralForCausalLM",
+                     head_dim=128, fields=dict(rope_theta=1000000.0, sliding_window=None)),
+    # Phi-3 mini declares a 2047-token sliding window, which SGLang's Phi-3 (its Llama model) does not apply.
+    TinyArchitecture("phi3", "Phi-3", "Phi-3-mini-4k-instruct", "Phi3Config", "Phi3ForCausalLM",
+                     head_dim=96, fields=dict(sliding_window=2047)),
+    TinyArchitecture("gemma3", "Gemma 3", "gemma-3-1b-it (text)", "Gemma3TextConfig", "Gemma3ForCausalLM",
+                     head_dim=256, fields=dict(hidden_size=128, sliding_window=64, query_pre_attn_scalar=256,
+                                               layer_types=["sliding_attention", "full_attention"])),
+    TinyArchitecture("gpt-oss", "gpt-oss", "gpt-oss-20b, gpt-oss-120b", "GptOssConfig", "GptOssForCausalLM",
+                     fields=dict(sliding_window=64, num_local_experts=2, num_experts_per_tok=1,
+                                 layer_types=["sliding_attention", "full_attention"])),
+    TinyArchitecture("deepseek-v3", "DeepSeek-V3", "DeepSeek-V3, DeepSeek-R1, Kimi K2", "DeepseekV3Config",
+                     "DeepseekV3ForCausalLM",
+                     fields=dict(num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=16,
+                                 qk_nope_head_dim=16, v_head_dim=16, first_k_dense_replace=2, n_routed_experts=2,
+                                 num_experts_per_tok=1, n_group=1, topk_group=1)),
+    TinyArchitecture("qwen3-next", "Qwen3-Next", "Qwen3-Next-80B-A3B", "Qwen3NextConfig", "Qwen3NextForCausalLM",
+                     fields=dict(layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+                                 linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                                 num_experts=2, num_experts_per_tok=1, moe_intermediate_size=64,
+                                 shared_expert_intermediate_size=64)),
+)  # fmt: skip
+TINY_ARCHITECTURES = {arch.name: arch for arch in (TINY_LLAMA, *COMPATIBILITY_MATRIX)}
+
+
+def build_tiny_model(
     out_dir: Path,
+    architecture: str = "llama",
     *,
     num_layers: int = 2,
     num_q_heads: int = 4,
     num_kv_heads: int = 2,
-    head_dim: int = 16,
     vocab_size: int = 512,
     seed: int = 0,
 ) -> Path:
-    """A random-weight fp32 Llama with a real tokenizer, for fast tests. Returns ``out_dir``."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A random-weight fp32 model of ``TINY_ARCHITECTURES[architecture]`` with a real tokenizer, for
+    fast tests. Returns ``out_dir``."""
+    import transformers
 
-    tokenizer = _train_tiny_tokenizer(vocab_size)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=num_q_heads * head_dim,
-        intermediate_size=2 * num_q_heads * head_dim,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_q_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=head_dim,
-        max_position_embeddings=4096,
-        rope_theta=10000.0,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
-        dtype="float32",
-    )
+    arch = TINY_ARCHITECTURES[architecture]
+    config = arch.config(num_layers, num_q_heads, num_kv_heads, vocab_size)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    model = getattr(transformers, arch.model_class)(config).to(torch.float32)
     model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
+    tiny_tokenizer(vocab_size).save_pretrained(out_dir)
     return Path(out_dir)
+

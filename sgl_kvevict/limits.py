@@ -70,7 +70,10 @@ class SetupFacts:
     disaggregation: bool = False
     tokenizer_workers: int = 1
     attention_backend_wrapped: bool = True
-    hybrid_model: bool = False  # sliding-window or state-space layers
+    # The model's KV: decided by its architecture (``architectures.model_facts`` reads them from config.json).
+    mla_model: bool = False  # multi-head latent attention: one latent per token, not K and V per KV head
+    sliding_window_layers: bool = False  # local (sliding-window or chunked) attention layers
+    state_space_layers: bool = False  # Mamba or linear-attention layers beside attention
 
 
 @dataclass(frozen=True)
@@ -131,10 +134,21 @@ _REPLICATED_KV_HEADS = (
     "(on CPU SGLang pads heads instead, which works)"
 )
 _DP_ATTENTION = "DP attention splits a batch's attention across ranks; the segment attention runs on one rank"
+_MLA = (
+    "DeepSeek-V2/V3 and Kimi K2 cache one latent vector per token that every query head reads, not a K and V per "
+    "KV head: there is nothing to keep per head, and their pool is not the per-head layout cells address"
+)
+_SLIDING_WINDOW_LAYERS = (
+    "local attention layers (Gemma 2/3, gpt-oss, Llama 4's chunked layers) attend over the last positions' dense "
+    "slots, or a pool of their own, and a compressed span has given its slots back; compressing only the global "
+    "layers is not implemented"
+)
 
-# The first-version limits (page size 1, no prefill graphs)
-# and SGLang 0.5.23's features that copy, move or share KV by slot rows, which compressed nodes do not
-# hold. Spellings are SGLang 0.5.23's (sglang/srt/arg_groups/fields/*.py); a test checks them.
+# The first-version limits (page size 1, no prefill graphs),
+# SGLang 0.5.23's features that copy, move or share KV by slot rows, which compressed nodes do not
+# hold, and the model architectures whose KV is not per-head K and V in one pool (no flags: the
+# launcher reads them from the model's config, ``architectures.py``). Spellings are SGLang 0.5.23's
+# (sglang/srt/arg_groups/fields/*.py); a test checks them.
 LIMITS = (
     Limit("page size", "compressed spans are token-granular: pages of more than one slot are not supported yet",
           (LimitFlag(("--page-size",), above=1),), lambda f: f.page_size != 1),
@@ -189,8 +203,12 @@ LIMITS = (
            LimitFlag(("--prefill-attention-backend",), allowed=WRAPPED_ATTENTION_BACKENDS),
            LimitFlag(("--decode-attention-backend",), allowed=WRAPPED_ATTENTION_BACKENDS)),
           lambda f: not f.attention_backend_wrapped),
-    Limit("hybrid models", "sliding-window and state-space layers keep KV the compressed tree does not manage",
-          (), lambda f: f.hybrid_model),
+    Limit("MLA models", _MLA, (), lambda f: f.mla_model),
+    Limit("sliding-window layers", _SLIDING_WINDOW_LAYERS, (), lambda f: f.sliding_window_layers),
+    Limit("state-space layers",
+          "Mamba and linear-attention layers (Qwen3-Next, Falcon-H1, Jamba, Nemotron-H) keep a recurrent state per "
+          "request beside the KV pool, which the compressed tree neither stores nor restores",
+          (), lambda f: f.state_space_layers),
     Limit("config file",
           "a config file could set the flags above past the launcher's checks; give SGLang flags on the command "
           "line (the tree still checks the facts a config file sets)",

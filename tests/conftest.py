@@ -57,18 +57,18 @@ def pytest_runtest_setup(item):
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> "Path":
     """A random-weight fp32 Llama (2 layers, 4 query heads, 2 KV heads, head_dim 16) with a tokenizer."""
-    from sgl_kvevict.checkpoints import build_tiny_llama
+    from sgl_kvevict.checkpoints import build_tiny_model
 
-    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="session")
 def learned_weights(tiny_llama_dir, tmp_path_factory) -> str:
     """A learned scorer for the tiny model, trained by the project's own command (about a second)."""
-    from sgl_kvevict.reference.train_scorer import TrainingConfig, train
+    from conftest_policies import tiny_training
+    from sgl_kvevict.reference.train_scorer import train
 
-    config = TrainingConfig(model=str(tiny_llama_dir), out=tmp_path_factory.mktemp("weights"), document_tokens=48,
-                            max_documents=24, test_documents=4)  # fmt: skip
+    config = tiny_training(tiny_llama_dir, tmp_path_factory.mktemp("weights"))
     return str(train(config, "tests/conftest.py", log=lambda line: None))
 
 

@@ -7,9 +7,12 @@ differ enough for rankings to be meaningful.
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
+from typing import Optional
 
 import torch
+from safetensors.torch import save_file
 
 from sgl_kvevict.config import EvictionConfig, build_policy
 from sgl_kvevict.plan import CompressionPlan
@@ -61,6 +64,39 @@ def learned_weights_file(directory: Path, num_layers: int, num_kv_heads: int, se
     path = directory / f"learned-{num_layers}x{num_kv_heads}-{seed}.safetensors"
     weights.save(path)
     return path
+
+
+def kvzap_folder(
+    directory: Path, num_layers: int, input_dim: int, output_dim: int, hidden_dim: Optional[int],
+    dtype: torch.dtype = torch.float32, seed: int = 0,
+) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A random KVzap scorer in the layout kvpress saves (``KVzapModel.save_pretrained``; hub
+    nvidia/KVzap-linear-<model>, nvidia/KVzap-mlp-<model>): config.json with model_type "kvzap" and
+    ``module_list.<layer>`` parameters, ``.weight``/``.bias`` of one Linear, or ``.0.*``/``.2.*`` of
+    Linear-GELU-Linear. Returns the folder and its tensors by name."""
+    generator = torch.Generator().manual_seed(seed)
+    linears = [("", input_dim, output_dim)] if hidden_dim is None else [(".0", input_dim, hidden_dim), (".2", hidden_dim, output_dim)]
+    tensors = {}
+    for layer in range(num_layers):
+        for index, fan_in, fan_out in linears:
+            tensors[f"module_list.{layer}{index}.weight"] = torch.randn(fan_out, fan_in, generator=generator).to(dtype)
+            tensors[f"module_list.{layer}{index}.bias"] = torch.randn(fan_out, generator=generator).to(dtype)
+    folder = directory / f"KVzap-{'linear' if hidden_dim is None else 'mlp'}-{seed}"
+    folder.mkdir(parents=True)
+    config = {"architectures": ["KVzapModel"], "model_type": "kvzap", "input_dim": input_dim, "output_dim": output_dim,
+              "hidden_dim": hidden_dim, "n_modules": num_layers, "dtype": str(dtype).removeprefix("torch."),
+              "transformers_version": "4.57.1"}  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder, tensors
+
+
+def tiny_training(model_dir: Path, out: Path, **options):
+    """The learned scorer's training on a tiny model: 24 short documents, 4 held out (about a second)."""
+    from sgl_kvevict.reference.train_scorer import TrainingConfig
+
+    return TrainingConfig(model=str(model_dir), out=out, document_tokens=48, max_documents=24, test_documents=4,
+                          **options)  # fmt: skip
 
 
 def policy_config(policy: str, spec: SegmentSpec, weights_dir: Path, **options) -> EvictionConfig:

@@ -34,6 +34,11 @@ def launcher_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "sgl_kvevict.server", *args]
 
 
+def error_lines(output: str) -> list[str]:
+    """The launcher's error lines in its output."""
+    return [line for line in output.splitlines() if "error:" in line]
+
+
 @dataclass
 class RunningServer:
     """api_key, admin_api_key: the keys the server was started with; requests present them."""

@@ -175,7 +175,7 @@ MISTAKES = [
         dict(policy="snapkv", learned_weights="weights.safetensors"),
         "learned weights 'weights.safetensors' does not apply to policy 'snapkv' with score 'attn' (it applies to score learned)",
     ),
-    (dict(policy="topk", score="learned", learned_weights="/nonexistent.safetensors"), "learned weights '/nonexistent.safetensors' is not a file"),
+    (dict(policy="topk", score="learned", learned_weights="/nonexistent.safetensors"), "learned weights '/nonexistent.safetensors' does not exist"),
     (dict(policy="pyramidkv", score="obc-key"), "score 'obc-key' does not apply to policy 'pyramidkv'"),
     (dict(policy="tova", score="obc-joint", window=8), "use window 1 with tova (got 8)"),
     (dict(policy="ada-snapkv", alpha=-0.1), "alpha -0.1 must be in [0, 1]"),

@@ -39,7 +39,7 @@ from sgl_kvevict.scoring.kvzip import MIN_CHUNK_TOKENS
 pytestmark = pytest.mark.server
 
 SCOPES = ("request", "block")
-# The tiny model's context length (``build_tiny_llama``'s max_position_embeddings).
+# The tiny model's context length (``build_tiny_model``'s max_position_embeddings).
 CONTEXT_LENGTH = 4096
 # Compressed with shrunken KVzip chunks; the longest prompt SGLang accepts (no room for any pass); one more.
 SHRUNK_CHUNKS, AT_THE_LIMIT, OVER_THE_LIMIT = 3900, CONTEXT_LENGTH - 7, CONTEXT_LENGTH - 6

@@ -24,9 +24,9 @@ DECODE_STEPS = 48
 
 @pytest.fixture(scope="module")
 def six_layer_llama(tmp_path_factory):
-    from sgl_kvevict.checkpoints import build_tiny_llama
+    from sgl_kvevict.checkpoints import build_tiny_model
 
-    return build_tiny_llama(tmp_path_factory.mktemp("six-layers"), num_layers=6)
+    return build_tiny_model(tmp_path_factory.mktemp("six-layers"), num_layers=6)
 
 
 def decode_calls_per_forward(model, tmp_path, policy_flags: tuple[str, ...]) -> float:

@@ -9,7 +9,7 @@ import pytest
 
 from sgl_kvevict.limits import LIMITS
 from sgl_kvevict.server.flags import build_parser
-from sgl_kvevict.server.flags_table import BEGIN, END, main, render, section_of, split_help
+from sgl_kvevict.server.flags_table import SECTION, main, render, split_help
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -29,11 +29,11 @@ def test_every_flag_of_ours_has_a_row_with_its_default_and_every_limit_is_listed
 
 def test_write_replaces_the_section_and_check_sees_a_stale_one(tmp_path, capsys):
     readme = tmp_path / "README.md"
-    readme.write_text(f"# title\n\n{BEGIN}\nold table\n{END}\n\nafter\n")
+    readme.write_text(f"# title\n\n{SECTION.begin}\nold table\n{SECTION.end}\n\nafter\n")
     assert main(["--check", str(readme)]) == 1
     assert "stale" in capsys.readouterr().out
     assert main(["--write", str(readme)]) == 0
-    assert readme.read_text() == f"# title\n\n{render()}\n\nafter\n"
+    assert readme.read_text() == f"# title\n\n{SECTION.fresh()}\n\nafter\n"
     assert main(["--check", str(readme)]) == 0
     readme.write_text("no markers")
     with pytest.raises(ValueError, match="no generated flags section"):
@@ -41,4 +41,4 @@ def test_write_replaces_the_section_and_check_sees_a_stale_one(tmp_path, capsys)
 
 
 def test_the_readme_flags_section_is_current():
-    assert section_of(README.read_text()) == render(), "run python -m sgl_kvevict.server.flags_table --write README.md"
+    assert SECTION.of(README.read_text()) == SECTION.fresh(), "run python -m sgl_kvevict.server.flags_table --write README.md"

@@ -56,6 +56,8 @@ BATCHES = [
     Batch(num_kv_heads=1, group=8, head_dim=128, q_lens=(1, 9), cell_counts=((70,), (2,))),
     # G = 2 decode over long and uneven sequences: several blocks per split, splits of uneven size
     Batch(num_kv_heads=3, group=2, head_dim=64, q_lens=(1, 1), cell_counts=((300, 0, 1), (97, 64, 33))),
+    # Gemma's and Qwen3-Next's head size
+    Batch(num_kv_heads=1, group=2, head_dim=256, q_lens=(1, 3), cell_counts=((9,), (40,))),
 ]
 # Cell splits per sequence: none; 3 (uneven, e.g. 33 cells -> 32 + 1 + 0); 8 (most splits empty).
 KV_SPLITS = [1, 3, 8]

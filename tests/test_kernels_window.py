@@ -62,6 +62,7 @@ SHAPES = [
     Shape(num_kv_heads=1, group=3, head_dim=128, context_len=12, window=12),  # the window is the context
     Shape(num_kv_heads=2, group=4, head_dim=64, context_len=1, window=1),  # a single key
     Shape(num_kv_heads=2, group=2, head_dim=128, context_len=50, window=40, head_dim_v=64),  # w > a key block
+    Shape(num_kv_heads=1, group=2, head_dim=256, context_len=20, window=4),  # Gemma's head size
 ]
 
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from serving import free_port, launcher_command
+from serving import error_lines, free_port, launcher_command
 
 # Validation happens before SGLang is imported; a run that got as far as loading would take >20 s.
 FAST_EXIT_SECONDS = 15
@@ -18,10 +18,6 @@ def run_launcher(*args: str) -> tuple[int, str, float]:
     start = time.monotonic()
     result = subprocess.run(launcher_command(*args), capture_output=True, text=True, timeout=120)
     return result.returncode, result.stdout + result.stderr, time.monotonic() - start
-
-
-def error_lines(output: str) -> list[str]:
-    return [line for line in output.splitlines() if "error:" in line]
 
 
 def test_unknown_policy_is_refused_with_the_valid_names(tiny_llama_dir):

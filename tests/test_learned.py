@@ -4,15 +4,16 @@ clear line per mistake, and the training pipeline on the tiny model (seconds).""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
 
-from conftest_policies import learned_weights_file
+from conftest_policies import learned_weights_file, tiny_training
 from sgl_kvevict.config import EvictionConfig, build_policy
 from sgl_kvevict.reference import Mode, ReferenceEngine
 from sgl_kvevict.reference.ridge import RegressionStatistics
-from sgl_kvevict.reference.train_scorer import TrainingConfig, main, top_overlap, train
+from sgl_kvevict.reference.train_scorer import main, top_overlap, train
 from sgl_kvevict.scoring import learned
 from sgl_kvevict.scoring.learned import (
     LearnedScorer,
@@ -28,7 +29,7 @@ from sgl_kvevict.settings import ConfigError
 def trained(tiny_llama_dir, tmp_path_factory):
     """Weights trained on the tiny model from 24 short pydoc documents (4 held out), about a second."""
     out = tmp_path_factory.mktemp("weights")
-    config = TrainingConfig(model=str(tiny_llama_dir), out=out, document_tokens=48, max_documents=24, test_documents=4)
+    config = tiny_training(tiny_llama_dir, out)
     lines: list[str] = []
     path = train(config, "test command", log=lines.append)
     return path, lines
@@ -63,7 +64,7 @@ def test_the_bundled_weights_are_found_by_fingerprint(trained, tiny_llama_dir, m
     assert resolve_learned_weights(EvictionConfig.for_policy("topk").score_knobs, tiny_llama_dir) is None  # kvzip: none needed
     bound = build_policy(config).for_model(tiny_llama_dir)
     assert isinstance(bound.scorer, LearnedScorer) and bound.scorer.weights is LearnedWeights.load(path)
-    # Another model (same shapes, other weights) has no weights: one line naming the training command.
+    # Another model (same shapes, other weights) has no weights: one line naming both ways to get them.
     other = tmp_path / "other-model"
     other.mkdir()
     (other / "config.json").write_text((tiny_llama_dir / "config.json").read_text())
@@ -72,6 +73,7 @@ def test_the_bundled_weights_are_found_by_fingerprint(trained, tiny_llama_dir, m
         resolve_learned_weights(config.score_knobs, other)
     message = str(error.value)
     assert "no bundled weights" in message and "python -m sgl_kvevict.reference.train_scorer --model" in message
+    assert "folder of a KVzap scorer published for this model" in message
     assert "\n" not in message
 
 
@@ -168,3 +170,73 @@ def test_the_bundled_smollm2_weights_are_found_and_fit(smollm2_dir):
     assert manifest["fingerprint"] == model_fingerprint(smollm2_dir)
     assert manifest["shape"] == {"num_layers": 30, "hidden_size": 576, "num_kv_heads": 3}
     assert manifest["fit"]["test_top25_overlap_global"] > manifest["fit"]["random_top25_overlap"]
+
+
+def test_spearman_ranks_ties_by_their_mean_rank():
+    from sgl_kvevict.reference.train_scorer import spearman
+
+    true = torch.tensor([[1.0, 2.0, 3.0, 4.0], [1.0, 1.0, 2.0, 5.0], [3.0, 3.0, 3.0, 3.0]])
+    predicted = torch.tensor([[1.0, 3.0, 2.0, 4.0], [1.0, 2.0, 3.0, 4.0], [1.0, 2.0, 3.0, 4.0]])
+    # Row 0: 1 - 6 sum(d^2) / (n (n^2 - 1)) = 1 - 6 * 2 / 60. Row 1: ranks (1.5, 1.5, 3, 4) against (1, 2, 3, 4),
+    # centred (-1, -1, 0.5, 1.5) and (-1.5, -0.5, 0.5, 1.5): 4.5 / sqrt(4.5 * 5). Row 2: constant, 0.
+    expected = torch.tensor([0.8, 4.5 / math.sqrt(4.5 * 5), 0.0], dtype=torch.float64)
+    torch.testing.assert_close(spearman(true, predicted), expected)
+
+
+def test_the_users_own_documents_train_the_scorer_and_the_fit_is_reported_beside_the_weights(tiny_llama_dir, tmp_path):
+    from pydoc_data.topics import topics
+
+    from sgl_kvevict.reference.corpus import source_texts
+
+    corpus = tmp_path / "my-documents"
+    (corpus / "notes").mkdir(parents=True)
+    names = sorted(topics)[:12]
+    for index, name in enumerate(names):
+        (corpus / ("notes" if index % 2 else ".") / f"{name}.txt").write_text(topics[name])
+    (corpus / "image.bin").write_bytes(bytes(range(256)) * 4)  # not text: skipped
+    (corpus / ".hidden.txt").write_text("skipped")
+    assert {name for name, _ in source_texts(str(corpus))} == {
+        f"file:{'notes/' if index % 2 else ''}{name}.txt" for index, name in enumerate(names)
+    }
+    config = tiny_training(tiny_llama_dir, tmp_path / "out", sources=(str(corpus),))
+    lines: list[str] = []
+    path = train(config, "test command", log=lines.append)
+    manifest = json.loads(path.with_suffix(".json").read_text())
+    assert manifest["corpus"]["sources"] == [f"the text files under {corpus}"]
+    assert all(name.startswith("file:") for name in manifest["corpus"]["test_documents"])
+    fit = manifest["fit"]
+    assert len(fit["test_spearman_per_layer"]) == 2 and -1.0 <= fit["test_spearman_mean"] <= 1.0
+    assert fit["test_spearman_mean"] > 0.1  # the predictions rank like KVzip's score on held-out documents
+    assert manifest["estimate"]["seconds"] >= 0 and manifest["estimate"]["device_bytes"] > 0
+    assert lines[1].startswith("[train_scorer] estimate: about ") and "GiB of RAM" in lines[1]
+    assert f"held-out Spearman with KVzip's score {fit['test_spearman_mean']}" in lines[-1]
+
+
+def test_the_estimate_comes_before_the_model_loads_and_long_documents_are_one_line(tiny_llama_dir, tmp_path, capsys):
+    base = ["--model", str(tiny_llama_dir), "--out", str(tmp_path), "--max-documents", "24", "--test-documents", "4"]
+    assert main([*base, "--document-tokens", "48", "--estimate-only"]) == 0
+    out = capsys.readouterr().out.strip()
+    assert out.startswith(f"train_scorer: {tiny_llama_dir.name}, 4 test, 3 validation, 17 train documents: about ")
+    assert "GiB of RAM" in out and "\n" not in out and not list(tmp_path.iterdir())
+    assert main([*base, "--document-tokens", "48", "--estimate-only", "--device", "cuda"]) == 0
+    assert "not measured" in capsys.readouterr().out
+    # The tiny model's context is 4096 positions: documents of up to 4090 tokens leave none for KVzip's passes.
+    (tmp_path / "long.txt").write_text("the cache key value token layer\n" * 4000)
+    assert main(["--model", str(tiny_llama_dir), "--out", str(tmp_path / "out"), "--corpus", str(tmp_path / "long.txt"),
+                 "--document-tokens", "4090", "--test-documents", "1"]) == 2  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert "leaves no room for KVzip's reconstruction passes" in err and "\n" not in err
+
+
+def test_the_cost_model_counts_the_models_parameters_and_grows_with_the_documents(tiny_llama_dir):
+    from safetensors.torch import load_file
+
+    from sgl_kvevict.reference.training_cost import ModelSize, TrainingCost
+
+    size = ModelSize.of(tiny_llama_dir)
+    assert size.parameters == sum(tensor.numel() for tensor in load_file(str(tiny_llama_dir / "model.safetensors")).values())
+    assert (size.shape, size.num_q_heads, size.head_dim) == (ModelShape(2, 64, 2), 4, 16)
+    short, long = (TrainingCost.estimate(size, [n] * 10, "cpu") for n in (500, 2000))
+    assert 4 < long.seconds / short.seconds < 16  # between linear and quadratic in the document length
+    assert long.device_bytes > short.device_bytes
+    assert TrainingCost.estimate(size, [500] * 10, "cpu", threads=4).seconds == pytest.approx(short.seconds / 4)

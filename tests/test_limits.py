@@ -36,7 +36,9 @@ BROKEN_SETUPS = {
     "PD disaggregation": {"disaggregation": True},
     "several tokenizer workers": {"tokenizer_workers": 4},
     "attention backend": {"attention_backend_wrapped": False},
-    "hybrid models": {"hybrid_model": True},
+    "MLA models": {"mla_model": True},
+    "sliding-window layers": {"sliding_window_layers": True},
+    "state-space layers": {"state_space_layers": True},
 }
 # Limits only the launcher can refuse, each for the reason its text gives.
 LAUNCHER_ONLY = {"another radix-cache backend", "config file"}

@@ -85,7 +85,10 @@ def unsupported_features(ctx: TreeCacheBuildContext, attn_backend) -> list[str]:
         disaggregation=get_disagg().disaggregation_mode != "null",
         tokenizer_workers=get_serving().tokenizer_worker_num,
         attention_backend_wrapped=isinstance(attn_backend, SegmentAttentionBackend),
-        hybrid_model=ctx.is_hybrid_swa or ctx.is_hybrid_ssm,
+        mla_model=runner.use_mla_backend,
+        # SGLang sets a window for models with local layers in the one pool (Gemma 2/3) and hybrid SWA pools.
+        sliding_window_layers=ctx.is_hybrid_swa or runner.sliding_window_size is not None,
+        state_space_layers=ctx.is_hybrid_ssm,
     )
     return violations(facts)
 

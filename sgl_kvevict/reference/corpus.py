@@ -1,12 +1,14 @@
-"""Real text available offline, cut into documents of about a given token length (training corpus of
-the learned scorer, ``train_scorer``).
+"""Real text, cut into documents of about a given token length (training corpus of the learned scorer,
+``train_scorer``).
 
-Sources, both present on every machine the project runs on:
+Sources: two present on every machine the project runs on, and the user's own documents.
 
 * ``pydoc``: the Python documentation topics shipped with the interpreter (``pydoc_data.topics``,
   the text of ``help("topic")``): about 465K characters of technical prose and code for Python 3.11;
 * ``readmes``: the long descriptions (README text) in the metadata of the installed distributions;
-  larger, but it depends on what is installed, so runs on other machines see other text.
+  larger, but it depends on what is installed, so runs on other machines see other text;
+* a path: a UTF-8 text file, or a folder whose files (every level, in name order; hidden ones and
+  files that are not UTF-8 text skipped) are the texts: the documents the served model will see.
 
 Never the benchmarks' synthetic filler or questions: the scorer must not learn the test tasks.
 """
@@ -14,6 +16,7 @@ Never the benchmarks' synthetic filler or questions: the scorer must not learn t
 from __future__ import annotations
 
 import importlib.metadata
+from pathlib import Path
 from typing import Callable, Iterator
 
 CORPUS_SOURCES = ("pydoc", "readmes")
@@ -21,9 +24,31 @@ CORPUS_SOURCES = ("pydoc", "readmes")
 _MIN_README_CHARACTERS = 2000
 
 
+def check_source(source: str) -> None:
+    """``ValueError`` (one line) unless ``source`` is a named source or an existing file or folder."""
+    if source not in CORPUS_SOURCES and not Path(source).exists():
+        raise ValueError(
+            f"corpus source {source!r} is neither a named source ({', '.join(CORPUS_SOURCES)}) nor a file or folder"
+        )
+
+
+def describe_source(source: str) -> str:
+    """Where a source's text comes from, for the manifest."""
+    if source == "pydoc":
+        import platform
+
+        return f"pydoc_data.topics (Python {platform.python_version()})"
+    if source == "readmes":
+        return "long descriptions of the installed distributions' metadata"
+    return f"the text files under {Path(source).resolve()}"
+
+
 def source_texts(source: str) -> Iterator[tuple[str, str]]:
     """(name, text) pairs of one source, in a fixed order."""
-    if source == "pydoc":
+    check_source(source)
+    if source not in CORPUS_SOURCES:
+        yield from _file_texts(Path(source))
+    elif source == "pydoc":
         from pydoc_data.topics import topics
 
         for name in sorted(topics):
@@ -34,8 +59,20 @@ def source_texts(source: str) -> Iterator[tuple[str, str]]:
             text = metadata.get_payload() or metadata.get("Description") or ""
             if len(text) >= _MIN_README_CHARACTERS:
                 yield f"readme:{metadata['Name']}", text
-    else:
-        raise ValueError(f"unknown corpus source {source!r}; valid: {', '.join(CORPUS_SOURCES)}")
+
+
+def _file_texts(root: Path) -> Iterator[tuple[str, str]]:
+    """A file's text, or every text file under a folder, named by their path below it."""
+    files = [root] if root.is_file() else sorted(path for path in root.rglob("*") if path.is_file())
+    for path in files:
+        relative = path.relative_to(root) if path != root else Path(path.name)
+        if any(part.startswith(".") for part in relative.parts):
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue  # not text
+        yield f"file:{relative}", text
 
 
 def documents(

@@ -14,7 +14,7 @@ Policies with KVzip scores get their reconstruction passes after the forward (``
 exactly the contract of ``scoring.kvzip``); learned scores read the forward's attention inputs. A
 policy is bound to this engine's model (``policy.for_model``) before it compresses anything.
 
-Supported: decoder-only Llama, Mistral, Qwen2 and Qwen3 folders (their attention dispatches through
+Supported: decoder-only Llama, Mistral, Phi-3, Qwen2 and Qwen3 folders (their attention dispatches through
 transformers' attention interface, which is where scoring and eviction happen: see ``attention.py``).
 """
 
@@ -43,7 +43,7 @@ from sgl_kvevict.reference.keep_mask import HeadwiseKeepMask
 from sgl_kvevict.reference.schedule import Mode, Schedule, Segment
 from sgl_kvevict.scoring.kvzip import NoRoomForPasses, ReconstructionPrompt, reconstruction_chunks
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True)
@@ -94,12 +94,16 @@ class GenerationResult:
 
 
 class ReferenceEngine:
-    """A HF causal LM with head-wise KV eviction. ``model``: ``"smollm2"`` or a HF model folder."""
+    """A HF causal LM with head-wise KV eviction. ``model``: ``"smollm2"`` or a HF model folder.
 
-    def __init__(self, model: str | Path = "smollm2", dtype: torch.dtype = torch.float32):
+    device: where the model runs. Parity and quality runs use the CPU; ``train_scorer`` may run on a GPU
+    (its sequences evict nothing, so keep masks never leave the CPU)."""
+
+    def __init__(self, model: str | Path = "smollm2", dtype: torch.dtype = torch.float32, device: str = "cpu"):
         self.model_dir = resolve_model(str(model))
+        self.device = torch.device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype).to(self.device).eval()
         config = self.model.config
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -186,8 +190,8 @@ class ReferenceEngine:
         """One forward of ``token_ids`` at positions from ``position``, appended to the cache; fp32 ``[vocab]``
         logits after the last token."""
         output = self.model(
-            input_ids=torch.tensor([list(token_ids)], dtype=torch.int64),
-            position_ids=torch.arange(position, position + len(token_ids)).unsqueeze(0),
+            input_ids=torch.tensor([list(token_ids)], dtype=torch.int64, device=self.device),
+            position_ids=torch.arange(position, position + len(token_ids), device=self.device).unsqueeze(0),
             past_key_values=sequence.cache,
             use_cache=True,
             logits_to_keep=1,

@@ -1,13 +1,17 @@
 """Fit the learned scorer (``scoring.learned``) for a local HF model, from real text, with KVzip's
 scores from this reference engine as targets.
 
-    python -m sgl_kvevict.reference.train_scorer --model smollm2 [--out DIR]
+    python -m sgl_kvevict.reference.train_scorer --model MODEL_DIR --corpus DOCS --out DIR [--device cuda]
 
 Pipeline:
 
-1. Documents: the offline corpus (``corpus.py``; default the Python documentation topics) packed
-   into documents of about ``--document-tokens`` tokens, shuffled by ``--seed`` and split by
-   document into train, validation (``--validation-fraction``) and test (``--test-documents``).
+0. Before the model loads: the documents are split and measured, the longest is checked to leave
+   room for KVzip's passes before the model's context length, and the run's time and peak memory are
+   estimated (``training_cost.py``) and printed; ``--estimate-only`` stops there.
+1. Documents: the corpus (``corpus.py``: the Python documentation topics by default, or the user's own
+   text files, ``--corpus PATH``) packed into documents of half to all of ``--document-tokens``
+   tokens, shuffled by ``--seed`` and split by document into train, validation
+   (``--validation-fraction``) and test (``--test-documents``).
 2. Per document: the chat-template user turn holding it (the context of a context-only prompt) is
    prefilled with a policy that only records, per layer, the attention inputs (features, captured by
    a pre-hook on each attention module) and ``log max(KVzip score, floor)`` (targets: the max
@@ -16,17 +20,21 @@ Pipeline:
    ranks by, so the two are interchangeable in every policy.
 3. Per layer, ridge regression in closed form (``ridge.py``) on standardised features; the penalty
    minimises the validation error, then the fit is redone on train + validation.
-4. Test documents: R^2 per layer, and how much of KVzip's own selection at 25% (one global top-k
-   over layers, heads and positions, and per (layer, head)) the predictions select.
+4. Test documents: R^2 per layer, Spearman's rank correlation of the predictions with KVzip's score
+   per (layer, KV head), and how much of KVzip's own selection at 25% (one global top-k over layers,
+   heads and positions, and per (layer, head)) the predictions select.
 
-Writes ``<model folder name>.safetensors`` and its ``.json`` manifest into ``--out`` (default the
-package's bundled weights, where the scorer finds them by the model's fingerprint).
+Writes ``<model folder name>.safetensors`` and its ``.json`` manifest, which holds the report of the
+fit (``fit``: those test metrics) and the estimate next to the real time, into ``--out`` (default the
+package's bundled weights, where the scorer finds them by the model's fingerprint). The reference
+engine runs on ``--device`` (the CPU by default; ``cuda`` has not been run by this project).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import platform
 import random
 import shlex
@@ -43,11 +51,13 @@ from transformers import AutoTokenizer
 from sgl_kvevict.models import ModelError, resolve_model
 from sgl_kvevict.plan import CompressionPlan
 from sgl_kvevict.policies.base import Policy, SegmentCompressor, SegmentSpec
-from sgl_kvevict.reference.corpus import CORPUS_SOURCES, documents, source_texts
+from sgl_kvevict.reference.corpus import check_source, describe_source, documents, source_texts
 from sgl_kvevict.reference.engine import ReferenceEngine
 from sgl_kvevict.reference.ridge import RegressionStatistics
 from sgl_kvevict.reference.schedule import Segment
+from sgl_kvevict.reference.training_cost import ModelSize, TrainingCost
 from sgl_kvevict.scoring import KVzipScorer, Reduction
+from sgl_kvevict.scoring.kvzip import MIN_CHUNK_TOKENS, NoRoomForPasses, ReconstructionPrompt
 from sgl_kvevict.scoring.learned import BUNDLED_WEIGHTS_DIR, LearnedWeights, ModelShape, model_fingerprint
 from sgl_kvevict.scoring.window import RECONSTRUCTION_QUERIES, StatsRequest, WindowStats
 from sgl_kvevict.settings import ConfigError
@@ -72,11 +82,15 @@ class TrainingConfig:
     validation_fraction: float = 0.15
     seed: int = 0
     sink_tokens: int = 4
+    device: str = "cpu"
+    threads: int = 1
 
     def __post_init__(self):
-        unknown = [s for s in self.sources if s not in CORPUS_SOURCES]
-        if unknown:
-            raise ConfigError(f"unknown corpus sources {unknown}; valid: {', '.join(CORPUS_SOURCES)}")
+        for source in self.sources:
+            try:
+                check_source(source)
+            except ValueError as error:
+                raise ConfigError(str(error)) from None
         if self.document_tokens < 16 or self.test_documents < 1 or not 0.0 < self.validation_fraction < 1.0:
             raise ConfigError("document tokens must be >= 16, test documents >= 1, validation fraction in (0, 1)")
 
@@ -119,9 +133,9 @@ class _Recording(SegmentCompressor):
 
     def observe(self, layer: int, stats: WindowStats) -> None:
         kvzip = KVZIP_TARGET(stats, self.positions, self.spec.num_kv_heads, layer)  # [H_kv, n]
-        self.targets[layer] = kvzip.clamp(min=TARGET_FLOOR).log().t()
+        self.targets[layer] = kvzip.clamp(min=TARGET_FLOOR).log().t().cpu()  # the regression runs on the CPU
         rows = slice(self.positions.start - stats.hidden_start, self.positions.stop - stats.hidden_start)
-        self.features[layer] = stats.hidden_states[rows].float()
+        self.features[layer] = stats.hidden_states[rows].float().cpu()
 
     def plan(self) -> CompressionPlan:
         spec = self.spec
@@ -145,6 +159,24 @@ def document_features(
 # --------------------------------------------------------------------------------------------------
 
 
+def spearman(true: torch.Tensor, predicted: torch.Tensor) -> torch.Tensor:
+    """float64 ``[rows]``: Spearman's rank correlation of each row of ``[rows, n]`` scores (tied values
+    take their mean rank, as the targets' floor ties many)."""
+    ranks = [_mean_ranks(scores) for scores in (true, predicted)]
+    centred = [rank - rank.mean(-1, keepdim=True) for rank in ranks]
+    norms = centred[0].norm(dim=-1) * centred[1].norm(dim=-1)
+    return (centred[0] * centred[1]).sum(-1) / norms.clamp(min=1e-12)  # a constant row correlates 0
+
+
+def _mean_ranks(scores: torch.Tensor) -> torch.Tensor:
+    ranks = torch.empty(scores.shape, dtype=torch.float64)
+    for row, values in enumerate(scores):
+        _, inverse, counts = torch.unique(values, return_inverse=True, return_counts=True)
+        last = counts.cumsum(0).double()  # the 1-based rank of each distinct value's last occurrence
+        ranks[row] = (last - (counts - 1) / 2)[inverse]
+    return ranks
+
+
 def top_overlap(true: torch.Tensor, predicted: torch.Tensor, fraction: float) -> float:
     """Mean over rows of ``|top-k(true) ∩ top-k(predicted)| / k``, ``k = round(fraction * n)``, for
     ``[rows, n]`` scores (a random ranking scores ``fraction`` on average)."""
@@ -161,9 +193,10 @@ class HeldOutMetrics:
     statistics: list[RegressionStatistics]
     global_overlap: list[float]
     per_head_overlap: list[float]
+    spearman_per_layer: list[list[float]]  # per layer, one mean over KV heads per document
 
     def add(self, features: list[torch.Tensor], targets: list[torch.Tensor], weights: LearnedWeights) -> None:
-        predictions = [x @ weights.weight[layer].t() + weights.bias[layer] for layer, x in enumerate(features)]
+        predictions = [weights.scores(layer, x).t() for layer, x in enumerate(features)]
         for stats, x, y in zip(self.statistics, features, targets):
             stats.add(x, y)
         true = torch.stack(targets).transpose(1, 2)  # [L, H_kv, n]
@@ -172,6 +205,9 @@ class HeldOutMetrics:
         self.per_head_overlap.append(
             top_overlap(true.reshape(-1, true.shape[-1]), predicted.reshape(-1, true.shape[-1]), KEEP_FRACTION)
         )
+        per_head = spearman(true.reshape(-1, true.shape[-1]), predicted.reshape(-1, true.shape[-1]))
+        for layer, correlations in enumerate(per_head.view(true.shape[0], -1)):
+            self.spearman_per_layer[layer].append(float(correlations.mean()))
 
     def summary(self, weights: LearnedWeights, ridges: list[float]) -> dict:
         r2 = self.r2_per_layer(weights)
@@ -181,6 +217,8 @@ class HeldOutMetrics:
             "ridge_per_layer": ridges,
             "test_r2_mean": round(sum(r2) / len(r2), 4),
             "test_r2_per_layer": [round(value, 4) for value in r2],
+            "test_spearman_mean": round(_mean([_mean(layer) for layer in self.spearman_per_layer]), 4),
+            "test_spearman_per_layer": [round(_mean(layer), 4) for layer in self.spearman_per_layer],
             "test_top25_overlap_global": round(_mean(self.global_overlap), 4),
             "test_top25_overlap_per_head": round(_mean(self.per_head_overlap), 4),
             "random_top25_overlap": KEEP_FRACTION,
@@ -258,20 +296,53 @@ class _DocumentRunner:
         return statistics
 
     def held_out_metrics(self, docs: list[tuple[str, str]], weights: LearnedWeights) -> "HeldOutMetrics":
-        metrics = HeldOutMetrics(self.empty_statistics(), [], [])
+        metrics = HeldOutMetrics(self.empty_statistics(), [], [], [[] for _ in range(self.shape.num_layers)])
         for features, targets in self.features(docs):
             metrics.add(features, targets, weights)
         return metrics
 
 
+@dataclass(frozen=True)
+class PlannedRun:
+    """What a run will read, and its estimated cost, known before the model loads."""
+
+    model_dir: Path
+    splits: dict[str, list[tuple[str, str]]]
+    cost: TrainingCost
+
+
+def plan_run(config: TrainingConfig) -> PlannedRun:
+    """Split the corpus, check the longest document leaves room for KVzip's passes, estimate the cost:
+    a corpus too small or documents too long are one line, not a line after minutes."""
+    model_dir = resolve_model(config.model)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    splits = split_documents(config, corpus_documents(config, tokenizer))
+    # The longest segment: a document in the chat template's user turn (the rendered turn bounds its wrapping).
+    turn = tokenizer.apply_chat_template([{"role": "user", "content": ""}], tokenize=False, add_generation_prompt=True)
+    wrapping = len(tokenizer.encode(turn, add_special_tokens=False))
+    lengths = [len(tokenizer.encode(text, add_special_tokens=False)) + wrapping for docs in splits.values() for _, text in docs]
+    context_length = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings")
+    prompt = ReconstructionPrompt.from_tokenizer(tokenizer)
+    try:
+        prompt.chunk_size_before(max(lengths), context_length)
+    except NoRoomForPasses:
+        raise ConfigError(
+            f"--document-tokens {config.document_tokens}: the longest document, {max(lengths)} tokens in the chat "
+            f"template, leaves no room for KVzip's reconstruction passes (at least {prompt.fixed_tokens + MIN_CHUNK_TOKENS} "
+            f"positions) before the model's context length {context_length}; lower --document-tokens"
+        ) from None
+    return PlannedRun(model_dir, splits, TrainingCost.estimate(ModelSize.of(model_dir), lengths, config.device, config.threads))
+
+
 def train(config: TrainingConfig, command: str, log=functools.partial(print, flush=True)) -> Path:
     """Run the pipeline; returns the path of the written weights."""
     started, cpu_started = time.perf_counter(), time.process_time()
-    model_dir = resolve_model(config.model)
-    # Split before the model loads: a corpus too small is one line, not a line after minutes.
-    splits = split_documents(config, corpus_documents(config, AutoTokenizer.from_pretrained(model_dir)))
+    run = plan_run(config)
+    model_dir, splits = run.model_dir, run.splits
     log(f"[train_scorer] {model_dir.name}: " + ", ".join(f"{len(d)} {name}" for name, d in splits.items()))
-    runner = _DocumentRunner(ReferenceEngine(model_dir), config.sink_tokens, sum(map(len, splits.values())), log)
+    log(f"[train_scorer] estimate: {run.cost.describe()}")
+    engine = ReferenceEngine(model_dir, device=config.device)
+    runner = _DocumentRunner(engine, config.sink_tokens, sum(map(len, splits.values())), log)
     fitted = {name: runner.statistics(splits[name]) for name in ("train", "validation")}
     weights, ridges = fit_layers(fitted["train"], fitted["validation"])
     metrics = runner.held_out_metrics(splits["test"], weights)
@@ -285,7 +356,7 @@ def train(config: TrainingConfig, command: str, log=functools.partial(print, flu
         "target": f"log(max(KVzip score, {TARGET_FLOOR:g})): max attention over the reconstruction queries "
         "(scoring.kvzip, chunks of 2048), GQA max; positions after the sink tokens",
         "corpus": {
-            "sources": [_describe_source(source) for source in config.sources],
+            "sources": [describe_source(source) for source in config.sources],
             "documents": {name: len(d) for name, d in splits.items()},
             "tokens": {**{name: stats[0].count for name, stats in fitted.items()}, "test": metrics.statistics[0].count},
             "document_tokens": [config.document_tokens // 2, config.document_tokens],
@@ -294,6 +365,10 @@ def train(config: TrainingConfig, command: str, log=functools.partial(print, flu
         },
         "fit": metrics.summary(weights, ridges),
         "command": command,
+        "device": config.device,
+        "threads": config.threads,
+        "estimate": {"seconds": round(run.cost.seconds), "device_bytes": run.cost.device_bytes,
+                     "host_bytes": run.cost.host_bytes},  # fmt: skip
         "seconds": round(time.perf_counter() - started),
         "cpu_seconds": round(time.process_time() - cpu_started),
         "date": time.strftime("%Y-%m-%d %H:%M"),
@@ -303,9 +378,10 @@ def train(config: TrainingConfig, command: str, log=functools.partial(print, flu
     LearnedWeights(weights.weight, weights.bias, manifest).save(path)
     fit = manifest["fit"]
     log(
-        f"[train_scorer] wrote {path}: test R^2 {fit['test_r2_mean']}, top-25% overlap with KVzip "
-        f"{fit['test_top25_overlap_global']} global, {fit['test_top25_overlap_per_head']} per head (random 0.25), "
-        f"{manifest['seconds']} s ({manifest['cpu_seconds']} s of CPU)"
+        f"[train_scorer] wrote {path}: held-out Spearman with KVzip's score {fit['test_spearman_mean']}, R^2 "
+        f"{fit['test_r2_mean']}, top-25% overlap with KVzip {fit['test_top25_overlap_global']} global, "
+        f"{fit['test_top25_overlap_per_head']} per head (random 0.25), {manifest['seconds']} s "
+        f"({manifest['cpu_seconds']} s of CPU; estimated {manifest['estimate']['seconds']} s)"
     )
     return path
 
@@ -336,12 +412,6 @@ class _Progress:
         self.log(f"[train_scorer] {self.done}/{self.total} {name} ({elapsed:.0f} s, ETA {eta:.0f} s)")
 
 
-def _describe_source(source: str) -> str:
-    if source == "pydoc":
-        return f"pydoc_data.topics (Python {platform.python_version()})"
-    return "long descriptions of the installed distributions' metadata"
-
-
 def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values)
 
@@ -358,14 +428,19 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[TrainingConfig, in
     add = parser.add_argument
     add("--model", required=True, help="'smollm2' or a local HF model folder")
     add("--out", type=Path, default=BUNDLED_WEIGHTS_DIR, help=f"output folder (default {BUNDLED_WEIGHTS_DIR})")
-    add("--corpus", default="pydoc", help=f"comma-separated sources: {', '.join(CORPUS_SOURCES)} (default pydoc)")
-    add("--document-tokens", type=int, default=1000, help="documents of half this to this many tokens (default 1000)")
+    add("--corpus", default="pydoc", help="comma-separated sources: pydoc, readmes, or a text file or a folder of "
+        "them (your own documents; default pydoc)")
+    add("--document-tokens", type=int, default=1000, help="documents of half this to this many tokens, up to what "
+        "leaves room for KVzip's passes before the model's context length (default 1000)")
     add("--max-documents", type=int, help="use at most this many documents (default: all)")
     add("--test-documents", type=int, default=12, help="held-out documents for the metrics (default 12)")
     add("--validation-fraction", type=float, default=0.15, help="of the rest, to choose the penalty (default 0.15)")
     add("--seed", type=int, default=0, help="shuffles the documents before the split (default 0)")
     add("--sink-tokens", type=int, default=4, help="leading positions left out of the targets (always kept)")
     add("--threads", type=int, default=1, help="torch threads (default 1)")
+    add("--device", default="cpu", help="where the reference engine runs: cpu, or cuda (not run by this project; "
+        "default cpu)")
+    add("--estimate-only", action="store_true", help="print the documents and the estimated time and memory, then exit")
     args = parser.parse_args(argv)
     config = TrainingConfig(
         model=args.model,
@@ -377,15 +452,22 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[TrainingConfig, in
         validation_fraction=args.validation_fraction,
         seed=args.seed,
         sink_tokens=args.sink_tokens,
+        device=args.device,
+        threads=args.threads,
     )
-    return config, args.threads
+    return config, args.estimate_only
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        config, threads = parse_args(argv)
-        torch.set_num_threads(threads)
+        config, estimate_only = parse_args(argv)
+        torch.set_num_threads(config.threads)
+        if estimate_only:
+            run = plan_run(config)
+            documents = ", ".join(f"{len(docs)} {name}" for name, docs in run.splits.items())
+            print(f"train_scorer: {run.model_dir.name}, {documents} documents: {run.cost.describe()}")
+            return 0
         train(config, "python -m sgl_kvevict.reference.train_scorer " + " ".join(shlex.quote(a) for a in argv))
     except (ConfigError, ModelError) as error:
         print(f"train_scorer: {error}", file=sys.stderr)

@@ -7,7 +7,9 @@ predicts ``log max_i max_{h in g} A[h, i, p]`` over KVzip's reconstruction queri
 The weights are fitted offline by ridge regression (``python -m sgl_kvevict.reference.train_scorer``)
 and stored as a safetensors file (``weight [L, H_kv, d_model]``, ``bias [L, H_kv]``, fp32) with a
 JSON manifest beside it (same name, ``.json``): the model's fingerprint and shape, the corpus, the
-fit metrics and the command that made them.
+fit metrics and the command that made them. A KVzap checkpoint folder as NVIDIA publishes it
+(``scoring.kvzap_checkpoint``: linear, or an MLP with one GELU hidden layer) serves as the weights too:
+the same map from the same attention inputs.
 
 Contract with the engines (``StatsRequest(hidden_states=True)``): during the forward that prefills
 the segment, per layer, the engine takes the input of that layer's attention (after the input
@@ -39,6 +41,7 @@ from safetensors.torch import load_file, save_file
 
 from sgl_kvevict.common_settings import CommonSettings
 from sgl_kvevict.scoring.base import Reduction, RowScorer
+from sgl_kvevict.scoring.kvzap_checkpoint import KVZAP_MODEL_TYPE, KVZAP_WEIGHTS_FILE, read_kvzap_checkpoint
 from sgl_kvevict.scoring.window import StatsRequest, WindowStats
 from sgl_kvevict.settings import ConfigError, Settings, setting
 
@@ -121,48 +124,78 @@ def model_fingerprint(model_dir: Path) -> str:
 
 @dataclass(frozen=True)
 class LearnedWeights:
-    """weight: fp32 ``[L, H_kv, d_model]``; bias: fp32 ``[L, H_kv]``; manifest: the JSON beside the file."""
+    """A per-layer regressor from a layer's attention inputs ``x`` to one score per KV head: linear,
+    ``weight[l] x + bias[l]``, or with one hidden layer (KVzap's MLP),
+    ``weight[l] gelu(hidden_weight[l] x + hidden_bias[l]) + bias[l]``.
+
+    weight: fp32 ``[L, H_kv, d_in]`` (``d_in``: d_model, or the hidden width); bias: fp32 ``[L, H_kv]``;
+    hidden_weight: fp32 ``[L, hidden, d_model]`` and hidden_bias ``[L, hidden]``, or None (linear);
+    manifest: what made them (the JSON beside our files; a KVzap folder's config)."""
 
     weight: torch.Tensor
     bias: torch.Tensor
     manifest: dict[str, Any]
+    hidden_weight: Optional[torch.Tensor] = None
+    hidden_bias: Optional[torch.Tensor] = None
     # Per-device copies, made once per device an engine scores on (the policy is shared).
-    _on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = field(
+    _on_device: dict[torch.device, tuple[Optional[torch.Tensor], ...]] = field(
         default_factory=dict, compare=False, repr=False
     )
 
     @property
     def shape(self) -> ModelShape:
-        num_layers, num_kv_heads, hidden_size = self.weight.shape
-        return ModelShape(num_layers, hidden_size, num_kv_heads)
+        num_layers, num_kv_heads, _ = self.weight.shape
+        first = self.weight if self.hidden_weight is None else self.hidden_weight
+        return ModelShape(num_layers, first.shape[2], num_kv_heads)
 
-    def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if device not in self._on_device:
-            self._on_device[device] = (self.weight.to(device), self.bias.to(device))
-        return self._on_device[device]
+    def for_heads(self, rows: torch.Tensor, real: torch.Tensor) -> "LearnedWeights":
+        """The output rows ``rows`` only, each scaled by ``real`` (0: a padded head); the hidden layer
+        is shared by every head."""
+        return LearnedWeights(
+            self.weight[:, rows] * real[:, None], self.bias[:, rows] * real, self.manifest, self.hidden_weight,
+            self.hidden_bias,
+        )
+
+    def scores(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 ``[H_kv, n]`` for the attention inputs ``hidden [n, d_model]`` of ``layer``, on their device."""
+        if hidden.device not in self._on_device:
+            self._on_device[hidden.device] = tuple(
+                None if tensor is None else tensor.to(hidden.device)
+                for tensor in (self.weight, self.bias, self.hidden_weight, self.hidden_bias)
+            )
+        weight, bias, hidden_weight, hidden_bias = self._on_device[hidden.device]
+        x = hidden.float()
+        if hidden_weight is not None:
+            x = torch.nn.functional.gelu(torch.addmm(hidden_bias[layer], x, hidden_weight[layer].t()))
+        return torch.addmm(bias[layer], x, weight[layer].t()).t()
 
     def check_fits(self, model: ModelShape, model_dir: Path, source: Path) -> None:
         if self.shape != model:
             raise ConfigError(
                 f"learned weights {source} are for a model with {self.shape}, but {model_dir} has {model}; "
-                f"train weights for it with: {TRAIN_COMMAND} --model {model_dir} --out DIR"
+                f"{ways_to_get_weights(model_dir)}"
             )
 
     def save(self, path: Path) -> None:
-        """Write ``path`` (safetensors) and its manifest ``path.with_suffix('.json')``."""
+        """Write linear weights (what ``train_scorer`` fits) to ``path`` (safetensors) and their manifest
+        ``path.with_suffix('.json')``."""
+        if self.hidden_weight is not None:
+            raise ValueError("our weights file holds a linear map; a KVzap MLP stays in its own folder")
         path.parent.mkdir(parents=True, exist_ok=True)
         save_file({"weight": self.weight.contiguous(), "bias": self.bias.contiguous()}, str(path))
         manifest_path(path).write_text(json.dumps(self.manifest, indent=1) + "\n")
 
     @classmethod
     def load(cls, path: Union[str, Path]) -> "LearnedWeights":
+        """Our safetensors file (with its manifest beside it) or a KVzap checkpoint folder."""
         path = Path(path).resolve()
         try:
             return _load(path, path.stat().st_mtime_ns)
-        except (OSError, ValueError, KeyError, SafetensorError) as error:
+        except (OSError, ValueError, KeyError, TypeError, SafetensorError) as error:  # TypeError: a malformed config.json
             raise ConfigError(
                 f"learned weights {path} cannot be read ({error}); expected a safetensors file with 'weight' "
-                "[layers, KV heads, hidden size] and 'bias' [layers, KV heads], and its manifest beside it (.json)"
+                "[layers, KV heads, hidden size] and 'bias' [layers, KV heads] and its manifest beside it (.json), "
+                f"or a KVzap checkpoint folder (config.json with model_type {KVZAP_MODEL_TYPE!r}, {KVZAP_WEIGHTS_FILE})"
             ) from None
 
 
@@ -172,12 +205,26 @@ def manifest_path(weights_path: Path) -> Path:
 
 @functools.lru_cache(maxsize=8)
 def _load(path: Path, mtime_ns: int) -> LearnedWeights:
+    if path.is_dir():
+        checkpoint = read_kvzap_checkpoint(path)
+        manifest = {"format": "kvzap", "source": str(path), "config": checkpoint.config}
+        return LearnedWeights(checkpoint.weight, checkpoint.bias, manifest, checkpoint.hidden_weight,
+                              checkpoint.hidden_bias)  # fmt: skip
     tensors = load_file(str(path))
     manifest = json.loads(manifest_path(path).read_text())
     weight, bias = tensors["weight"].float(), tensors["bias"].float()
     if weight.dim() != 3 or bias.shape != weight.shape[:2]:
         raise ValueError(f"weight {tuple(weight.shape)} and bias {tuple(bias.shape)} do not match")
     return LearnedWeights(weight, bias, manifest)
+
+
+def ways_to_get_weights(model_dir: Path) -> str:
+    """The two ways to get learned weights for the model in ``model_dir``, for an error line."""
+    return (
+        f"train them with `{TRAIN_COMMAND} --model {model_dir} --out DIR` and pass --kv-evict-learned-weights "
+        "DIR/<name>.safetensors, or pass the folder of a KVzap scorer published for this model "
+        "(nvidia/KVzap-mlp-<model> or nvidia/KVzap-linear-<model>, downloaded) as --kv-evict-learned-weights FOLDER"
+    )
 
 
 def bundled_weights_for(model_dir: Path) -> Path:
@@ -188,8 +235,7 @@ def bundled_weights_for(model_dir: Path) -> Path:
             return manifest_file.with_suffix(".safetensors")
     raise ConfigError(
         f"score 'learned' has no bundled weights for the model in {model_dir} (fingerprint {fingerprint[:12]}); "
-        f"train them with `{TRAIN_COMMAND} --model {model_dir} --out DIR` and pass "
-        "--kv-evict-learned-weights DIR/<name>.safetensors"
+        f"{ways_to_get_weights(model_dir)}"
     )
 
 
@@ -224,9 +270,10 @@ class LearnedKnobs(Settings):
 
     learned_weights: Optional[str] = setting(
         None,
-        help="the learned score's regressor weights (.safetensors, with its .json manifest beside it); unset: the "
-        "weights bundled for the served model, found by its fingerprint",
-        valid=(lambda path: path is None or Path(path).is_file(), "learned weights {value!r} is not a file"),
+        help="the learned score's regressor weights: a .safetensors file with its .json manifest beside it (what "
+        "train_scorer writes), or a KVzap checkpoint folder as NVIDIA publishes it (nvidia/KVzap-mlp-<model>, "
+        "nvidia/KVzap-linear-<model>); unset: the weights bundled for the served model, found by its fingerprint",
+        valid=(lambda path: path is None or Path(path).exists(), "learned weights {value!r} does not exist"),
     )
 
 
@@ -256,17 +303,12 @@ class LearnedScorer(RowScorer):
 
     def for_heads(self, heads: tuple[int, ...]) -> "LearnedScorer":
         """The map of ``heads`` only (a padded head, -1, gets zero weights: its scores are never used)."""
-        weights = self.weights
         rows = torch.tensor([max(head, 0) for head in heads])
-        real = torch.tensor([head >= 0 for head in heads], dtype=weights.weight.dtype)
-        restricted = LearnedWeights(
-            weights.weight[:, rows] * real[:, None], weights.bias[:, rows] * real, weights.manifest
-        )
-        return LearnedScorer(self.reduction, restricted, self.source)
+        real = torch.tensor([head >= 0 for head in heads], dtype=self.weights.weight.dtype)
+        return LearnedScorer(self.reduction, self.weights.for_heads(rows, real), self.source)
 
     def row_scores(self, stats: WindowStats, rows: slice, layer: int) -> torch.Tensor:
         if self.weights is None:
             raise RuntimeError("the learned scorer has no weights: engines bind it with policy.for_model(model_dir)")
         hidden = stats.hidden_states[rows.start - stats.hidden_start : rows.stop - stats.hidden_start]
-        weight, bias = self.weights.on(hidden.device)
-        return torch.addmm(bias[layer], hidden.float(), weight[layer].t()).t().contiguous()  # [H_kv, n]
+        return self.weights.scores(layer, hidden).contiguous()  # [H_kv, n]

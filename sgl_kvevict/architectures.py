@@ -1,0 +1,49 @@
+"""What a model's config.json says about its KV cache, read before the model loads.
+
+The launcher refuses, in one line, a model whose KV the compressed tree cannot manage (the model
+limits of ``limits.py``: MLA, sliding-window layers, state-space layers). It reads the HF config as
+saved (the text model's for a multimodal one), with neither transformers nor sglang. The tree checks
+the same limits again from SGLang's resolved model (``engine/factory.py``), which is exact; the rules
+here are the signals SGLang 0.5.23 acts on as they appear in configs, and ``tests/test_compat_matrix.py``
+holds them to SGLang's own decision for every architecture of the compatibility matrix.
+
+Pure Python: the launcher calls it before SGLang is imported.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+# Layer kinds of ``layer_types`` that hold attention KV; any other kind (linear_attention, mamba,
+# conv, ...) keeps recurrent state.
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
+# Config fields of the state-space and linear-attention families (Jamba, Falcon-H1, Nemotron-H:
+# mamba_*; Qwen3-Next: linear_conv_kernel_dim; Kimi Linear: linear_attn_config).
+STATE_SPACE_FIELD_PREFIXES = ("mamba_", "ssm_", "linear_conv", "linear_attn")
+
+
+def model_facts(config: Mapping[str, Any]) -> dict[str, bool]:
+    """The ``SetupFacts`` fields a model's config decides (``mla_model``, ``sliding_window_layers``,
+    ``state_space_layers``), from a parsed config.json."""
+    text = config.get("text_config") or config
+    layer_types = set(text.get("layer_types") or ())
+    return {
+        # DeepSeek-V2/V3, Kimi K2, MiniCPM3: one latent of rank kv_lora_rank per token for every head.
+        "mla_model": bool(text.get("kv_lora_rank")),
+        # Local layers: layer_types (Gemma 3, gpt-oss, Cohere 2 as transformers 5 saves them), Gemma's
+        # older pattern field, HF's hybrid cache marker (Gemma 2), Llama 4's chunked attention. A bare
+        # sliding_window (Mistral, Phi-3) is not one: SGLang's models for those attend globally.
+        "sliding_window_layers": bool(layer_types & {"sliding_attention", "chunked_attention"})
+        or text.get("sliding_window_pattern") is not None
+        or text.get("cache_implementation") == "hybrid"
+        or text.get("attention_chunk_size") is not None,
+        "state_space_layers": bool(layer_types - ATTENTION_LAYER_TYPES)
+        or any(key.startswith(STATE_SPACE_FIELD_PREFIXES) for key in text),
+    }
+
+
+def model_facts_of(model_dir: Path) -> dict[str, bool]:
+    """``model_facts`` of the config.json in ``model_dir``."""
+    return model_facts(json.loads((Path(model_dir) / "config.json").read_text()))

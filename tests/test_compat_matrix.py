@@ -1,0 +1,208 @@
+"""The compatibility matrix (docs/compatibility.md): a tiny random-weight version of each architecture of
+``checkpoints.COMPATIBILITY_MATRIX``, served by the real launcher or refused by it in one line before
+the model loads.
+
+A served architecture gets one server started as ``make serve`` starts one (``topk`` with the learned
+score, its weights trained by the project's own command on that model), which also serves per request
+``topk`` with a KVzap scorer folder (random, in the layout NVIDIA publishes) and ``snapkv`` (attention
+scores). For each: the server keeps exactly the positions the HF reference
+engine keeps and decodes the same greedy tokens (fp32); a later turn reuses the compressed prefix and
+still decodes the reference's tokens; after a flush every cell and slot is back. A refused architecture
+exits the launcher with code 2 and the limit's line, before SGLang starts. Which architectures are
+refused is the launcher's reading of config.json (``architectures.py``); the last test holds that
+reading to SGLang's own for every architecture of the matrix, and the first the generated tables
+(docs/compatibility.md, the README) to these expectations.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from conftest_policies import kvzap_folder, tiny_training
+from engine_client import (
+    ANY_REQUEST_OPTIONS,
+    TINY_SERVER_FLAGS,
+    assert_no_leak_after_flush,
+    assert_same_plan,
+    assert_strict_idle_check_passed,
+    generate,
+    request_options,
+    stats,
+)
+from serving import error_lines, free_port, running_server
+from sgl_kvevict.architectures import model_facts_of
+from sgl_kvevict.checkpoints import COMPATIBILITY_MATRIX, build_tiny_model
+from sgl_kvevict.config import EvictionConfig, build_policy
+from sgl_kvevict.engine.coordinator import PLAN_DUMP_ENV
+from sgl_kvevict.scoring.learned import ModelShape
+from sgl_kvevict.server import compat_table
+
+pytestmark = pytest.mark.server
+
+# The matrix's expectations: what each architecture does with a policy (docs/compatibility.md).
+SERVED = ("llama3", "qwen2.5", "qwen3", "mistral", "phi3")
+REFUSED = {
+    "gemma3": "sliding-window layers",
+    "gpt-oss": "sliding-window layers",
+    "deepseek-v3": "MLA models",
+    "qwen3-next": "state-space layers",
+}
+PROMPT_LENGTH = 400
+MAX_NEW_TOKENS = 6
+NEW_TURN_TOKENS = 20
+
+
+def test_the_expectations_cover_the_whole_matrix_once_and_the_tables_say_them():
+    assert sorted([*SERVED, *REFUSED]) == sorted(arch.name for arch in COMPATIBILITY_MATRIX)
+    verdicts = {row.arch.name: row.verdict for row in compat_table.rows()}
+    assert verdicts == {name: "served" if name in SERVED else f"refused: {REFUSED.get(name)}" for name in verdicts}
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    """Architecture name -> its tiny model folder, built on first use."""
+    folders = {}
+
+    def folder(name: str):
+        if name not in folders:
+            folders[name] = build_tiny_model(tmp_path_factory.mktemp(name), name)
+        return folders[name]
+
+    return folder
+
+
+def random_prompt(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(5, 250) for _ in range(length)]
+
+
+class Served:
+    """One architecture's model, learned weights, reference engine and running server."""
+
+    def __init__(self, name, model_dir, weights, kvzap, reference, server, dump_dir):
+        self.name, self.model_dir, self.weights, self.kvzap = name, model_dir, weights, kvzap
+        self.reference, self.server, self.dump_dir = reference, server, dump_dir
+
+    def config(self, policy: str) -> EvictionConfig:
+        if policy == "topk":  # the server's own setting
+            return EvictionConfig.for_policy("topk", score="learned", learned_weights=self.weights)
+        if policy == "topk-kvzap":  # a KVzap MLP scorer folder for this model, as NVIDIA publishes them
+            return EvictionConfig.for_policy("topk", score="learned", learned_weights=str(self.kvzap))
+        return EvictionConfig.for_policy(policy)
+
+
+@pytest.fixture(scope="module", params=SERVED)
+def served(request, tiny_models, tmp_path_factory):
+    from sgl_kvevict.reference.engine import ReferenceEngine
+    from sgl_kvevict.reference.train_scorer import train
+
+    name = request.param
+    model_dir = tiny_models(name)
+    training = tiny_training(model_dir, tmp_path_factory.mktemp(f"{name}-weights"))
+    weights = str(train(training, "tests/test_compat_matrix.py", log=lambda line: None))
+    shape = ModelShape.of(model_dir)
+    kvzap, _ = kvzap_folder(tmp_path_factory.mktemp(f"{name}-kvzap"), shape.num_layers, shape.hidden_size,
+                            shape.num_kv_heads, hidden_dim=32)  # fmt: skip
+    dump_dir = tmp_path_factory.mktemp(f"{name}-plans")
+    flags = ("--kv-evict-policy", "topk", "--kv-evict-score", "learned", "--kv-evict-learned-weights", weights,
+             *ANY_REQUEST_OPTIONS, "--max-total-tokens", "4096", *TINY_SERVER_FLAGS)  # fmt: skip
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(PLAN_DUMP_ENV, str(dump_dir))
+        with running_server(model_dir, tmp_path_factory.mktemp(f"{name}-server"), *flags) as server:
+            reference = ReferenceEngine(model_dir, dtype=torch.float32)
+            yield Served(name, model_dir, weights, kvzap, reference, server, dump_dir)
+            assert_strict_idle_check_passed(server)
+
+
+def serve(served: Served, policy: str, prompt: list[int], rid: str) -> dict:
+    """Greedy tokens of ``prompt``: the server's own setting for ``topk``, else ``policy`` per request."""
+    options = None if policy == "topk" else request_options(served.config(policy))
+    return generate(served.server, prompt, MAX_NEW_TOKENS, rid=rid, options=options)
+
+
+@pytest.mark.parametrize("policy", ["topk", "topk-kvzap", "snapkv"])
+def test_the_server_keeps_and_answers_what_the_reference_does(served, policy):
+    prompt = random_prompt(PROMPT_LENGTH, seed=1)
+    rid = f"{served.name}-{policy}"
+    response = serve(served, policy, prompt, rid)
+    config = served.config(policy)
+    expected = served.reference.generate(prompt, build_policy(config), max_new_tokens=MAX_NEW_TOKENS)
+    (plan,) = expected.plans
+    assert plan.total_kept() < PROMPT_LENGTH * plan.num_layers * plan.layers[0].num_kv_heads  # compressed
+    assert_same_plan(torch.load(served.dump_dir / f"{rid}.pt"), plan)
+    assert tuple(response["output_ids"]) == expected.output_ids
+    assert stats(served.server)["compressed_nodes"] >= 1
+    assert_no_leak_after_flush(served.server)
+
+
+def test_a_later_turn_reuses_the_compressed_prefix(served):
+    from sgl_kvevict.reference.engine import Prompt
+    from sgl_kvevict.reference.replay import ReplayedPlans
+    from sgl_kvevict.reference.schedule import PrefillStep, Schedule, Segment
+
+    config = served.config("topk")
+    first = random_prompt(PROMPT_LENGTH, seed=2)
+    answer = serve(served, "topk", first, f"{served.name}-turn-1")["output_ids"]
+    before = stats(served.server)
+    second = first + list(answer) + random_prompt(NEW_TURN_TOKENS, seed=3)
+    response = serve(served, "topk", second, f"{served.name}-turn-2")
+    after = stats(served.server)
+    assert after["reuse_hits"] == before["reuse_hits"] + 1
+    assert response["meta_info"]["cached_tokens"] >= PROMPT_LENGTH
+    # The reference reads turn 1's plan (the one the server dumped for it) and prefills the rest on top.
+    turn_one = served.reference.generate(first, build_policy(config), max_new_tokens=MAX_NEW_TOKENS)
+    assert turn_one.output_ids == tuple(answer)
+    schedule = Schedule((PrefillStep(PROMPT_LENGTH, (Segment(0, PROMPT_LENGTH),)), PrefillStep(len(second))))
+    expected = served.reference.generate_scheduled(
+        Prompt.from_ids(second), ReplayedPlans(config, turn_one.plans), schedule, MAX_NEW_TOKENS
+    )
+    assert tuple(response["output_ids"]) == expected.output_ids
+    assert_no_leak_after_flush(served.server)
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_the_launcher_refuses_in_one_line_before_the_model_loads(name, tiny_models, monkeypatch, capsys):
+    """In-process (the launcher's own main, seconds cheaper than a process each): it returns before it
+    starts SGLang, which would be its only way to load the model."""
+    from sgl_kvevict.server import launcher
+
+    monkeypatch.setattr(launcher, "run_single", lambda *args: pytest.fail("the launcher started SGLang"))
+    assert launcher.main(["--model", str(tiny_models(name)), "--port", str(free_port()), "--kv-evict-policy", "topk"]) == 2
+    [line] = error_lines(capsys.readouterr().err)
+    assert f"cannot be served with a --kv-evict-policy: {REFUSED[name]}: " in line
+
+
+def sglang_facts(model_dir) -> dict[str, bool]:
+    """What SGLang 0.5.23 resolves for the model, without loading it: the facts the tree reads
+    (engine/factory.py) from the model runner, by SGLang's own functions."""
+    import types
+
+    from sgl_kvevict.compat import activate_cpu_mode
+
+    activate_cpu_mode()
+    from sglang.srt.configs.model_config import AttentionArch, ModelConfig
+    from sglang.srt.mem_cache.kv_cache_builder import uses_ssm_state
+    from sglang.srt.model_executor.model_runner_components.load_model_utils import resolve_sliding_window_size
+    from sglang.srt.models.registry import ModelRegistry
+
+    model_config = ModelConfig(str(model_dir))
+    model_class, _ = ModelRegistry.resolve_model_cls(model_config.hf_config.architectures)
+    # The runner asks the loaded model; the method reads only the model's config.
+    model = types.SimpleNamespace(config=model_config.hf_config)
+    if hasattr(model_class, "get_attention_sliding_window_size"):
+        model.get_attention_sliding_window_size = types.MethodType(model_class.get_attention_sliding_window_size, model)
+    return {
+        "mla_model": model_config.attention_arch == AttentionArch.MLA,
+        "sliding_window_layers": model_config.is_hybrid_swa or resolve_sliding_window_size(model, model_config) is not None,
+        "state_space_layers": uses_ssm_state(model_config),
+    }
+
+
+@pytest.mark.parametrize("name", [arch.name for arch in COMPATIBILITY_MATRIX])
+def test_the_launchers_reading_of_the_config_is_sglangs(name, tiny_models):
+    facts = model_facts_of(tiny_models(name))
+    assert facts == sglang_facts(tiny_models(name))
+    assert any(facts.values()) == (name in REFUSED)
