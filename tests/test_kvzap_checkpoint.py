@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from conftest_policies import kvzap_folder
-from sgl_kvevict.config import EvictionConfig
+from sgl_kvevict.config import EvictionConfig, build_policy
+from sgl_kvevict.policies import SegmentSpec
 from sgl_kvevict.scoring import Reduction
 from sgl_kvevict.scoring.learned import LearnedScorer, LearnedWeights, ModelShape, resolve_learned_weights
 from sgl_kvevict.scoring.window import WindowStats
@@ -45,6 +46,30 @@ def test_a_kvzap_folder_scores_as_kvpress_computes(tmp_path, hidden_dim, dtype):
         expected = kvpress_scores(tensors, layer, hidden[4:], mlp=hidden_dim is not None)
         assert scores.dtype == torch.float32
         torch.testing.assert_close(scores.double(), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_kvzaps_published_usage_a_score_threshold_keeps_what_its_scores_put_above_it(tmp_path):
+    """topk with a KVzap MLP folder and ``score_threshold`` (kvpress's ThresholdPress): every candidate
+    whose kvpress score is at least the threshold is kept (rounded down to a whole number per
+    (layer, KV head)), under the budget's cap; nothing below it."""
+    folder, tensors = kvzap_folder(tmp_path, LAYERS, INPUT_DIM, KV_HEADS, hidden_dim=16)
+    spec = SegmentSpec(start=0, end=200, num_layers=LAYERS, num_kv_heads=KV_HEADS, num_q_heads=KV_HEADS)
+    hidden = [torch.randn(200, INPUT_DIM, generator=torch.Generator().manual_seed(layer)) for layer in range(LAYERS)]
+    candidates = slice(4, 200 - 8)  # after the 4 sinks, before the window of 8
+    scores = [kvpress_scores(tensors, layer, hidden[layer][candidates], mlp=True) for layer in range(LAYERS)]
+    threshold = float(torch.cat([s.flatten() for s in scores]).quantile(0.85))
+    config = EvictionConfig.for_policy("topk", score="learned", learned_weights=str(folder), budget="0.5",
+                                       window=8, score_threshold=threshold)  # fmt: skip
+    compressor = build_policy(config).start(spec)
+    for layer in range(LAYERS):
+        compressor.observe(layer, WindowStats(window=8, hidden_states=hidden[layer], hidden_start=0))
+    plan = compressor.plan()
+    above = [(s >= threshold) for s in scores]
+    per_head = sum(int(mask.sum()) for mask in above) // (LAYERS * KV_HEADS)
+    assert plan.total_kept() == LAYERS * KV_HEADS * (per_head + 4 + 8)  # fewer than the budget's 100 per head
+    for layer in range(LAYERS):
+        kept = plan.keep_mask(layer)[:, candidates]
+        assert not (kept & ~above[layer]).any()  # nothing below the threshold
 
 
 def test_a_rank_scores_its_heads_of_an_mlp_as_the_whole_map_does(tmp_path):
