@@ -5,9 +5,12 @@ the attention backends build from them once per forward.
   query rows, logical length, ``req_to_token`` row and ``PathView`` (None for a request without
   compressed nodes on its path, which the stock attention path serves).
 * ``SegmentMetadata`` (built by a backend when a forward has compressed requests): their query rows
-  and the ``CellBatch`` of their cells of every layer. The torch backend adds a ``DenseBatch``; the
-  FlashInfer backend plans its own dense layout. Both read a request's dense keys through
-  ``RequestSlice.dense_keys``.
+  and the ``CellBatch`` of their cells of every layer. The torch backend adds a ``DenseBatch`` in an
+  extend and ``DecodeKeys`` in a decode; the FlashInfer backend plans its own dense layout. All read a
+  request's dense keys through ``RequestSlice.dense_keys``.
+* ``DecodeKeys`` (the torch backend's decode): every request's keys, cells and dense positions alike,
+  as rows of the pool's cell space, kept across decode steps (``DecodeKeysCache``): a step appends each
+  request's new token in place.
 
 Nothing a layer runs loops over layers or KV heads in Python or syncs with the host: everything is
 built here once per forward.
@@ -21,7 +24,11 @@ from typing import Optional
 
 import torch
 
+from sgl_kvevict.engine.cells import CellSpace
 from sgl_kvevict.engine.segments import PathView, ranges_to_positions
+
+# Decode steps a ``DecodeKeys`` has room for before it is built again (its padding past the longest sequence).
+DECODE_STEPS_OF_ROOM = 64
 
 
 @dataclass(frozen=True)
@@ -177,3 +184,113 @@ class DenseBatch:
             [torch.arange(r.first_query_position, r.seq_len, device=device) for r in requests]
         )
         return cls(slots, positions, query_positions)
+
+
+@dataclass
+class DecodeKeys:
+    """Every request of a decode batch as ``B * H_kv`` key sequences in the pool's cell space (``CellSpace``),
+    for one attention call per layer with the GQA group as each sequence's queries.
+
+    Sequence ``r * H_kv + h`` holds request ``r``'s cells of KV head ``h`` (path order), then its dense
+    positions ascending, the newest token last; a request without compressed nodes has dense positions
+    only. The order of keys does not matter to attention, and none is masked for the query (the newest
+    token) but padding.
+
+    rows int64 ``[L, B * H_kv, W]``: the ``k_rows``/``v_rows`` row of each key of each layer; a padded
+        entry repeats the sequence's last key at build time (never the pool's placeholder slot 0, whose
+        content is undefined: NaN x 0 would be NaN).
+    mask ``[L, B * H_kv, 1, W]`` in the KV dtype: 0 for a key, -inf for padding (added to the logits,
+        broadcast over the group's queries).
+    ends int64 ``[L, B * H_kv]``: the keys of each sequence, i.e. where its next key goes.
+    room: decode steps ``append`` can still take (host int).
+    """
+
+    rows: torch.Tensor
+    mask: torch.Tensor
+    ends: torch.Tensor
+    room: int
+    space: CellSpace
+
+    @classmethod
+    def of(cls, requests: tuple[RequestSlice, ...], cells: Optional[CellBatch], req_to_token: torch.Tensor, space: CellSpace) -> "DecodeKeys":
+        """``requests``: a decode batch, in batch order; ``cells``: the ``CellBatch`` of its compressed ones
+        (in the same order; None without any)."""
+        device = req_to_token.device
+        num_layers, num_kv_heads, batch = space.num_layers, space.num_kv_heads, len(requests)
+        compressed = [request.index for request in requests if request.view is not None]
+        cell_counts = torch.zeros(num_layers, batch, num_kv_heads, dtype=torch.int64)
+        cell_starts = torch.zeros(num_layers, batch, num_kv_heads, dtype=torch.int64, device=device)
+        if compressed:
+            cell_counts[:, compressed] = torch.stack([requests[i].view.counts for i in compressed], dim=1)
+            cell_starts[:, compressed] = cells.kv_indptr[:, :-1].view(num_layers, len(compressed), num_kv_heads)
+        dense_slots = [request.dense_keys(req_to_token)[1] for request in requests]  # each ends with the new token
+        dense_counts = torch.tensor([len(slots) for slots in dense_slots])
+        lengths = cell_counts + dense_counts.view(1, batch, 1)  # [L, B, H_kv], host
+        width = int(lengths.max()) + DECODE_STEPS_OF_ROOM
+        offsets = torch.arange(width, device=device)
+        cell_counts = cell_counts.to(device).unsqueeze(-1)  # [L, B, H_kv, 1]
+        # The dense key each offset reads: past the cells, clamped to the last dense key (the padding).
+        dense_entry = torch.minimum((offsets - cell_counts).clamp(min=0), (dense_counts.to(device) - 1).view(1, batch, 1, 1))
+        padded_slots = torch.nn.utils.rnn.pad_sequence(dense_slots, batch_first=True)  # [B, most dense keys]
+        dense_entry += torch.arange(batch, device=device).view(1, batch, 1, 1) * padded_slots.shape[1]
+        slots = padded_slots.view(-1).index_select(0, dense_entry.view(-1)).view(dense_entry.shape)
+        layers = torch.arange(num_layers, device=device).view(-1, 1, 1, 1)
+        rows = space.entry_rows(layers, slots, torch.arange(num_kv_heads, device=device).view(1, 1, -1, 1))
+        if compressed and cells.kv_indices.numel():
+            entries = (cell_starts.unsqueeze(-1) + offsets).clamp(max=cells.kv_indices.numel() - 1)
+            cell_rows = cells.kv_indices.index_select(0, entries.view(-1)).view(entries.shape)
+            rows = torch.where(offsets < cell_counts, cell_rows, rows)
+        sequences = batch * num_kv_heads
+        lengths = lengths.to(device).view(num_layers, sequences)
+        mask = torch.zeros(num_layers, sequences, 1, width, dtype=space.k_rows.dtype, device=device)
+        mask.masked_fill_(offsets >= lengths.view(num_layers, sequences, 1, 1), float("-inf"))
+        return cls(rows.view(num_layers, sequences, width), mask, lengths, DECODE_STEPS_OF_ROOM, space)
+
+    def append(self, new_slots: torch.Tensor) -> None:
+        """One more decode step of the same requests: each one's new token (``new_slots`` int ``[B]``, the
+        slots this forward writes) becomes the next key of each of its sequences, in every layer."""
+        num_layers, sequences, width = self.rows.shape
+        num_kv_heads, device = self.space.num_kv_heads, self.rows.device
+        slots = new_slots.to(torch.int64).repeat_interleave(num_kv_heads).view(1, sequences)
+        heads = torch.arange(num_kv_heads, device=device).repeat(sequences // num_kv_heads).view(1, sequences)
+        layers = torch.arange(num_layers, device=device).view(num_layers, 1)
+        entries = (torch.arange(num_layers * sequences, device=device) * width + self.ends.view(-1)).view(num_layers, sequences)
+        self.rows.view(-1).index_copy_(0, entries.view(-1), self.space.entry_rows(layers, slots, heads).view(-1))
+        self.mask.view(-1).index_fill_(0, entries.view(-1), 0)
+        self.ends += 1
+        self.room -= 1
+
+
+class DecodeKeysCache:
+    """The last decode forward's ``DecodeKeys`` and what it was built for. The next decode step of the same
+    requests (same request ids, same path views, each one token longer) appends its new tokens to it;
+    anything else builds it again: a request joined or left, or a path changed (a new compressed node, or
+    cells moved: the arena's generation gives the request a new view)."""
+
+    def __init__(self):
+        self._requests: tuple = ()
+        self._seq_lens: list[int] = []
+        self._keys: Optional[DecodeKeys] = None
+        self.builds = 0  # how many times the keys were built rather than appended to
+
+    def of(
+        self, rids, forward: ForwardRequests, cells: Optional[CellBatch], req_to_token: torch.Tensor, space: CellSpace,
+        new_slots: torch.Tensor,
+    ) -> DecodeKeys:  # fmt: skip
+        """The keys of the decode batch ``forward`` (its requests' ids ``rids``, the slots its new tokens are
+        written to ``new_slots`` int ``[B]``)."""
+        requests = tuple(zip(rids, (request.view for request in forward.requests)))
+        seq_lens = [request.seq_len for request in forward.requests]
+        keys = self._keys
+        follows = (
+            keys is not None and keys.room > 0 and len(requests) == len(self._requests)
+            and all(rid == old_rid and view is old_view for (rid, view), (old_rid, old_view) in zip(requests, self._requests))
+            and all(seq_len == old + 1 for seq_len, old in zip(seq_lens, self._seq_lens))
+        )  # fmt: skip
+        if follows:
+            keys.append(new_slots)
+        else:
+            keys = DecodeKeys.of(forward.requests, cells, req_to_token, space)
+            self.builds += 1
+        self._requests, self._seq_lens, self._keys = requests, seq_lens, keys
+        return keys
