@@ -179,7 +179,7 @@ class KVEvictTorchBackend(SegmentAttentionBackend, TorchNativeAttnBackend):
         forward, to_token = segments.forward, self.req_to_token_pool.req_to_token
         if forward.is_decode:
             self.decode_keys = self._decode_keys.of(
-                forward_batch.rids, forward, segments.cells, to_token, self.cell_space, forward_batch.out_cache_loc
+                forward_batch.rids, forward, to_token, self.cell_space, forward_batch.out_cache_loc
             )
         else:
             self.dense = DenseBatch.of(forward.compressed, to_token)
