@@ -93,19 +93,19 @@ class MeasurementError(RuntimeError):
     """A request of the benchmark failed; the message has the server's answer."""
 
 
-def _chat_payload(messages: list[dict], max_tokens: int, ignore_eos: bool = False) -> dict:
+def chat_payload(messages: list[dict], max_tokens: int, ignore_eos: bool = False) -> dict:
     payload = {"model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0}
     return {**payload, "ignore_eos": True} if ignore_eos else payload
 
 
-async def _ask(session: aiohttp.ClientSession, base_url: str, payload: dict) -> StreamedReply:
+async def ask(session: aiohttp.ClientSession, base_url: str, payload: dict) -> StreamedReply:
     reply = await stream_completion(session, base_url + CHAT_PATH, payload)
     if reply.error or reply.problems or reply.ttft is None:
         raise MeasurementError(f"request failed: {reply.error or reply.problems or 'no token streamed'}")
     return reply
 
 
-async def _flush(session: aiohttp.ClientSession, base_url: str) -> None:
+async def flush(session: aiohttp.ClientSession, base_url: str) -> None:
     if not await flush_when_idle(session, base_url, timeout=60):
         raise MeasurementError(f"{base_url} did not flush its cache")
 
@@ -117,25 +117,25 @@ async def _measure(
     first = lambda c: [{"role": "user", "content": c.user_message(0)}]  # noqa: E731
     timeout = aiohttp.ClientTimeout(total=900)
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        await _ask(session, base_url, _chat_payload([{"role": "user", "content": WARM_UP_MESSAGE}], 4))
+        await ask(session, base_url, chat_payload([{"role": "user", "content": WARM_UP_MESSAGE}], 4))
 
         for i in range(config.prompts):
-            await _flush(session, base_url)
-            reply = await _ask(session, base_url, _chat_payload(first(conversations[i]), 1))
+            await flush(session, base_url)
+            reply = await ask(session, base_url, chat_payload(first(conversations[i]), 1))
             samples.prefill.append({"ttft": reply.ttft, "prompt_tokens": reply.prompt_tokens, "cached_tokens": reply.cached_tokens})
             log(f"  prefill {i + 1}/{config.prompts}: {reply.prompt_tokens} tokens, TTFT {reply.ttft:.2f} s")
 
         for i in range(config.decode_runs):
-            await _flush(session, base_url)
-            reply = await _ask(session, base_url, _chat_payload(first(conversations[i]), config.decode_tokens, ignore_eos=True))
+            await flush(session, base_url)
+            reply = await ask(session, base_url, chat_payload(first(conversations[i]), config.decode_tokens, ignore_eos=True))
             rate = (reply.completion_tokens - 1) / (reply.latency - reply.ttft)
             samples.decode.append({"tokens_per_second": rate, "completion_tokens": reply.completion_tokens, "ttft": reply.ttft})
             log(f"  decode {i + 1}/{config.decode_runs}: {reply.completion_tokens} tokens, {rate:.2f} tok/s after the first")
 
         for i in range(config.turn2_runs):
             conversation = conversations[i]
-            await _flush(session, base_url)
-            turn1 = await _ask(session, base_url, _chat_payload(first(conversation), config.answer_tokens))
+            await flush(session, base_url)
+            turn1 = await ask(session, base_url, chat_payload(first(conversation), config.answer_tokens))
             stats = await get_json(session, base_url + STATS_PATH)
             if stats and stats.get("policy") != VANILLA_POLICY:
                 samples.memory.append({**stats, "turn1_prompt_tokens": turn1.prompt_tokens, "turn1_answer_tokens": turn1.completion_tokens})
@@ -143,9 +143,9 @@ async def _measure(
                 {"role": "assistant", "content": turn1.text},
                 {"role": "user", "content": conversation.user_message(1)},
             ]
-            reused = await _ask(session, base_url, _chat_payload(turn2, 1))
-            await _flush(session, base_url)
-            fresh = await _ask(session, base_url, _chat_payload(turn2, 1))
+            reused = await ask(session, base_url, chat_payload(turn2, 1))
+            await flush(session, base_url)
+            fresh = await ask(session, base_url, chat_payload(turn2, 1))
             samples.turn2.append(
                 {
                     "prompt_tokens": reused.prompt_tokens,
@@ -160,7 +160,7 @@ async def _measure(
                 f"{reused.cached_tokens} cached, {fresh.ttft:.2f} s after a flush ({fresh.cached_tokens} cached)"
             )
 
-        await _flush(session, base_url)
+        await flush(session, base_url)
         stats = await get_json(session, base_url + STATS_PATH)
         samples.leaks_after_flush = stats_leaks(stats or {})
     return samples

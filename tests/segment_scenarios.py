@@ -139,6 +139,7 @@ def build_scenario(specs, mode: ForwardMode, num_kv_heads: int, group: int, dtyp
     extend_lens = torch.tensor([spec.num_queries for spec in specs])
     forward_batch = SimpleNamespace(
         forward_mode=mode,
+        rids=[f"request-{index}" for index in range(len(specs))],
         out_cache_loc=torch.cat(out_cache_loc).long(),
         req_pool_indices=torch.tensor([r.row for r in requests]),
         seq_lens=seq_lens,
@@ -201,7 +202,7 @@ def torch_backend(scenario: Scenario) -> KVEvictTorchBackend:
         token_to_kv_pool=scenario.pool,
     )
     backend = KVEvictTorchBackend(runner)
-    backend.cell_rows = (scenario.space.k_rows, scenario.space.v_rows)
+    backend.attach_coordinator(None, scenario.space)  # the tests drive the metadata themselves
     backend._init_segment_metadata(scenario.forward_batch, scenario.segments)
     return backend
 

@@ -58,7 +58,7 @@ def make_flashinfer_backend(module, scenario: Scenario, num_kv_heads: int = 2, g
     backend._shape = module.backend.AttentionShape(
         layer.tp_q_head_num, num_kv_heads, HEAD_DIM, HEAD_DIM, layer.scaling, scenario.pool.dtype, scenario.pool.dtype
     )
-    backend.cell_rows = (scenario.space.k_rows, scenario.space.v_rows)
+    backend.cell_space = scenario.space
     backend._init_segment_metadata(scenario.forward_batch, scenario.segments)
     return backend
 

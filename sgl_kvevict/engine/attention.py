@@ -16,6 +16,10 @@ compressed ones; each layer runs on it, then tells the coordinator the layer is 
   the cells in place in SGLang's pool), and (b) causal attention over the dense positions (everything
   outside the compressed spans, new tokens included). RoPE is in the stored keys, so kept keys keep
   their original positions and queries stay at logical positions.
+* **The torch backend's decode** needs no merge: one query per request sees every key, so each
+  (request, KV head) is one sequence of its cells and its dense positions together (``DecodeKeys``,
+  kept across decode steps), attended in one batched call per layer for every request of the batch,
+  plain ones included. Its extend merges the two parts as above.
 
 The dispatch lives in ``SegmentAttentionBackend`` and is shared with the CUDA backend
 (``flashinfer_backend.py``), as is ``compressed_attention``. Everything a layer runs indexes tensors
@@ -29,7 +33,8 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from torch.nn.functional import scaled_dot_product_attention
 
-from sgl_kvevict.engine.batch import CellBatchCache, DenseBatch, RequestSlice, SegmentMetadata
+from sgl_kvevict.engine.batch import CellBatchCache, DecodeKeys, DecodeKeysCache, DenseBatch, RequestSlice, SegmentMetadata
+from sgl_kvevict.engine.cells import CellSpace
 from sgl_kvevict.engine.coordinator import CompressionCoordinator
 from sgl_kvevict.kernels import merge_attention_states, segment_attention
 
@@ -99,12 +104,17 @@ class SegmentAttentionBackend:
     coordinator: CompressionCoordinator | None = None
     segments: SegmentMetadata | None = None
 
-    def attach_coordinator(self, coordinator: CompressionCoordinator, k_rows: torch.Tensor, v_rows: torch.Tensor) -> None:
-        """Called by the factory once the tree exists; until then the backend is stock. k_rows, v_rows:
-        the pool's flat cell views (``CellSpace``), where compressed entries are read."""
+    def attach_coordinator(self, coordinator: CompressionCoordinator, space: CellSpace) -> None:
+        """Called by the factory once the tree exists; until then the backend is stock. space: the pool's
+        cells, where compressed entries are read."""
         self.coordinator = coordinator
-        self.cell_rows = (k_rows, v_rows)
+        self.cell_space = space
         self._cell_batches = CellBatchCache()
+
+    @property
+    def cell_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pool's flat K and V cell views (``CellSpace.k_rows``, ``v_rows``)."""
+        return self.cell_space.k_rows, self.cell_space.v_rows
 
     def init_forward_metadata(self, forward_batch):
         coordinator, self.segments = self.coordinator, None
@@ -158,10 +168,21 @@ class KVEvictTorchBackend(SegmentAttentionBackend, TorchNativeAttnBackend):
     """``TorchNativeAttnBackend`` that scores prompts for eviction and attends over compressed nodes."""
 
     dense: DenseBatch | None = None
+    decode_keys: DecodeKeys | None = None
+
+    def attach_coordinator(self, coordinator: CompressionCoordinator, space: CellSpace) -> None:
+        super().attach_coordinator(coordinator, space)
+        self._decode_keys = DecodeKeysCache()
 
     def _init_segment_metadata(self, forward_batch, segments: SegmentMetadata) -> None:
         TorchNativeAttnBackend.init_forward_metadata(self, forward_batch)  # per-request SDPA needs nothing planned
-        self.dense = DenseBatch.of(segments.forward.compressed, self.req_to_token_pool.req_to_token)
+        forward, to_token = segments.forward, self.req_to_token_pool.req_to_token
+        if forward.is_decode:
+            self.decode_keys = self._decode_keys.of(
+                forward_batch.rids, forward, to_token, self.cell_space, forward_batch.out_cache_loc
+            )
+        else:
+            self.dense = DenseBatch.of(forward.compressed, to_token)
 
     def _forward_with_segments(self, q, k, v, layer, forward_batch, save_kv_cache, segments: SegmentMetadata):
         if save_kv_cache and k is not None and v is not None:
@@ -169,6 +190,8 @@ class KVEvictTorchBackend(SegmentAttentionBackend, TorchNativeAttnBackend):
             self.token_to_kv_pool.set_kv_buffer(layer, loc, k, v)
         num_q_heads, head_dim, v_head_dim = layer.tp_q_head_num, layer.qk_head_dim, layer.v_head_dim
         queries = q.reshape(-1, num_q_heads, head_dim)
+        if segments.forward.is_decode:
+            return self._decode_attention(queries, layer).view(-1, num_q_heads * v_head_dim)
         out = q.new_empty(queries.shape[0], num_q_heads, v_head_dim)
         k_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
         v_cache = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
@@ -181,6 +204,24 @@ class KVEvictTorchBackend(SegmentAttentionBackend, TorchNativeAttnBackend):
         merged, _ = merge_attention_states(compressed_out, compressed_lse, dense_out, dense_lse)
         out[segments.query_rows] = merged
         return out.view(-1, num_q_heads * v_head_dim)
+
+    def _decode_attention(self, queries: torch.Tensor, layer) -> torch.Tensor:
+        """Every request of a decode batch, plain ones included, in one pass over each (request, KV head)'s
+        keys (``DecodeKeys``: its cells and its dense positions, padded), the GQA group as the queries of
+        its KV head: no merge of two parts, no loop over requests. queries ``[B, H_q, D]``; returns
+        ``[B, H_q, D_v]``. The logits and the weighted sum run in the KV dtype (as stock's decode SDPA does
+        on CPU), the softmax in fp32."""
+        keys, (k_rows, v_rows) = self.decode_keys, self.cell_rows
+        rows = keys.rows[layer.layer_id]  # [S, W], S = B * H_kv
+        sequences, width = rows.shape
+        group = layer.tp_q_head_num // layer.tp_k_head_num
+        # index_select, not k_rows[rows]: advanced indexing by a 2-D index is several times slower on CPU.
+        k = k_rows.index_select(0, rows.view(-1)).view(sequences, width, -1)
+        v = v_rows.index_select(0, rows.view(-1)).view(sequences, width, -1)
+        q = queries.reshape(sequences, group, -1).to(k.dtype)  # query head h * G + g is KV head h's g-th
+        logits = torch.baddbmm(keys.mask[layer.layer_id], q, k.transpose(1, 2), alpha=layer.scaling)  # [S, G, W]
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(v.dtype)
+        return torch.bmm(probs, v).view(queries.shape[0], layer.tp_q_head_num, -1).to(queries.dtype)
 
     def _run_sdpa_forward_extend(
         self, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_prefix_lens,
@@ -219,42 +260,29 @@ class KVEvictTorchBackend(SegmentAttentionBackend, TorchNativeAttnBackend):
         return output
 
     def _dense_part(self, segments: SegmentMetadata, queries, k_cache, v_cache, layer):
-        """The compressed requests' attention over their dense positions: one padded batch in decode
-        (one query per request); in an extend, request by request (their keys are long, their queries many)."""
+        """The compressed requests' attention over their dense positions in an extend, request by request
+        (their keys are long, their queries many)."""
         dense = self.dense
-        if segments.forward.is_decode:
-            out, lse = dense_attention(
-                queries[segments.query_rows].unsqueeze(1), k_cache[dense.slots], v_cache[dense.slots],
-                dense.query_positions.unsqueeze(1), dense.positions, layer.scaling,
-            )  # fmt: skip
-            return out.squeeze(1), lse.squeeze(1)
         parts, first_row = [], 0
         for index, request in enumerate(segments.forward.compressed):
-            slots, positions = dense.slots[index : index + 1], dense.positions[index : index + 1]
+            slots, positions = dense.slots[index], dense.positions[index : index + 1]
             query_positions = dense.query_positions[first_row : first_row + request.num_queries]
             parts.append(
                 dense_attention(
-                    queries[request.q_start : request.q_end].unsqueeze(0), k_cache[slots], v_cache[slots],
-                    query_positions.unsqueeze(0), positions, layer.scaling,
+                    queries[request.q_start : request.q_end].unsqueeze(0), k_cache.index_select(0, slots).unsqueeze(0),
+                    v_cache.index_select(0, slots).unsqueeze(0), query_positions.unsqueeze(0), positions, layer.scaling,
                 )  # fmt: skip
             )
             first_row += request.num_queries
         return torch.cat([out[0] for out, _ in parts]), torch.cat([lse[0] for _, lse in parts])
 
     def _stock_request(self, request: RequestSlice, queries, out, k_cache, v_cache, layer, forward_batch):
-        """The stock per-request SDPA of ``TorchNativeAttnBackend`` on this request's rows only."""
+        """The stock per-request SDPA extend of ``TorchNativeAttnBackend`` on this request's rows only."""
         one = slice(request.index, request.index + 1)
         rows = slice(request.q_start, request.q_end)
-        common = dict(scaling=layer.scaling, enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num)
-        to_token = self.req_to_token_pool.req_to_token
-        if forward_batch.forward_mode.is_decode():
-            self._run_sdpa_forward_decode(
-                queries[rows], out[rows], k_cache, v_cache, to_token, forward_batch.req_pool_indices[one],
-                forward_batch.seq_lens[one], causal=False, **common,
-            )  # fmt: skip
-        else:
-            self._run_sdpa_forward_extend(
-                queries[rows], out[rows], k_cache, v_cache, to_token, forward_batch.req_pool_indices[one],
-                forward_batch.seq_lens[one], forward_batch.extend_prefix_lens[one],
-                forward_batch.extend_seq_lens[one], causal=True, **common,
-            )  # fmt: skip
+        self._run_sdpa_forward_extend(
+            queries[rows], out[rows], k_cache, v_cache, self.req_to_token_pool.req_to_token,
+            forward_batch.req_pool_indices[one], forward_batch.seq_lens[one], forward_batch.extend_prefix_lens[one],
+            forward_batch.extend_seq_lens[one], scaling=layer.scaling,
+            enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num, causal=True,
+        )  # fmt: skip

@@ -5,9 +5,12 @@ the attention backends build from them once per forward.
   query rows, logical length, ``req_to_token`` row and ``PathView`` (None for a request without
   compressed nodes on its path, which the stock attention path serves).
 * ``SegmentMetadata`` (built by a backend when a forward has compressed requests): their query rows
-  and the ``CellBatch`` of their cells of every layer. The torch backend adds a ``DenseBatch``; the
-  FlashInfer backend plans its own dense layout. Both read a request's dense keys through
-  ``RequestSlice.dense_keys``.
+  and the ``CellBatch`` of their cells of every layer. The torch backend adds a ``DenseBatch`` in an
+  extend and ``DecodeKeys`` in a decode; the FlashInfer backend plans its own dense layout. All read a
+  request's dense keys through ``RequestSlice.dense_keys``.
+* ``DecodeKeys`` (the torch backend's decode): every request's keys, cells and dense positions alike,
+  as rows of the pool's cell space, kept across decode steps (``DecodeKeysCache``): a step appends each
+  request's new token in place.
 
 Nothing a layer runs loops over layers or KV heads in Python or syncs with the host: everything is
 built here once per forward.
@@ -16,12 +19,17 @@ built here once per forward.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from sgl_kvevict.engine.cells import CellSpace
 from sgl_kvevict.engine.segments import PathView, ranges_to_positions
+
+# Decode steps a ``DecodeKeys`` has room for before it is built again (its padding past the longest sequence).
+DECODE_STEPS_OF_ROOM = 64
 
 
 @dataclass(frozen=True)
@@ -124,14 +132,20 @@ class SegmentMetadata:
     """A backend's per-forward metadata of the compressed requests (``forward.compressed``).
 
     query_rows int64 ``[N_c]``: their query rows in the forward, request-major; qo_indptr int64
-    ``[B_c + 1]`` (device); cells: their ``CellBatch``; max_queries: the most queries of one of them.
+    ``[B_c + 1]`` (device); cells: their ``CellBatch``, built on first use (the torch backend's decode
+    reads its keys from ``DecodeKeys`` instead); max_queries: the most queries of one of them.
     """
 
     forward: ForwardRequests
     query_rows: torch.Tensor
     qo_indptr: torch.Tensor
-    cells: CellBatch
     max_queries: int
+    cell_cache: CellBatchCache
+    device: torch.device
+
+    @functools.cached_property
+    def cells(self) -> CellBatch:
+        return self.cell_cache.of(tuple(request.view for request in self.forward.compressed), self.device)
 
     @classmethod
     def of(cls, forward: ForwardRequests, device: torch.device, cell_cache: CellBatchCache) -> "SegmentMetadata":
@@ -139,11 +153,7 @@ class SegmentMetadata:
         query_rows = torch.cat([torch.arange(r.q_start, r.q_end, device=device) for r in compressed])
         counts = torch.tensor([0] + [r.num_queries for r in compressed])
         return cls(
-            forward,
-            query_rows,
-            torch.cumsum(counts, 0).to(device),
-            cell_cache.of(tuple(r.view for r in compressed), device),
-            max(r.num_queries for r in compressed),
+            forward, query_rows, torch.cumsum(counts, 0).to(device), max(r.num_queries for r in compressed), cell_cache, device
         )
 
 
@@ -177,3 +187,150 @@ class DenseBatch:
             [torch.arange(r.first_query_position, r.seq_len, device=device) for r in requests]
         )
         return cls(slots, positions, query_positions)
+
+
+@dataclass
+class DecodeKeys:
+    """Every request of a decode batch as ``B * H_kv`` key sequences in the pool's cell space (``CellSpace``),
+    for one attention call per layer with the GQA group as each sequence's queries.
+
+    Sequence ``r * H_kv + h`` holds request ``r``'s cells of KV head ``h`` (path order), then its dense
+    positions ascending, the newest token last; a request without compressed nodes has dense positions
+    only. The order of keys does not matter to attention, and none is masked for the query (the newest
+    token) but padding.
+
+    rows int64 ``[L, B * H_kv, W]``: the ``k_rows``/``v_rows`` row of each key of each layer; a padded
+        entry repeats a real key of its sequence (never the pool's placeholder slot 0, whose content is
+        undefined: NaN x 0 would be NaN).
+    mask ``[L, B * H_kv, 1, W]`` in the KV dtype: 0 for a key, -inf for padding (added to the logits,
+        broadcast over the group's queries).
+    ends int64 ``[L, B * H_kv]``: the keys of each sequence, i.e. where its next key goes.
+    longest: per request, its longest sequence (host ints); ``W - max(longest)`` more steps fit.
+    """
+
+    rows: torch.Tensor
+    mask: torch.Tensor
+    ends: torch.Tensor
+    longest: list[int]
+    space: CellSpace
+
+    @property
+    def room(self) -> int:
+        """Decode steps ``append`` can still take."""
+        return self.rows.shape[2] - max(self.longest)
+
+    @classmethod
+    def of(cls, requests: tuple[RequestSlice, ...], req_to_token: torch.Tensor, space: CellSpace) -> "DecodeKeys":
+        """The keys of ``requests`` (a decode batch or part of one; ``index`` their order here), built from
+        their views and ``req_to_token``: work in proportion to their keys."""
+        device = req_to_token.device
+        num_layers, num_kv_heads, batch = space.num_layers, space.num_kv_heads, len(requests)
+        compressed = [request.index for request in requests if request.view is not None]
+        cell_counts = torch.zeros(num_layers, batch, num_kv_heads, dtype=torch.int64)
+        cell_starts = torch.zeros(num_layers, batch, num_kv_heads, dtype=torch.int64, device=device)
+        cells = CellBatch.of([requests[i].view for i in compressed], device) if compressed else None
+        if compressed:
+            cell_counts[:, compressed] = torch.stack([requests[i].view.counts for i in compressed], dim=1)
+            cell_starts[:, compressed] = cells.kv_indptr[:, :-1].view(num_layers, len(compressed), num_kv_heads)
+        dense_slots = [request.dense_keys(req_to_token)[1] for request in requests]  # each ends with the new token
+        dense_counts = torch.tensor([len(slots) for slots in dense_slots])
+        lengths = cell_counts + dense_counts.view(1, batch, 1)  # [L, B, H_kv], host
+        longest = lengths.amax(dim=(0, 2))
+        width = int(longest.max()) + DECODE_STEPS_OF_ROOM
+        offsets = torch.arange(width, device=device)
+        cell_counts = cell_counts.to(device).unsqueeze(-1)  # [L, B, H_kv, 1]
+        # The dense key each offset reads: past the cells, clamped to the last dense key (the padding).
+        dense_entry = torch.minimum((offsets - cell_counts).clamp(min=0), (dense_counts.to(device) - 1).view(1, batch, 1, 1))
+        padded_slots = torch.nn.utils.rnn.pad_sequence(dense_slots, batch_first=True)  # [B, most dense keys]
+        dense_entry += torch.arange(batch, device=device).view(1, batch, 1, 1) * padded_slots.shape[1]
+        slots = padded_slots.view(-1).index_select(0, dense_entry.view(-1)).view(dense_entry.shape)
+        layers = torch.arange(num_layers, device=device).view(-1, 1, 1, 1)
+        rows = space.entry_rows(layers, slots, torch.arange(num_kv_heads, device=device).view(1, 1, -1, 1))
+        if compressed and cells.kv_indices.numel():
+            entries = (cell_starts.unsqueeze(-1) + offsets).clamp(max=cells.kv_indices.numel() - 1)
+            cell_rows = cells.kv_indices.index_select(0, entries.view(-1)).view(entries.shape)
+            rows = torch.where(offsets < cell_counts, cell_rows, rows)
+        sequences = batch * num_kv_heads
+        ends = lengths.to(device).view(num_layers, sequences)
+        return cls.of_rows(rows.view(num_layers, sequences, width), ends, longest.tolist(), space)
+
+    @classmethod
+    def of_rows(cls, rows: torch.Tensor, ends: torch.Tensor, longest: list[int], space: CellSpace) -> "DecodeKeys":
+        """The keys ``rows`` ``[L, S, W]`` with ``ends`` ``[L, S]`` keys per sequence; the mask from them."""
+        num_layers, sequences, width = rows.shape
+        mask = torch.zeros(num_layers, sequences, 1, width, dtype=space.k_rows.dtype, device=rows.device)
+        mask.masked_fill_(torch.arange(width, device=rows.device) >= ends.view(num_layers, sequences, 1, 1), float("-inf"))
+        return cls(rows, mask, ends, longest, space)
+
+    @classmethod
+    def joined(cls, parts: list[tuple["DecodeKeys", int]], space: CellSpace) -> "DecodeKeys":
+        """The keys of the requests ``(keys, index)`` in this order (each request's keys copied from its
+        ``keys``), with room for ``DECODE_STEPS_OF_ROOM`` more steps past the longest sequence."""
+        longest = [keys.longest[index] for keys, index in parts]
+        width = max(longest) + DECODE_STEPS_OF_ROOM
+        heads = space.num_kv_heads
+        blocks, ends = [], []
+        for keys, index in parts:
+            own = keys.rows[:, index * heads : (index + 1) * heads]  # [L, H_kv, W_own]
+            # Past its own width a request repeats its last column: a key, or padding that repeats one.
+            columns = torch.arange(width, device=own.device).clamp(max=own.shape[2] - 1)
+            blocks.append(own.index_select(2, columns))
+            ends.append(keys.ends[:, index * heads : (index + 1) * heads])
+        return cls.of_rows(torch.cat(blocks, dim=1), torch.cat(ends, dim=1), longest, space)
+
+    def append(self, new_slots: torch.Tensor, requests: Optional[list[int]] = None) -> None:
+        """One more decode step of ``requests`` (batch indices; all when None): each one's new token
+        (``new_slots`` int ``[n]``, the slots this forward writes) becomes the next key of each of its
+        sequences, in every layer."""
+        num_layers, sequences, width = self.rows.shape
+        heads, device = self.space.num_kv_heads, self.rows.device
+        requests = list(range(sequences // heads)) if requests is None else requests
+        chosen = torch.arange(heads, device=device).repeat(len(requests))
+        chosen += torch.tensor(requests, device=device).repeat_interleave(heads) * heads  # their sequences
+        layers = torch.arange(num_layers, device=device).view(num_layers, 1)
+        flat = layers * sequences + chosen  # [L, n * H_kv] into [L * S]
+        entries = flat * width + self.ends.view(-1)[flat]
+        slots = new_slots.to(torch.int64).repeat_interleave(heads)
+        new_rows = self.space.entry_rows(layers, slots.view(1, -1), (chosen % heads).view(1, -1))
+        self.rows.view(-1).index_copy_(0, entries.view(-1), new_rows.view(-1))
+        self.mask.view(-1).index_fill_(0, entries.view(-1), 0)
+        self.ends.view(-1).index_add_(0, flat.view(-1), torch.ones_like(flat.view(-1)))
+        for request in requests:
+            self.longest[request] += 1
+
+
+class DecodeKeysCache:
+    """The last decode forward's ``DecodeKeys`` and what it was built for (per request: its id, path view
+    and length). The next decode step appends each request's new token to them; a request that joins is
+    built from its view, the others' keys carried over. A request is the same one while its id and view
+    are: a path that changed (a new compressed node, or cells moved: the arena's generation gives the
+    request a new view) builds it again, as does a batch out of room."""
+
+    def __init__(self):
+        self._requests: tuple = ()
+        self._seq_lens: list[int] = []
+        self._keys: Optional[DecodeKeys] = None
+        self.builds = 0  # decode forwards whose keys were not all appended to the last ones (tests)
+
+    def of(self, rids, forward: ForwardRequests, req_to_token: torch.Tensor, space: CellSpace, new_slots: torch.Tensor) -> DecodeKeys:
+        """The keys of the decode batch ``forward`` (its requests' ids ``rids``, the slots its new tokens are
+        written to ``new_slots`` int ``[B]``)."""
+        requests = tuple(zip(rids, (request.view for request in forward.requests)))
+        seq_lens = [request.seq_len for request in forward.requests]
+        keys = self._keys
+        before = {key: (index, seq_len) for index, (key, seq_len) in enumerate(zip(self._requests, self._seq_lens))}
+        carried = [before.get(key, (None, None)) for key in requests]
+        carried = [index if old is not None and old + 1 == seq_len else None for (index, old), seq_len in zip(carried, seq_lens)]
+        if carried == list(range(len(self._requests))) and keys.room > 0:
+            keys.append(new_slots)
+        else:
+            self.builds += 1
+            joining = [request for request, index in zip(forward.requests, carried) if index is None]
+            joining = tuple(dataclasses.replace(request, index=index) for index, request in enumerate(joining))
+            built, fresh = (DecodeKeys.of(joining, req_to_token, space) if joining else None), iter(range(len(joining)))
+            keys = DecodeKeys.joined([(keys, index) if index is not None else (built, next(fresh)) for index in carried], space)
+            staying = [position for position, index in enumerate(carried) if index is not None]
+            if staying:
+                keys.append(new_slots[staying], staying)
+        self._requests, self._seq_lens, self._keys = requests, seq_lens, keys
+        return keys

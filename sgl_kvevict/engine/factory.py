@@ -135,7 +135,7 @@ def create_compressed_radix_cache(ctx: TreeCacheBuildContext) -> CompressedRadix
         setups, serving.scope, shape, capture, stats, reconstructor, chunk_size(), ranks
     )  # fmt: skip
     cache = CompressedRadixCache(ctx.params, coordinator, arena, stats)
-    runner.attn_backend.attach_coordinator(coordinator, space.k_rows, space.v_rows)
+    runner.attn_backend.attach_coordinator(coordinator, space)
     logger.info(
         "sgl-kvevict: %s; %d KV slots shared by dense and compressed KV (%d cells per slot)%s",
         serving.describe(), allocator.size, space.cells_per_slot, _describe_rank(ranks),

@@ -287,7 +287,7 @@ class KVEvictFlashInferBackend(SegmentAttentionBackend, FlashInferAttnBackend):
             )
         pool = self.token_to_kv_pool
         space = CellSpace.of_buffers(pool.k_buffer, pool.v_buffer)
-        self.cell_rows = (space.k_rows, space.v_rows)
+        self.cell_space = space
         rows = space.k_rows.shape[0]
         capacity = GraphCapacity(max_batch=max_bs, cells=rows, cells_per_sequence=self.max_context_len)
         self._decode_graph = DecodeGraphState(capacity, space.num_layers, space.num_kv_heads, space.device, rows)
