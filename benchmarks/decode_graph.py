@@ -37,7 +37,14 @@ import torch
 
 from sgl_kvevict.engine.batch import ForwardRequests, RequestSlice
 from sgl_kvevict.engine.cells import CellSpace
-from sgl_kvevict.engine.decode_graph import FITS, DecodeGraphState, GraphCapacity
+from sgl_kvevict.engine.decode_graph import (
+    FITS,
+    DecodeGraphState,
+    GraphCapacity,
+    longest_sequence,
+    segment_graph_limits,
+    segments_limit,
+)
 from sgl_kvevict.engine.segments import PathView
 from sgl_kvevict.kernels import segment_attention
 
@@ -215,6 +222,9 @@ class Step:
             rows = len(batch.space.k_rows)
             capacity = GraphCapacity(batch.batch, rows, batch.history + 1)
             self.state = DecodeGraphState(capacity, batch.shape.num_layers, batch.shape.num_kv_heads, batch.space.device, rows)
+            # The bound of the segments graph the server replays for this batch (its split count).
+            limits = segment_graph_limits(capacity.cells_per_sequence)
+            self.cells_per_sequence = segments_limit(limits, longest_sequence(batch.forward))[1]
 
     def prepare(self) -> None:
         """The metadata, outside any graph: the dense part's plan, the compressed part's fill."""
@@ -227,7 +237,9 @@ class Step:
         for layer, queries in zip(batch.layers, batch.queries):
             out, lse = self.dense(layer, queries)
             if self.state is not None:
-                out = self.state.attend_with_dense(queries, layer, batch.space.k_rows, batch.space.v_rows, out, lse)
+                out = self.state.attend_with_dense(
+                    queries, layer, batch.space.k_rows, batch.space.v_rows, self.cells_per_sequence, out, lse
+                )
             outputs.append(out)
         return outputs
 

@@ -57,7 +57,8 @@ _MIN_CELLS_PER_SPLIT = 256  # below this a split's partial write and merge cost 
 # No split below this many cells in the longest sequence. Measured on an H100 (docs/gpu.md, batch 1, 8 KV
 # heads): at 2048 cells per head the unsplit kernel (0.093 ms) beat an 8-way split (0.111 ms: partial
 # writes and a merge launch on a kernel already near its launch floor); at 8192 a 32-way split won 2.99x.
-_MIN_CELLS_TO_SPLIT = 4096
+# Public: the engine's decode graphs capture an unsplit graph for the sequences below it (engine.decode_graph).
+MIN_CELLS_TO_SPLIT = 4096
 
 
 @triton.jit
@@ -155,8 +156,8 @@ def chosen_kv_splits(
 def kv_splits(num_programs: int, max_cells_per_sequence: int | None) -> int:
     """Splits per sequence so that ``num_programs x splits`` reaches ~2 waves of the GPU, each split
     keeping at least ``_MIN_CELLS_PER_SPLIT`` cells of the longest sequence; 1 without a cell bound or
-    below ``_MIN_CELLS_TO_SPLIT`` cells."""
-    if max_cells_per_sequence is None or num_programs >= _TARGET_PROGRAMS or max_cells_per_sequence < _MIN_CELLS_TO_SPLIT:
+    below ``MIN_CELLS_TO_SPLIT`` cells."""
+    if max_cells_per_sequence is None or num_programs >= _TARGET_PROGRAMS or max_cells_per_sequence < MIN_CELLS_TO_SPLIT:
         return 1
     by_occupancy = triton.cdiv(_TARGET_PROGRAMS, num_programs)
     return max(1, min(by_occupancy, max_cells_per_sequence // _MIN_CELLS_PER_SPLIT))

@@ -13,7 +13,7 @@ def test_the_check_passes_and_fails_when_the_compressed_part_is_left_out(monkeyp
     assert decode_graph.main(["--check"]) == 0
     assert capsys.readouterr().out.count("ok  ") == 4
     # The dense part alone: the 25% rows now miss the kept cells.
-    monkeypatch.setattr(DecodeGraphState, "attend_with_dense", lambda self, q, layer, k, v, out, lse: out)
+    monkeypatch.setattr(DecodeGraphState, "attend_with_dense", lambda self, q, layer, k, v, cells_per_sequence, out, lse: out)
     assert decode_graph.main(["--check"]) == 1
     assert capsys.readouterr().out.count("FAIL") == 2
 

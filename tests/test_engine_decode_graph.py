@@ -397,7 +397,7 @@ def test_the_compressed_part_replays_every_step(device):
     queries = torch.zeros(batch_size, num_kv_heads * group, HEAD_DIM, device=device)
 
     def body() -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [state.attend(queries, layer, space.k_rows, space.v_rows) for layer in layers]
+        return [state.attend(queries, layer, space.k_rows, space.v_rows, CAPACITY.cells_per_sequence) for layer in layers]
 
     if device == "cuda":
         graph, outputs = captured(body)

@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 
 from sgl_kvevict.engine.cells import CellSpace
+from sgl_kvevict.engine.host_copies import to_device
 from sgl_kvevict.engine.segments import PathView, ranges_to_positions
 
 # Decode steps a ``DecodeKeys`` has room for before it is built again (its padding past the longest sequence).
@@ -109,7 +110,7 @@ class CellBatch:
         gather = torch.repeat_interleave(block_sources - block_targets, block_counts, output_size=total)
         gather += torch.arange(total)
         cells = torch.cat([view.cells for view in views])
-        return cls(kv_indptr.to(device), cells[gather.to(device)], int(flat_counts.max()))
+        return cls(to_device(kv_indptr, device), cells[to_device(gather, device)], int(flat_counts.max()))
 
 
 class CellBatchCache:
@@ -119,11 +120,13 @@ class CellBatchCache:
     def __init__(self):
         self._views: tuple[PathView, ...] = ()
         self._cells: Optional[CellBatch] = None
+        self.builds = 0  # forwards whose CellBatch was built, not reused (tests)
 
     def of(self, views: tuple[PathView, ...], device: torch.device) -> CellBatch:
         same = self._cells is not None and len(self._views) == len(views)
         if not (same and all(a is b for a, b in zip(self._views, views))):
             self._views, self._cells = views, CellBatch.of(list(views), device)
+            self.builds += 1
         return self._cells
 
 
@@ -153,7 +156,7 @@ class SegmentMetadata:
         query_rows = torch.cat([torch.arange(r.q_start, r.q_end, device=device) for r in compressed])
         counts = torch.tensor([0] + [r.num_queries for r in compressed])
         return cls(
-            forward, query_rows, torch.cumsum(counts, 0).to(device), max(r.num_queries for r in compressed), cell_cache, device
+            forward, query_rows, to_device(torch.cumsum(counts, 0), device), max(r.num_queries for r in compressed), cell_cache, device
         )
 
 

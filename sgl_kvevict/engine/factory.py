@@ -33,6 +33,7 @@ from sgl_kvevict.engine.compression import ScoringCapture, needs_reconstruction
 from sgl_kvevict.engine.coordinator import CompressionCoordinator
 from sgl_kvevict.engine.hidden_states import HiddenStateCapture
 from sgl_kvevict.engine.metrics import export_metrics
+from sgl_kvevict.engine.pool import UnsupportedKVPool, cell_space_of
 from sgl_kvevict.engine.radix_cache import CompressedRadixCache
 from sgl_kvevict.engine.reconstruction import Reconstructor
 from sgl_kvevict.engine.setups import EvictionSetup, ModelShape, Setups
@@ -111,8 +112,8 @@ def create_compressed_radix_cache(ctx: TreeCacheBuildContext) -> CompressedRadix
     )
     ranks = _rank_group(runner.model_config, ctx.tp_size, shape)
     try:
-        space = CellSpace.of_buffers(pool.k_buffer, pool.v_buffer)
-    except ValueError as error:
+        space = cell_space_of(pool)
+    except UnsupportedKVPool as error:
         raise UnsupportedSetup(f"KV eviction cannot store compressed KV in this KV pool: {error}") from None
     arena = Arena(space, _slot_source(allocator, space))
     model_dir = Path(runner.model_config.model_path)

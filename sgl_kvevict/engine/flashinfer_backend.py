@@ -64,15 +64,17 @@ from sglang.srt.model_executor.runner_utils.capture_mode import get_capture_atte
 
 from sgl_kvevict.engine.attention import SegmentAttentionBackend
 from sgl_kvevict.engine.batch import ForwardRequests, SegmentMetadata
-from sgl_kvevict.engine.cells import CellSpace
 from sgl_kvevict.engine.decode_graph import (
     FITS,
-    SEGMENTS,
     STOCK,
     DecodeGraphState,
     GraphCapacity,
     SegmentGraphVariants,
+    cell_index_capacity,
+    longest_sequence,
+    segment_graph_limits,
 )
+from sgl_kvevict.engine.pool import cell_space_of
 
 logger = logging.getLogger(__name__)
 LOG2_E = math.log2(math.e)
@@ -201,7 +203,9 @@ class KVEvictFlashInferBackend(SegmentAttentionBackend, FlashInferAttnBackend):
 
     _graph_body = False  # the segments graph's body runs (its capture): set per forward by the metadata hooks
     _graph_asked: tuple = (None, None)  # (forward batch, its ForwardRequests or None): the last one asked about
-    _replay_forward: Optional[ForwardRequests] = None  # chosen for the segments graph, filled before its replay
+    # (the batch chosen for a segments graph, filled before its replay, or None; the graph's label)
+    _replay: tuple[Optional[ForwardRequests], str] = (None, STOCK)
+    _graph_cells_per_sequence = 0  # the bound of the segments graph captured or replayed (its split count)
 
     def __init__(self, model_runner, **kwargs):
         super().__init__(model_runner, **kwargs)
@@ -277,24 +281,29 @@ class KVEvictFlashInferBackend(SegmentAttentionBackend, FlashInferAttnBackend):
 
     def init_segment_graph_state(self, max_bs: int) -> None:
         """The ``segments`` graphs' buffers, for batches up to ``max_bs`` requests: a batch may read every
-        cell of the pool once (one that reads more, a compressed prefix shared by many requests, decodes
-        eagerly), a (layer, request, KV head) up to the model's context length of cells. The cell views
-        are the pool's, as the tree's (``CellSpace``), which does not exist yet when SGLang captures."""
+        cell of the pool once, within ``GRAPH_CELL_INDEX_BYTES`` (one that reads more, a compressed prefix
+        shared by many requests, decodes eagerly), a (layer, request, KV head) up to the model's context
+        length of cells. The cell views are the pool's, as the tree's (``CellSpace``), which does not
+        exist yet when SGLang captures."""
         if not self._shape.one_scaling:
             raise NotImplementedError(
                 "sgl-kvevict decode CUDA graphs need one attention scale for every layer (the graph's dense "
                 "part is planned once per replay); pass --cuda-graph-backend-decode disabled for this model"
             )
-        pool = self.token_to_kv_pool
-        space = CellSpace.of_buffers(pool.k_buffer, pool.v_buffer)
+        space = cell_space_of(self.token_to_kv_pool)
         self.cell_space = space
-        rows = space.k_rows.shape[0]
-        capacity = GraphCapacity(max_batch=max_bs, cells=rows, cells_per_sequence=self.max_context_len)
-        self._decode_graph = DecodeGraphState(capacity, space.num_layers, space.num_kv_heads, space.device, rows)
+        cell_id_bound = space.k_rows.shape[0]
+        capacity = GraphCapacity(
+            max_batch=max_bs,
+            cells=cell_index_capacity(space.cells_per_slot * space.num_slots, cell_id_bound),
+            cells_per_sequence=self.max_context_len,
+        )
+        self._decode_graph = DecodeGraphState(capacity, space.num_layers, space.num_kv_heads, space.device, cell_id_bound)
+        self._graph_variants = SegmentGraphVariants(self.select_graph_variant, segment_graph_limits(self.max_context_len))
         self._graph_dense_wrappers = {}  # batch size -> its graph-mode decode wrapper (fixed buffers)
 
     def graph_variants(self) -> SegmentGraphVariants:
-        return SegmentGraphVariants(select=self.select_graph_variant)
+        return self._graph_variants
 
     def graph_can_replay(self, forward_batch) -> bool:
         """Whether a decode batch the runner could replay fits the ``segments`` buffers (always, without a
@@ -308,9 +317,13 @@ class KVEvictFlashInferBackend(SegmentAttentionBackend, FlashInferAttnBackend):
 
     def select_graph_variant(self, forward_batch) -> str:
         """The graph a decode batch replays (SGLang asks before its replay metadata,
-        ``init_forward_metadata_out_graph``, which then fills the ``segments`` buffers for this batch)."""
-        self._replay_forward = self._graph_forward(forward_batch)
-        return STOCK if self._replay_forward is None else SEGMENTS
+        ``init_forward_metadata_out_graph``, which then fills the ``segments`` buffers for this batch):
+        ``stock`` without a compressed request, else the ``segments`` graph bounded by its longest
+        sequence (the kernel's split count follows that bound)."""
+        forward = self._graph_forward(forward_batch)
+        label = STOCK if forward is None else self._graph_variants.segments_for(longest_sequence(forward))
+        self._replay = (forward, label)
+        return label
 
     def _graph_forward(self, forward_batch) -> Optional[ForwardRequests]:
         """The decode batch as the engine sees it when it holds a compressed request (None otherwise, and
@@ -325,18 +338,20 @@ class KVEvictFlashInferBackend(SegmentAttentionBackend, FlashInferAttnBackend):
         return forward
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
-        """Before a decode graph's capture or replay (outside the graph). The ``segments`` graph: the
+        """Before a decode graph's capture or replay (outside the graph). A ``segments`` graph: the
         compressed part's buffers filled and the dense part's graph-mode decode wrapper planned over every
         request's dense positions (a padded request: slot 0); the ``stock`` graph: SGLang's metadata."""
         if in_capture:  # a batch of padded requests
-            forward = ForwardRequests(True, ()) if get_capture_attention_variant() == SEGMENTS else None
+            label = get_capture_attention_variant()
+            forward = None if label == STOCK else ForwardRequests(True, ())
         else:
-            forward, self._replay_forward = self._replay_forward, None
+            (forward, label), self._replay = self._replay, (None, STOCK)
             if forward is not None:
                 self.coordinator.stats.count("graph_decodes")
         self.segments, self._graph_body = None, forward is not None
         if forward is None:
             return super().init_forward_metadata_out_graph(forward_batch, in_capture)
+        self._graph_cells_per_sequence = self._graph_variants.bound_of(label)  # what the body is captured with
         batch_size, shape = forward_batch.batch_size, self._shape
         if in_capture:
             self._graph_dense_wrappers[batch_size] = self._create_decode_wrappers(batch_size, batch_size)[0]
@@ -367,5 +382,7 @@ class KVEvictFlashInferBackend(SegmentAttentionBackend, FlashInferAttnBackend):
         replay) merged with its compressed part (``DecodeGraphState``); static shapes, no host read."""
         queries, paged_cache = self._layer_inputs(q, k, v, layer, forward_batch, save_kv_cache)
         dense_out, dense_lse_base2 = self._graph_dense.run(queries, paged_cache, return_lse=True)
-        merged = self._decode_graph.attend_with_dense(queries, layer, *self.cell_rows, dense_out, dense_lse_base2 * LN_2)
+        merged = self._decode_graph.attend_with_dense(
+            queries, layer, *self.cell_rows, self._graph_cells_per_sequence, dense_out, dense_lse_base2 * LN_2
+        )
         return merged.view(-1, layer.tp_q_head_num * layer.v_head_dim)

@@ -9,7 +9,7 @@ buffers is unchanged (they have the same shapes, strides and dtypes); only their
 equally spaced, which ``CellSpace.of_buffers`` checks before the engine uses them.
 
 Layouts other than plain NHD (HND pages, ROCm's vectorized 5-D layout, quantised KV, post-capture
-backing) keep the stock allocation; ``CellSpace.of_buffers`` then refuses them with a clear message.
+backing) keep the stock allocation; ``cell_space_of`` then refuses them, naming the layout.
 """
 
 from __future__ import annotations
@@ -19,7 +19,32 @@ from contextlib import nullcontext
 
 import torch
 
+from sgl_kvevict.engine.cells import CellSpace
+
 _PATCHED_FLAG = "_kvevict_contiguous"
+SUPPORTED_POOL = (
+    "MHATokenToKVPool with the 'nhd' layout and K and V of one unquantised dtype, which sgl-kvevict allocates as "
+    "one tensor (page size 1; MLA, hybrid and quantised pools are not supported)"
+)
+
+
+class UnsupportedKVPool(ValueError):
+    """SGLang's KV pool is not one whose cells the engine can address; the message names its layout."""
+
+
+def cell_space_of(pool) -> CellSpace:
+    """The cells of SGLang's KV pool ``pool`` (``CellSpace.of_buffers`` over its layer buffers), or
+    ``UnsupportedKVPool`` naming its class, layout and dtype and what is supported."""
+    described = (
+        f"{type(pool).__name__} with layout {getattr(pool, 'kv_cache_layout', 'unknown')!r} and "
+        f"dtype {getattr(pool, 'store_dtype', getattr(pool, 'dtype', 'unknown'))}"
+    )
+    if not (isinstance(getattr(pool, "k_buffer", None), list) and isinstance(getattr(pool, "v_buffer", None), list)):
+        raise UnsupportedKVPool(f"the KV pool ({described}) has no per-layer K and V buffers; supported: {SUPPORTED_POOL}")
+    try:
+        return CellSpace.of_buffers(pool.k_buffer, pool.v_buffer)
+    except ValueError as error:
+        raise UnsupportedKVPool(f"the KV pool ({described}) is not supported: {error}; supported: {SUPPORTED_POOL}") from None
 
 
 def install_contiguous_kv_buffers() -> None:
