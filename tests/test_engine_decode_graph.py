@@ -16,6 +16,8 @@ No GPU and no real FlashInfer here (what ran on a GPU: docs/gpu.md). Two levels:
   wrapper is ``tests/fake_flashinfer.py``'s, which reads its fixed buffers when it runs.
 * **The compressed part alone** (``DecodeGraphState``): bounds, in-place fills, no host sync, and the
   Triton body in the interpreter and, on CUDA (``KVEVICT_GPU_TESTS=1``), captured in a real CUDA graph.
+  A replay's preparation reuses the cell index across steps and copies to the device only from pinned
+  memory, non-blocking: checked on the ``meta`` device standing for CUDA (issue 34, finding 1).
 """
 
 from __future__ import annotations
@@ -48,11 +50,24 @@ from test_kernels_support import interpreter_process_test, on_kernel_devices
 
 from benchmarks.decode_graph import captured
 
-from sgl_kvevict.engine import plugin
+from sgl_kvevict.engine import decode_graph, host_copies, plugin
 from sgl_kvevict.engine.attention import compressed_attention
-from sgl_kvevict.engine.batch import ForwardRequests
+from sgl_kvevict.engine.batch import CellBatch, ForwardRequests, RequestSlice
 from sgl_kvevict.engine.cells import CellSpace
-from sgl_kvevict.engine.decode_graph import FITS, SEGMENTS, STOCK, DecodeGraphState, GraphCapacity, SegmentGraphVariants
+from sgl_kvevict.engine.decode_graph import (
+    FITS,
+    SEGMENTS,
+    SEGMENTS_SPLIT,
+    STOCK,
+    DecodeGraphState,
+    GraphCapacity,
+    SegmentGraphVariants,
+    cell_index_capacity,
+    segment_graph_limits,
+    segments_limit,
+)
+from sgl_kvevict.kernels import MIN_CELLS_TO_SPLIT
+from sgl_kvevict.kernels.segment_attention import chosen_kv_splits
 from sgl_kvevict.engine.stats import EngineStats
 from sgl_kvevict.engine.sync_probe import SYNCING_METHODS, SyncProbe
 
@@ -228,26 +243,82 @@ class GraphRunner:
         return [t.data_ptr() for t in tensors]
 
 
+def replays_as_eager(runner: GraphRunner, seed: int, specs) -> None:
+    """One decode step of ``specs`` replayed through ``runner`` equals the eager backend and the formula."""
+    num_kv_heads, group = runner.num_kv_heads, runner.group
+    scenario, eager = decode_scenario(specs, num_kv_heads, group, seed), decode_scenario(specs, num_kv_heads, group, seed)
+    runner.load(scenario)
+    replayed = runner.decode(scenario)
+    assert replayed is not None
+    cpu_backend = torch_backend(eager)
+    for layer, out in zip(runner.layers, replayed):
+        scenario.pool.set_kv_buffer(layer, scenario.forward_batch, scenario.k, scenario.v)  # for the formula
+        assert torch.isfinite(out).all()  # never the NaN placeholder slot 0
+        torch.testing.assert_close(out, run_backend(cpu_backend, eager, layer), atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(out.double(), naive_attention(scenario, layer), atol=2e-5, rtol=1e-5)
+
+
 @pytest.mark.torch_twins  # dynamo traces the torch twins; it does not trace Triton's interpreter
 @pytest.mark.parametrize("num_kv_heads,group", GQA)
 def test_every_decode_step_replays_the_segments_graph_as_attention_computes_it(flashinfer_module, num_kv_heads, group):
     runner = GraphRunner(flashinfer_module, num_kv_heads, group)
-    assert runner.variants.capture_labels == (STOCK, SEGMENTS)
+    assert runner.variants.capture_labels == (STOCK, SEGMENTS)  # a context below the split threshold: one bound
     captured = runner.buffers_in_use()
     for seed, specs in enumerate(STEPS):
-        scenario, eager = decode_scenario(specs, num_kv_heads, group, seed), decode_scenario(specs, num_kv_heads, group, seed)
-        runner.load(scenario)
-        replayed = runner.decode(scenario)
-        assert replayed is not None
-        cpu_backend = torch_backend(eager)
-        for layer, out in zip(runner.layers, replayed):
-            scenario.pool.set_kv_buffer(layer, scenario.forward_batch, scenario.k, scenario.v)  # for the formula
-            assert torch.isfinite(out).all()  # never the NaN placeholder slot 0
-            torch.testing.assert_close(out, run_backend(cpu_backend, eager, layer), atol=2e-5, rtol=1e-5)
-            torch.testing.assert_close(out.double(), naive_attention(scenario, layer), atol=2e-5, rtol=1e-5)
+        replays_as_eager(runner, seed, specs)
     assert runner.buffers_in_use() == captured  # filled in place: a captured graph reads the same memory
     assert runner.backend.coordinator.stats.graph_decodes == len(STEPS)
     assert runner.backend.coordinator.stats.decode_graph_fallbacks == 0
+
+
+def test_the_segments_graphs_split_only_sequences_the_h100_measurement_splits():
+    """Issue 34, finding 3: the split count of a replay follows the batch's longest sequence, not the
+    model's context length: below ``MIN_CELLS_TO_SPLIT`` cells a batch replays a graph that never splits."""
+    limits = segment_graph_limits(32768)
+    assert limits == ((SEGMENTS, MIN_CELLS_TO_SPLIT - 1), (SEGMENTS_SPLIT, 32768))
+    assert segment_graph_limits(64) == ((SEGMENTS, 64),)  # a context below the threshold: one graph
+    # One request, 8 KV heads of 4 query heads (Llama-3-8B): 2048 cells unsplit, 8192 split 32 ways.
+    for longest, label, splits in ((2048, SEGMENTS, 1), (MIN_CELLS_TO_SPLIT - 1, SEGMENTS, 1), (8192, SEGMENTS_SPLIT, 32)):
+        chosen, bound = segments_limit(limits, longest)
+        assert chosen == label and bound >= longest
+        assert chosen_kv_splits(1, 8, 4, 1, bound) == splits
+
+
+@pytest.mark.torch_twins
+def test_each_batch_replays_the_segments_graph_bounded_by_its_longest_sequence(flashinfer_module, monkeypatch):
+    """Both ``segments`` graphs captured per batch size; each step replays the one its longest sequence
+    selects, with that graph's bound (the torch twin pads to it, so a bound below a sequence's cells would
+    drop cells and differ from eager)."""
+    monkeypatch.setattr(decode_graph, "MIN_CELLS_TO_SPLIT", 7)  # STEPS' longest sequences hold 6, 6 and 8 cells
+    runner = GraphRunner(flashinfer_module, 2, 2)
+    assert runner.variants.capture_labels == (STOCK, SEGMENTS, SEGMENTS_SPLIT)
+    bounds = []
+    for seed, specs in enumerate(STEPS):
+        replays_as_eager(runner, seed, specs)
+        bounds.append(runner.backend._graph_cells_per_sequence)
+    assert bounds == [6, 6, CONTEXT_LEN]
+
+
+@pytest.mark.torch_twins
+def test_the_cell_index_holds_each_cell_of_the_pool_once_within_its_memory_bound(flashinfer_module, monkeypatch):
+    """Issue 34, finding 2: the index is sized by the pool's cells (layers x slots x KV heads, K rows only;
+    the flat K view spans the V halves too), at most ``GRAPH_CELL_INDEX_BYTES``; a batch beyond a capped
+    index runs eagerly, counted."""
+    runner = GraphRunner(flashinfer_module, 2, 2)
+    space, state = runner.backend.cell_space, runner.backend._decode_graph
+    assert state.capacity.cells == state.cell_indices.numel() == NUM_LAYERS * space.num_slots * 2
+    # What it was sized by before: the flat K view, which spans the V half between two layers' K.
+    assert len(space.k_rows) == (2 * NUM_LAYERS - 1) * space.num_slots * 2
+    monkeypatch.setattr(decode_graph, "GRAPH_CELL_INDEX_BYTES", 80)
+    assert cell_index_capacity(10**6, 2**31 - 1) == 20  # int32 ids
+    assert cell_index_capacity(10**6, 2**31) == 10  # int64 ids
+    assert cell_index_capacity(15, 2**31 - 1) == 15
+    capped = GraphRunner(flashinfer_module, 2, 2)
+    assert capped.backend._decode_graph.cell_indices.numel() == 20
+    scenario = decode_scenario(DECODE, 2, 2)  # its requests reserve 24 cells
+    capped.load(scenario)
+    assert capped.decode(scenario) is None
+    assert capped.backend.coordinator.stats.decode_graph_fallbacks == 1
 
 
 @pytest.mark.torch_twins
@@ -425,3 +496,71 @@ def test_the_compressed_part_replays_every_step(device):
             torch.testing.assert_close(lse[rows].cpu(), expected_lse, atol=2e-5, rtol=1e-5)
             plain = [request.index for request in forward.requests if request.view is None] + list(range(count, batch_size))
             assert bool((lse[plain] == float("-inf")).all())  # no cells: the merge keeps the dense part
+
+
+@contextmanager
+def host_to_device_copies(monkeypatch, device: torch.device):
+    """Every copy from the host to ``device`` (standing for CUDA) as ``(source, non_blocking, pinned)``,
+    with pinned staging chosen for ``device`` and ``Tensor.pin_memory`` (CUDA only) a recorded copy."""
+    pinned, copies = [], []
+    monkeypatch.setattr(host_copies, "stages_in_pinned_memory", lambda target: target == device)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda tensor: pinned.append(tensor.clone()) or pinned[-1])
+    to, copy_ = torch.Tensor.to, torch.Tensor.copy_
+
+    def recorded_to(tensor, *args, **kwargs):
+        moved = to(tensor, *args, **kwargs)
+        if tensor.device.type == "cpu" and moved.device == device:
+            copies.append((tensor, kwargs.get("non_blocking", False)))
+        return moved
+
+    def recorded_copy(target, source, non_blocking=False):
+        if source.device.type == "cpu" and target.device == device:
+            copies.append((source, non_blocking))
+        return copy_(target, source, non_blocking=non_blocking)
+
+    monkeypatch.setattr(torch.Tensor, "to", recorded_to)
+    monkeypatch.setattr(torch.Tensor, "copy_", recorded_copy)
+    recorded: list[tuple[torch.Tensor, bool, bool]] = []
+    yield recorded
+    recorded += [(source, non_blocking, any(source is p for p in pinned)) for source, non_blocking in copies]
+
+
+def test_staging_in_pinned_memory_is_chosen_for_cuda_only():
+    assert host_copies.stages_in_pinned_memory(torch.device("cuda"))
+    assert host_copies.stages_in_pinned_memory(torch.device("cuda", 1))
+    assert not host_copies.stages_in_pinned_memory(torch.device("cpu"))
+    host = torch.arange(4)
+    assert host_copies.to_device(host, torch.device("cpu")) is host  # on CPU nothing is copied
+
+
+def test_replay_preparation_reuses_the_cell_index_and_copies_only_from_pinned_memory(monkeypatch):
+    """Issue 34, finding 1: decode steps of the same requests build their cell index once (a request's
+    cells do not change between its decode steps), and every host-to-device copy of a fill is staged in
+    pinned memory and non-blocking (a pageable copy would make the host wait for the running batch)."""
+    device = torch.device("meta")  # a device the host copies to, standing for CUDA
+    forward = requests_on(decode_scenario(DECODE, 2, 2), "meta")
+    state = DecodeGraphState(CAPACITY, NUM_LAYERS, 2, device, CELL_ID_BOUND)
+    builds = []
+    build = CellBatch.of.__func__
+    monkeypatch.setattr(CellBatch, "of", classmethod(lambda cls, views, on: builds.append(len(views)) or build(cls, views, on)))
+    with host_to_device_copies(monkeypatch, device) as copies:
+        for batch_size in (4, 4, 4, 6):  # three decode steps, then the batch runs as a larger captured size
+            assert state.fill(forward, batch_size) == FITS
+    assert builds == [2]  # DECODE's two compressed requests, built once
+    assert copies and all(non_blocking and pinned for _, non_blocking, pinned in copies)
+
+
+def test_a_fill_of_the_same_requests_in_other_places_reuses_their_index_and_moves_their_offsets():
+    """A plain request joins in front: the compressed requests keep their views (no index built) but move
+    in the batch, so the offsets follow; the buffers then equal a fresh fill of that batch."""
+    forward = decode_scenario(DECODE, 2, 2).segments.forward
+    joined = RequestSlice(0, 0, 1, 5, 7, None)
+    moved = ForwardRequests(True, (joined, *(dataclasses.replace(r, index=r.index + 1) for r in forward.requests)))
+    cpu = torch.device("cpu")
+    state, fresh = (DecodeGraphState(CAPACITY, NUM_LAYERS, 2, cpu, CELL_ID_BOUND) for _ in range(2))
+    assert state.fill(forward, 4) == FITS and state.fill(moved, 6) == FITS
+    assert fresh.fill(moved, 6) == FITS
+    assert state.cell_batches.builds == 1
+    cells = sum(request.view.reserved_cells for request in forward.compressed)
+    assert torch.equal(state.cell_indptr[:, : 6 * 2 + 1], fresh.cell_indptr[:, : 6 * 2 + 1])
+    assert torch.equal(state.cell_indices[:cells], fresh.cell_indices[:cells])
