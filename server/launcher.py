@@ -10,6 +10,7 @@ are in, and so that bad flags and a missing model are reported before any of SGL
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from sgl_kvevict.server.refusals import (
     FlagError,
     check_chunked_prefill,
     check_cpu_graphs,
+    check_environment,
     check_model_architecture,
     check_tensor_parallel,
 )
@@ -107,6 +109,7 @@ def run(config: LaunchConfig) -> int:
         # Again with the flags this machine adds: CPU mode chooses the chunk when the user did not.
         check_chunked_prefill(config.serving, launched_args)
         check_cpu_graphs(config.serving, launched_args, cpu_mode)
+        check_environment(config.serving, os.environ)
     if config.workers > 1:
         scale_out.check_prerequisites(config)
     model_dir = resolve_model(config.model, log=log)

@@ -12,7 +12,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from sgl_kvevict.architectures import model_facts_of
-from sgl_kvevict.limits import LIMITS, SetupFacts, limit_flags, violations
+from sgl_kvevict.limits import (
+    LIMITS,
+    METADATA_GLUE_GRAPH_ENV,
+    METADATA_GLUE_GRAPH_REASON,
+    SetupFacts,
+    limit_flags,
+    metadata_glue_graph_enabled,
+    violations,
+)
 from sgl_kvevict.server.sglang_args import flag_value, has_flag, int_flag_value, largest_chunk_beside_block
 from sgl_kvevict.serving import ServingConfig
 
@@ -96,6 +104,16 @@ def check_cpu_graphs(serving: ServingConfig, sglang_args: list[str], cpu_mode: b
         raise FlagError(
             f"--cuda-graph-backend-decode {backend} cannot be used with a --kv-evict-policy in CPU mode: SGLang "
             f"captures CPU decode graphs with torch.compile, and the CPU attention backend has no graph form"
+        )
+
+
+def check_environment(serving: ServingConfig, environ) -> None:
+    """With a policy: the SGLang switches set in the environment the servers inherit (limits: the metadata
+    glue graph)."""
+    if serving.enabled and metadata_glue_graph_enabled(environ):
+        raise FlagError(
+            f"{METADATA_GLUE_GRAPH_ENV}={environ[METADATA_GLUE_GRAPH_ENV]} cannot be used with a --kv-evict-policy: "
+            f"{METADATA_GLUE_GRAPH_REASON}"
         )
 
 

@@ -216,6 +216,22 @@ LIMITS = (
 )  # fmt: skip
 
 
+# SGLang's switch that captures each decode graph replay's preparation into a small CUDA graph of its own
+# (decode_cuda_graph_runner.py, metadata_glue_graph.py); an environment variable, not a flag, so refused
+# apart from the table: by the launcher from its environment, by the plugin's capture hook from SGLang's.
+METADATA_GLUE_GRAPH_ENV = "SGLANG_ENABLE_METADATA_GLUE_GRAPH"
+METADATA_GLUE_GRAPH_REASON = (
+    "it captures the preparation of each decode graph replay into a graph of its own, which would freeze the "
+    "segments graphs' per-batch metadata (each request's cells and dense positions, written and planned on the host "
+    "before every replay) at its capture-time values; unset it (decode CUDA graphs stay on)"
+)
+
+
+def metadata_glue_graph_enabled(environ) -> bool:
+    """Whether ``environ`` turns SGLang's metadata glue graph on (the spellings of SGLang's ``EnvBool``)."""
+    return environ.get(METADATA_GLUE_GRAPH_ENV, "").lower() in ("true", "1", "yes", "y")
+
+
 def violations(facts: SetupFacts) -> list[str]:
     """One line per limit ``facts`` break (empty when compression can run)."""
     return [f"{limit.name}: {limit.reason}" for limit in LIMITS if limit.violated is not None and limit.violated(facts)]

@@ -66,6 +66,7 @@ from sgl_kvevict.engine.decode_graph import (
     segment_graph_limits,
     segments_limit,
 )
+from sgl_kvevict.engine.pool import UnsupportedKVPool
 from sgl_kvevict.kernels import MIN_CELLS_TO_SPLIT
 from sgl_kvevict.kernels.segment_attention import chosen_kv_splits
 from sgl_kvevict.engine.stats import EngineStats
@@ -400,6 +401,38 @@ def test_the_plugin_hooks_capture_our_variants_and_replay_only_fitting_batches(f
     stock = StandInRunner(object())
     plugin.capture_graph_variants(StandInRunner.capture, stock)
     assert stock.captured_with is None
+
+
+def test_capture_refuses_sglangs_metadata_glue_graph(monkeypatch):
+    """Issue 34, finding 5: the glue graph would capture the replay preparation the segments graphs need
+    on the host (the launcher refuses it from its environment too: tests/test_flags.py)."""
+    stand_in = StandInRunner(torch_backend(decode_scenario(DECODE, 2, 2)))
+    monkeypatch.setenv("SGLANG_ENABLE_METADATA_GLUE_GRAPH", "true")
+    with pytest.raises(NotImplementedError, match="SGLANG_ENABLE_METADATA_GLUE_GRAPH is set: it captures the preparation"):
+        plugin.capture_graph_variants(StandInRunner.capture, stand_in)
+    monkeypatch.setenv("SGLANG_ENABLE_METADATA_GLUE_GRAPH", "0")  # off: the backend's own answer (no graphs on CPU)
+    with pytest.raises(NotImplementedError, match="need the flashinfer attention backend"):
+        plugin.capture_graph_variants(StandInRunner.capture, stand_in)
+
+
+class HNDPool:
+    """A KV pool in SGLang's HND layout, each layer its own allocation (the engine's pool keeps the stock
+    allocation for every layout but NHD)."""
+
+    kv_cache_layout, store_dtype = "hnd", torch.bfloat16
+
+    def __init__(self):
+        self.k_buffer = [torch.zeros(2, 8, HEAD_DIM) for _ in range(NUM_LAYERS)]
+        self.v_buffer = [torch.zeros(2, 8, HEAD_DIM) for _ in range(NUM_LAYERS)]
+
+
+@pytest.mark.torch_twins
+def test_capture_over_an_unsupported_pool_layout_names_it_and_what_is_supported(flashinfer_module):
+    """Issue 34, finding 5: not a bare ValueError about strides from deep inside the capture."""
+    runner = GraphRunner(flashinfer_module, 2, 2)
+    runner.backend.token_to_kv_pool = HNDPool()
+    with pytest.raises(UnsupportedKVPool, match=r"HNDPool with layout 'hnd' .* supported: MHATokenToKVPool with the 'nhd' layout"):
+        runner.backend.init_segment_graph_state(max(CAPTURE_BATCH_SIZES))
 
 
 # ---- the compressed part alone -----------------------------------------------------------------

@@ -18,7 +18,7 @@ from sgl_kvevict.scope import BlockScope
 from sgl_kvevict.serving import ENV_VAR as SERVING_ENV_VAR, ServingConfig
 from sgl_kvevict.limits import limit_flags
 from sgl_kvevict.server.flags import build_parser, knob_fields, knob_flag, parse_args
-from sgl_kvevict.server.refusals import FlagError, check_tensor_parallel, inspected_flags
+from sgl_kvevict.server.refusals import FlagError, check_environment, check_tensor_parallel, inspected_flags
 from sgl_kvevict.server.sglang_args import (
     CPU_CHUNKED_PREFILL_SIZE,
     CPU_DEFAULT_MAX_TOTAL_TOKENS,
@@ -470,6 +470,17 @@ def test_cpu_tensor_parallel_ranks_get_cores_unless_the_user_chose(tp, cores, bi
     assert threads_bind(config, cpu_mode=False) is None  # CUDA: SGLang binds nothing
     monkeypatch.setenv(THREADS_BIND_ENV_VAR, "0-3|4-7")
     assert threads_bind(config, cpu_mode=True) == (None if tp == 1 else "0-3|4-7")
+
+
+def test_sglangs_metadata_glue_graph_is_refused_from_the_environment_with_a_policy():
+    """Issue 34, finding 5: SGLang would capture the segments graphs' replay preparation into a graph."""
+    serving = parse("--kv-evict-policy", "snapkv").serving
+    for value in ("1", "true", "Yes", "y"):
+        with pytest.raises(FlagError, match=f"SGLANG_ENABLE_METADATA_GLUE_GRAPH={value} cannot be used with a --kv-evict-policy: it captures"):
+            check_environment(serving, {"SGLANG_ENABLE_METADATA_GLUE_GRAPH": value})
+    check_environment(serving, {"SGLANG_ENABLE_METADATA_GLUE_GRAPH": "0"})
+    check_environment(serving, {})
+    check_environment(parse().serving, {"SGLANG_ENABLE_METADATA_GLUE_GRAPH": "1"})  # stock SGLang: its own choice
 
 
 def test_replicated_kv_heads_are_refused_on_cuda_only():

@@ -57,6 +57,15 @@ def test_refused_combinations_exit_before_sglang_starts(tiny_llama_dir, args, me
     assert elapsed < FAST_EXIT_SECONDS and "Load weight" not in output
 
 
+def test_sglangs_metadata_glue_graph_in_the_environment_is_refused(tiny_llama_dir, monkeypatch):
+    monkeypatch.setenv("SGLANG_ENABLE_METADATA_GLUE_GRAPH", "1")  # the launcher's process inherits it
+    code, output, elapsed = run_launcher("--model", str(tiny_llama_dir), "--port", str(free_port()), "--kv-evict-policy", "lava")
+    assert code == 2
+    [line] = error_lines(output)
+    assert "SGLANG_ENABLE_METADATA_GLUE_GRAPH=1 cannot be used with a --kv-evict-policy" in line
+    assert elapsed < FAST_EXIT_SECONDS and "Load weight" not in output
+
+
 def test_missing_model_path_is_refused(tmp_path):
     code, output, elapsed = run_launcher("--model", str(tmp_path / "no-such-model"))
     assert code != 0

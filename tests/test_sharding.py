@@ -140,3 +140,38 @@ def test_rank_counts_reserve_the_most_any_rank_keeps_on_each_side_of_a_split():
 def test_position_counts_count_every_layer_and_head():
     plan = CompressionPlan.keep_all(4, 9, num_layers=2, num_kv_heads=3)
     assert position_counts(plan).tolist() == [6] * 5
+
+
+class OnGPU(torch.Tensor):
+    """A host tensor that says it is on CUDA (this machine has none), as a policy's scores are on a GPU;
+    ``to("cpu")`` gives a plain host tensor."""
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", 0)
+
+    def to(self, *args, **kwargs):
+        target = torch.device(args[0] if args else kwargs["device"])
+        return self.as_subclass(torch.Tensor).clone() if target.type == "cpu" else self
+
+
+def test_the_exchange_over_sglangs_gloo_group_sends_host_tensors_and_returns_them_to_the_device(monkeypatch):
+    """Issue 34, finding 4: SGLang's TP CPU group is gloo, which exchanges host memory; a score tensor on
+    the GPU is copied to the host for the all-gather and the gathered ones back to its device."""
+    from sgl_kvevict.engine import tensor_parallel
+
+    group, exchanged = object(), []
+
+    def all_gather(outputs, tensor, group=None):  # gloo's all-gather of 2 ranks: the other rank sends +1
+        exchanged.extend((t.device.type, type(t)) for t in (*outputs, tensor))
+        outputs[0].copy_(tensor)
+        outputs[1].copy_(tensor + 1)
+
+    moved_back = []
+    monkeypatch.setattr(torch.distributed, "all_gather", all_gather)
+    monkeypatch.setattr(tensor_parallel, "to_device", lambda t, device: moved_back.append(device) or t.as_subclass(OnGPU))
+    scores = torch.arange(6, dtype=torch.float32).view(1, 2, 3).as_subclass(OnGPU)
+    gathered = tensor_parallel.process_group_gather(group, 2)(scores)
+    assert exchanged and all(exchange == ("cpu", torch.Tensor) for exchange in exchanged)
+    assert moved_back == [torch.device("cuda", 0)] * 2 and all(t.device.type == "cuda" for t in gathered)
+    assert [t.as_subclass(torch.Tensor).tolist() for t in gathered] == [scores.tolist(), (scores + 1).tolist()]

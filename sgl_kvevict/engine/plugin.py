@@ -26,8 +26,15 @@ Everything heavy is imported inside the factories, which run only in the schedul
 
 from __future__ import annotations
 
+import os
+
 from sgl_kvevict.engine import sync_probe
-from sgl_kvevict.limits import check_sglang_version
+from sgl_kvevict.limits import (
+    METADATA_GLUE_GRAPH_ENV,
+    METADATA_GLUE_GRAPH_REASON,
+    check_sglang_version,
+    metadata_glue_graph_enabled,
+)
 from sgl_kvevict.serving import RADIX_CACHE_BACKEND, ServingConfig
 
 # Called once per scheduler batch, after its results (and the checkpoints of its requests) are processed.
@@ -108,11 +115,14 @@ def capture_graph_variants(original, runner, *args, **kwargs):
     """SGLang captures a decode graph per batch size and per variant of ``runner.attention_graph_variants``
     (None: one graph). With our backend it captures ours: a batch with a compressed request must replay
     the ``segments`` graph, whose body reads its cells. Models that bring variants of their own (DSA) are
-    not among those the plugin runs (hybrid and MLA models are refused)."""
+    not among those the plugin runs (hybrid and MLA models are refused). SGLang's metadata glue graph is
+    refused here: it would capture the replay preparation the ``segments`` graphs need on the host."""
     from sgl_kvevict.engine.attention import SegmentAttentionBackend
 
     backend = runner.attn_backend
     if isinstance(backend, SegmentAttentionBackend) and runner.capture_forward_mode.is_decode():
+        if metadata_glue_graph_enabled(os.environ):  # the launcher refuses it too; this is for servers without it
+            raise NotImplementedError(f"sgl-kvevict: {METADATA_GLUE_GRAPH_ENV} is set: {METADATA_GLUE_GRAPH_REASON}")
         if runner.attention_graph_variants is not None:
             raise NotImplementedError("sgl-kvevict: decode CUDA graphs of a model with its own graph variants")
         runner.attention_graph_variants = backend.graph_variants()

@@ -2,7 +2,8 @@
 
 Every rank's scheduler runs the same steps on the same requests (SGLang broadcasts them from rank 0),
 so every rank reaches a span's plan at the same point; the plan is made there with two all-gathers
-on SGLang's TP group (its CPU group, gloo, so no device stream is involved):
+on SGLang's TP group (its CPU group, gloo, so no device stream is involved: a tensor on the GPU, the
+scores, is copied to the host for the exchange and the gathered ones back, ``process_group_gather``):
 
 1. the shared state of policies that weigh heads against each other (``sharding.plan_on_rank``):
    ``[L, H_local, n]`` fp32 scores (``[L, H_local, context]`` for DBudgetKV), nothing for the others;
@@ -19,6 +20,7 @@ from typing import Callable, Optional
 
 import torch
 
+from sgl_kvevict.engine.host_copies import to_device
 from sgl_kvevict.policies.base import SegmentCompressor
 from sgl_kvevict.plan import CompressionPlan
 from sgl_kvevict.sharding import HeadShard, RankCounts, plan_on_rank, position_counts
@@ -28,13 +30,17 @@ Gather = Callable[[torch.Tensor], list[torch.Tensor]]
 
 
 def process_group_gather(process_group, tp_size: int) -> Gather:
-    """An all-gather over ``process_group`` (SGLang's TP CPU group): every rank's tensor, in rank order."""
+    """An all-gather over ``process_group`` (SGLang's TP CPU group, gloo): every rank's tensor, in rank
+    order, on the tensor's device. Gloo exchanges host memory, so the tensor is copied to the host first
+    (a device-to-host copy, which waits for the forward that computed it: the plan needs it anyway) and
+    the gathered ones back (``host_copies.to_device``: pinned, non-blocking)."""
 
     def gather(tensor: torch.Tensor) -> list[torch.Tensor]:
-        tensor = tensor.contiguous()
-        gathered = [torch.empty_like(tensor) for _ in range(tp_size)]
-        torch.distributed.all_gather(gathered, tensor, group=process_group)
-        return gathered
+        device = tensor.device
+        sent = tensor.to("cpu").contiguous()
+        gathered = [torch.empty_like(sent) for _ in range(tp_size)]
+        torch.distributed.all_gather(gathered, sent, group=process_group)
+        return [to_device(part, device) for part in gathered]
 
     return gather
 
