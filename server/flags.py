@@ -148,9 +148,11 @@ def launcher_notes() -> list[str]:
         "scope less where a block and a chunk would not fit --max-total-tokens together), each unless given. Compressed KV lives in SGLang's own KV "
         "pool, so --max-total-tokens means the same memory with or without a policy.",
         "CUDA graphs with a policy: decode batches replay SGLang's decode CUDA graphs (its default), a batch "
-        "with compressed requests a second graph per batch size whose attention reads them; a batch whose "
-        "compressed cells exceed that graph's buffers decodes eagerly (/kvevict/stats: graph_decodes, "
-        "decode_graph_fallbacks). Prefill runs eagerly. CPU mode disables graphs, with or without a policy.",
+        "with compressed requests a graph of ours per batch size whose attention reads them (one that never "
+        "splits a sequence's cells, and one that splits sequences of 4096 cells or more); a batch whose "
+        "compressed cells exceed those graphs' buffers decodes eagerly (/kvevict/stats: graph_decodes, "
+        "decode_graph_fallbacks). Prefill runs eagerly. CPU mode disables graphs, with or without a policy. "
+        "SGLANG_ENABLE_METADATA_GLUE_GRAPH is refused with a policy.",
         "--tp-size N above 1: in CPU mode the launcher sets SGLANG_CPU_OMP_THREADS_BIND (each rank its share of "
         "the cores, shared when ranks outnumber them) unless set, and logs it; with a policy every rank compresses "
         "its own KV heads and keeps what one rank would (docs/scale-out.md). On CUDA a --tp-size above the model's "

@@ -16,20 +16,29 @@ from sgl_kvevict.compat import activate_cpu_mode
 
 activate_cpu_mode()
 
+from sgl_kvevict.engine.compression import Stage  # noqa: E402
+from sgl_kvevict.engine.coordinator import (  # noqa: E402
+    SETTLED_FOR_BLOCK,
+    SETTLED_FOR_KVZIP,
+    SETTLED_FOR_PREFILL,
+    CompressionCoordinator,
+)
 from sgl_kvevict.engine.plugin import _settle_before_next_batch  # noqa: E402
 from sgl_kvevict.engine.radix_cache import CompressedRadixCache  # noqa: E402
+from sgl_kvevict.engine.records import RequestRecord  # noqa: E402
 from sgl_kvevict.engine.stats import EngineStats  # noqa: E402
+from sgl_kvevict.scope import BlockScope, RequestScope  # noqa: E402
 
 
 class Coordinator:
-    """Settles exactly the batches named ``settling``."""
+    """Settles exactly the batches named ``settling``, for ``reason``."""
 
-    def __init__(self, settling: str):
-        self.settling = settling
+    def __init__(self, settling: str, reason: str = SETTLED_FOR_PREFILL):
+        self.settling, self.reason = settling, reason
         self.stats = EngineStats()
 
-    def settles_before_next_batch(self, last_batch) -> bool:
-        return last_batch == self.settling
+    def settles_before_next_batch(self, last_batch) -> str:
+        return self.reason if last_batch == self.settling else ""
 
 
 def scheduler_with(queue, last_batch, settling: str = "prefill N", tree=None):
@@ -54,6 +63,34 @@ def test_a_batch_that_stores_spans_is_processed_before_the_next_is_formed():
     assert calls == [("process", "copy of N", "result of N"), ("form", "prefill N")]  # N still merges into the next
     assert scheduler.last_batch is None and not scheduler.result_queue
     assert scheduler.tree_cache.coordinator.stats.overlap_waits == 1
+
+
+def test_waits_are_counted_by_reason_and_served_with_the_stats():
+    """Issue 34, finding 6: how often overlap is lost, and why, in ``/kvevict/stats`` (the snapshot)."""
+    tree = CompressedRadixCache.__new__(CompressedRadixCache)
+    tree.coordinator = coordinator = Coordinator("N")
+    for reason in (SETTLED_FOR_PREFILL, SETTLED_FOR_BLOCK, SETTLED_FOR_BLOCK, SETTLED_FOR_KVZIP):
+        coordinator.reason = reason
+        scheduler, form, _ = scheduler_with(deque([("copy of N", "result of N")]), "N", tree=tree)
+        _settle_before_next_batch(form, scheduler, running_batch="running", last_batch="N")
+    scheduler, form, _ = scheduler_with(deque([("copy of M", "result of M")]), "M", tree=tree)  # overlaps
+    _settle_before_next_batch(form, scheduler, running_batch="running", last_batch="M")
+    snapshot = coordinator.stats.snapshot()
+    assert (snapshot["overlap_waits"], snapshot["overlap_waits_prefill"], snapshot["overlap_waits_block"],
+            snapshot["overlap_waits_kvzip"]) == (4, 1, 2, 1)  # fmt: skip
+
+
+def test_the_coordinator_names_why_a_batch_settles():
+    ready = SimpleNamespace(kvevict=RequestRecord(None, compressions=[SimpleNamespace(stage=Stage.READY)]))
+    scored = SimpleNamespace(kvevict=RequestRecord(None, compressions=[SimpleNamespace(stage=Stage.PREFILLING)]))
+    coordinator = CompressionCoordinator.__new__(CompressionCoordinator)  # reads its scope and reconstructor only
+    coordinator.reconstructor, coordinator.scope = None, RequestScope()
+    assert coordinator.settles_before_next_batch(SimpleNamespace(reqs=[scored, SimpleNamespace()])) == ""
+    assert coordinator.settles_before_next_batch(SimpleNamespace(reqs=[scored, ready])) == SETTLED_FOR_PREFILL
+    coordinator.scope = BlockScope(64)
+    assert coordinator.settles_before_next_batch(SimpleNamespace(reqs=[ready])) == SETTLED_FOR_BLOCK
+    coordinator.reconstructor = SimpleNamespace(queue=["a pass"])
+    assert coordinator.settles_before_next_batch(SimpleNamespace(reqs=[scored])) == SETTLED_FOR_KVZIP
 
 
 def test_other_batches_the_serial_loop_and_stock_trees_are_left_to_sglang():

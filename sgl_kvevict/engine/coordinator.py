@@ -57,6 +57,8 @@ from sgl_kvevict.scoring.kvzip import NoRoomForPasses
 from sgl_kvevict.sharding import RankCounts
 
 logger = logging.getLogger(__name__)
+# Why the overlap schedule waits for a batch's results (``settles_before_next_batch``; counted per reason).
+SETTLED_FOR_PREFILL, SETTLED_FOR_BLOCK, SETTLED_FOR_KVZIP = "prefill", "block", "kvzip"
 
 # Debug switch: a directory where every plan handed to the tree is saved as ``<rid>.pt`` (parity tests).
 PLAN_DUMP_ENV = "KVEVICT_PLAN_DUMP_DIR"
@@ -266,16 +268,19 @@ class CompressionCoordinator:
 
     # ---- overlap schedule ------------------------------------------------------------------------
 
-    def settles_before_next_batch(self, last_batch) -> bool:
-        """Under SGLang's overlap schedule: whether ``last_batch``'s results must be processed (its
-        checkpoints run) before the next batch is formed. True when a request of it has a span ready to
-        store, or KVzip work is queued (a reconstruction pass is a forward of its own, run between
-        batches). Formed first, the next batch would decode those requests over their whole dense
-        prompts (answers differ from the serial schedule's, the dense slots stay taken one more step).
-        Every other batch overlaps as in stock SGLang."""
+    def settles_before_next_batch(self, last_batch) -> str:
+        """Under SGLang's overlap schedule: why ``last_batch``'s results must be processed (its checkpoints
+        run) before the next batch is formed, or "" when they need not. ``SETTLED_FOR_KVZIP``: KVzip work is
+        queued (a reconstruction pass is a forward of its own, run between batches); else, when a request
+        of it has a span ready to store, ``SETTLED_FOR_BLOCK`` in block scope, ``SETTLED_FOR_PREFILL`` in
+        request scope (its prompt's span). Formed first, the next batch would decode those requests over
+        their whole dense prompts (answers differ from the serial schedule's, the dense slots stay taken
+        one more step). Every other batch overlaps as in stock SGLang."""
         if self.reconstructor is not None and self.reconstructor.queue:
-            return True
-        return any(_has_ready_span(req) for req in last_batch.reqs)
+            return SETTLED_FOR_KVZIP
+        if any(_has_ready_span(req) for req in last_batch.reqs):
+            return SETTLED_FOR_BLOCK if isinstance(self.scope, BlockScope) else SETTLED_FOR_PREFILL
+        return ""
 
     # ---- 4. plan -------------------------------------------------------------------------------
 

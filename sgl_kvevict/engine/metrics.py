@@ -46,7 +46,10 @@ COUNTERS = {
     "arena_cells_moved": "Cells moved to give whole slots back to SGLang's allocator.",
     "chunked_prefills": "Requests whose prompt took more than one prefill forward (chunked prefill).",
     "chunked_prefills_aborted": "Requests released between two prefill forwards of their prompt (aborted between chunks).",
-    "overlap_waits": "Batches the overlap schedule formed only after the previous batch's checkpoints stored compressed spans.",
+    "overlap_waits": "Batches the overlap schedule formed only after the previous batch's checkpoints stored compressed spans or KVzip work ran.",
+    "overlap_waits_prefill": "Overlap waits because a request-scope prompt's compressed span was ready to store.",
+    "overlap_waits_block": "Overlap waits because a block-scope block was ready to store.",
+    "overlap_waits_kvzip": "Overlap waits because KVzip reconstruction work was queued.",
     "graph_decodes": "Decode batches with compressed requests replayed in a CUDA graph.",
     "decode_graph_fallbacks": "Decode batches with compressed requests run eagerly: their cells exceed the CUDA graph's buffers.",
 }

@@ -98,12 +98,12 @@ def _settle_before_next_batch(original, scheduler, *args, **kwargs):
     last_batch = kwargs["last_batch"] if "last_batch" in kwargs else args[1]
     queue = getattr(scheduler, "result_queue", None)  # the overlap loop's unprocessed results
     tree = scheduler.tree_cache
-    settle = (
+    settle = (  # why N is processed first (``coordinator.SETTLED_FOR_*``), or a false value
         bool(queue) and last_batch is not None and isinstance(tree, CompressedRadixCache)
         and tree.coordinator.settles_before_next_batch(last_batch)
     )  # fmt: skip
     if settle:
-        tree.coordinator.stats.count("overlap_waits")
+        tree.coordinator.stats.overlap_wait(settle)
         scheduler.process_batch_result(*queue.popleft())
     plan = original(scheduler, *args, **kwargs)
     if settle:

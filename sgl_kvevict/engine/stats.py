@@ -38,7 +38,9 @@ class EngineStats:
     some but not all of their prompt's forwards: a client abort between chunks);
     ``reconstructions_skipped`` (spans left dense because running requests held every slot a KVzip
     pass needed, or because the span ends too close to the context length for its passes); ``overlap_waits`` (under the overlap schedule, batches formed only after the previous
-    batch's results were processed, because its checkpoints stored compressed spans); ``splits_without_room``
+    batch's results were processed, because its checkpoints stored compressed spans or KVzip work was
+    queued), split by why in ``overlap_waits_prefill`` (a request-scope prompt's span),
+    ``overlap_waits_block`` (a block-scope block) and ``overlap_waits_kvzip``; ``splits_without_room``
     (spans left dense because the compressed node they hang inside could not be split: under tensor
     parallelism a split may reserve more cells, and SGLang had no slot for them); ``graph_decodes`` (decode
     batches with compressed requests replayed in a CUDA graph, the ``segments`` graph) and
@@ -64,6 +66,9 @@ class EngineStats:
     reconstructions_skipped: int = 0
     splits_without_room: int = 0
     overlap_waits: int = 0
+    overlap_waits_prefill: int = 0
+    overlap_waits_block: int = 0
+    overlap_waits_kvzip: int = 0
     graph_decodes: int = 0
     decode_graph_fallbacks: int = 0
     request_option_errors: int = 0
@@ -117,6 +122,13 @@ class EngineStats:
     def tree_cleared(self) -> None:
         with self.lock:
             self.compressed_nodes = self.compressed_tokens = self.kept_cells = self.kept_entries = 0
+
+    def overlap_wait(self, reason: str) -> None:
+        """The overlap schedule waited for a batch's results, for ``reason`` (``coordinator.SETTLED_FOR_*``)."""
+        with self.lock:
+            self.overlap_waits += 1
+            name = f"overlap_waits_{reason}"
+            setattr(self, name, getattr(self, name) + 1)
 
     def count(self, name: str, amount: int = 1) -> None:
         with self.lock:
