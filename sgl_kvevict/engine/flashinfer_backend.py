@@ -32,8 +32,9 @@ FlashInfer's ``kv_len = 0`` behaviour is undocumented. At decode it splits a seq
 several programs (flash-decoding) and merges their partial states (``kernels/segment_attention.py``).
 
 **Decode CUDA graphs** (SGLang's ``DecodeCudaGraphRunner``; docs/design.md#segment-attention): the
-backend captures two graphs per batch size, SGLang's own (``stock``) and ``segments``, chosen per batch
-by ``select_graph_variant``. The ``segments`` graph runs every request of the batch through a
+backend captures per batch size SGLang's own graph (``stock``) and the ``segments`` graphs (one per
+bound on a sequence's cells, which fixes the kernel's split count: ``decode_graph.segment_graph_limits``),
+chosen per batch by ``select_graph_variant``. A ``segments`` graph runs every request of the batch through a
 graph-mode ``BatchDecodeWithPagedKVCacheWrapper`` over its dense positions (one wrapper per batch size
 on SGLang's fixed graph buffers, planned in ``init_forward_metadata_out_graph`` before each replay)
 and ``DecodeGraphState`` over its cells, merged in the graph. ``graph_can_replay`` sends a batch whose
