@@ -271,10 +271,30 @@ def with_ratios(servers: list[dict]) -> list[dict]:
     return servers
 
 
+def accuracy_table(payload: dict) -> list[str]:
+    """Markdown rows: per server its pool, and per length its accuracy [Wilson 95%] (x stock's) and kept share."""
+    lengths = [str(length) for length in payload["meta"]["config"]["lengths"]]
+    lines = [
+        "| server | pool | " + " | ".join(f"~{int(length) // 1000}K accuracy | kept" for length in lengths) + " |",
+        "|---|---|" + "---|---|" * len(lengths),
+    ]
+    for server in payload["servers"]:
+        cells = []
+        for length in lengths:
+            cell = server["summary"].get(length)
+            if cell is None:
+                cells += ["-", "-"]
+                continue
+            ratio = (server.get("vs_stock") or {}).get(length)
+            cells += [f"{wilson_of(cell).percent()}" + ("" if ratio is None else f" (x{ratio:.2f})"),
+                      _fmt(cell["kept_share_mean"])]  # fmt: skip
+        lines.append(f"| {server['label']} | {server['pool_tokens']} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def markdown(payload: dict) -> str:
     meta, servers, env = payload["meta"], payload["servers"], payload["environment"]
     config = meta["config"]
-    lengths = [str(length) for length in config["lengths"]]
     lines = [
         "# Answers on long documents after reuse, by document length",
         "",
@@ -290,20 +310,8 @@ def markdown(payload: dict) -> str:
         "Accuracy [95% Wilson interval] (ratio to stock at that length); kept share = KV slots held after turn 1 over "
         "the tokens stock holds dense (prompt + summary), mean over documents (max in the detail below).",
         "",
-        "| server | pool | " + " | ".join(f"~{int(length) // 1000}K accuracy | kept" for length in lengths) + " |",
-        "|---|---|" + "---|---|" * len(lengths),
+        *accuracy_table(payload),
     ]
-    for server in servers:
-        cells = []
-        for length in lengths:
-            cell = server["summary"].get(length)
-            if cell is None:
-                cells += ["-", "-"]
-                continue
-            ratio = (server.get("vs_stock") or {}).get(length)
-            cells += [f"{wilson_of(cell).percent()}" + ("" if ratio is None else f" (x{ratio:.2f})"),
-                      _fmt(cell["kept_share_mean"])]  # fmt: skip
-        lines.append(f"| {server['label']} | {server['pool_tokens']} | " + " | ".join(cells) + " |")
     lines += ["", "| server | flags | length | n | prompt tokens (median) | reuse rate | kept share max | TTFT turn 1 (s) |",
               "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for server in servers:

@@ -421,3 +421,17 @@ def test_the_checks_judge_what_the_servers_measured():
     assert gpu_smoke.check_syncs(results)[0].status == "PASS"
     results["snapkv"]["syncs"]["compressed_nodes"] = 0  # the prompt stayed dense: nothing was measured
     assert gpu_smoke.check_syncs(results)[0].status == "FAIL"
+
+
+def test_the_decode_step_slot_runs_the_quick_benchmark_on_the_smoke_model_with_the_gpu_flags(tmp_path):
+    """Issue 38's per-step benchmark in the smoke run: its command parses in the benchmark's own parser,
+    short (--quick), on the run's model, every server with the smoke servers' GPU flags, report in $OUT."""
+    from benchmarks import decode_step
+
+    smoke = gpu_smoke.Smoke(out=tmp_path / "out", work=tmp_path / "work", model=tmp_path / "model", workload=None,
+                            rehearsal=False, budget=gpu_smoke.Budget(60))  # fmt: skip
+    command = gpu_smoke.decode_step_command(smoke)
+    assert command[1:3] == ["-m", "benchmarks.decode_step"]
+    args = decode_step.build_parser().parse_args(command[3:])
+    assert args.quick and args.model == str(tmp_path / "model") and args.out == tmp_path / "out"
+    assert args.server_arg == gpu_smoke.common_flags(rehearsal=False)

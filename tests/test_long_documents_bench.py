@@ -1,0 +1,110 @@
+"""benchmarks/long_documents.py: the settings it refuses, the turns it sends, the kept share it reports,
+and a tiny run through the real launcher (stock and a block-scope policy server) with resume."""
+
+from __future__ import annotations
+
+import json
+
+import psutil
+import pytest
+
+from benchmarks import long_documents
+from benchmarks.long_documents import DocumentRecord, LongDocumentsConfig, LongDocumentsError, Server
+from benchmarks.tasks import make_task
+from benchmarks.results_readme import long_documents_part
+
+STOCK = Server("stock", ("--kv-evict-policy", "none"))
+
+
+def count_words(text: str) -> int:
+    return len(text.split())
+
+
+def config(**changes) -> LongDocumentsConfig:
+    settings = dict(model="m", servers=(STOCK,), lengths=(2000,), documents=2, kinds=("facts",), seed=0,
+                    summary_tokens=8, answer_tokens=4, pool_tokens=4096)  # fmt: skip
+    return LongDocumentsConfig(**{**settings, **changes})
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"servers": (Server("default", ("--kv-evict-policy", "topk")),)}, "first server must be stock"),
+        ({"servers": (STOCK, Server("a", ()), Server("a", ()))}, "labels must differ"),
+        ({"lengths": (32,)}, "each must be >= 64"),
+        ({"kinds": ("nope",)}, "choose from"),
+        ({"lengths": (4000,)}, "stock needs every document dense"),
+        ({"documents": 0}, "must be >= 1"),
+    ],
+)
+def test_bad_settings_are_refused(changes, message):
+    with pytest.raises(LongDocumentsError, match=message):
+        config(**changes)
+
+
+def test_a_server_spec_is_a_label_and_its_flags():
+    server = Server.parse("lava 3000=--kv-evict-policy lava --max-total-tokens 3000")
+    assert server == Server("lava 3000", ("--kv-evict-policy", "lava", "--max-total-tokens", "3000"))
+    with pytest.raises(LongDocumentsError, match="LABEL=FLAGS"):
+        Server.parse("--kv-evict-policy lava")
+
+
+def test_every_question_is_asked_after_the_summary_of_the_same_document():
+    task = make_task("facts", seed=3, target_tokens=400, depth=0.5, count_tokens=count_words)
+    assert len(task.questions) == 3
+    first = long_documents.turn_one(task)
+    for question in task.questions:
+        second = long_documents.turn_two(task, "A summary.", question)
+        assert second[:1] == first  # turn 1 re-sent unchanged: the prefix the server reuses
+        assert second[1:] == [{"role": "assistant", "content": "A summary."}, {"role": "user", "content": question.question},
+                              {"role": "assistant", "content": question.answer_prefix}]  # fmt: skip
+        assert question.answer in task.context and question.answer not in first[0]["content"].replace(task.context, "")
+
+
+def test_the_kept_share_counts_slots_against_the_dense_conversation_and_the_ratio_is_per_length():
+    held = DocumentRecord(2000, 0, "facts", prompt_tokens=1900, summary="s", summary_tokens=100, ttft=1.0, slots_held=600)
+    assert held.kept_share == pytest.approx(0.3)
+    assert DocumentRecord(2000, 0, "facts", 1900, "s", 100, 1.0, None).kept_share is None
+    cell = lambda successes, share: {"accuracy": {"successes": successes, "n": 10, "value": successes / 10},  # noqa: E731
+                                     "kept_share_mean": share}  # fmt: skip
+    servers = long_documents.with_ratios([
+        {"label": "stock", "pool_tokens": 16384, "summary": {"2000": cell(8, None), "7000": cell(5, None)}},
+        {"label": "lava", "pool_tokens": 3000, "summary": {"2000": cell(8, 0.28), "7000": cell(4, 0.29)}},
+    ])  # fmt: skip
+    assert servers[0]["vs_stock"] is None
+    assert servers[1]["vs_stock"] == {"2000": pytest.approx(1.0), "7000": pytest.approx(0.8)}
+    rows = long_documents.accuracy_table({"meta": {"config": {"lengths": [2000, 7000]}}, "servers": servers})
+    assert rows[0] == "| server | pool | ~2K accuracy | kept | ~7K accuracy | kept |"
+    assert rows[3].startswith("| lava | 3000 | 80 [") and "(x1.00) | 0.28 |" in rows[3] and rows[3].endswith("(x0.80) | 0.29 |")
+
+
+@pytest.mark.server
+def test_long_documents_through_the_tiny_server_and_resume(tiny_llama_dir, tmp_path, capsys):
+    argv = [
+        "--model", str(tiny_llama_dir), "--lengths", "300", "--documents", "1", "--summary-tokens", "4",
+        "--answer-tokens", "3", "--pool-tokens", "2048", "--out", str(tmp_path), "--log-dir", str(tmp_path / "logs"),
+        "--server", "snapkv=--kv-evict-policy snapkv --kv-evict-budget 0.5 --kv-evict-scope block --kv-evict-block-size 96 --kv-evict-window 16",
+    ]  # fmt: skip
+    assert long_documents.main(argv) == 0
+    assert psutil.Process().children(recursive=True) == []
+    report = json.loads((tmp_path / "long_documents.json").read_text())
+    stock, policy = report["servers"]
+    assert (stock["label"], policy["label"]) == ("stock", "snapkv")
+    for server in (stock, policy):
+        cell = server["summary"]["300"]
+        assert cell["accuracy"]["n"] == 3 and cell["reuse_rate"] == 1.0  # every question reused turn 1 whole
+        assert cell["prompt_tokens_median"] > 300
+    assert stock["summary"]["300"]["kept_share_mean"] is None
+    # half of each full block kept, the tail and the summary dense: well under the dense size, above half
+    assert 0.5 < policy["summary"]["300"]["kept_share_mean"] < 0.9
+    assert "| snapkv | 2048 |" in (tmp_path / "long_documents.md").read_text()
+    assert "### Is 25% safe for my long documents?" in "\n".join(long_documents_part(report))
+    logs = sorted((tmp_path / "logs").iterdir())
+    capsys.readouterr()
+
+    assert long_documents.main([*argv, "--resume"]) == 0
+    assert sorted((tmp_path / "logs").iterdir()) == logs  # nothing started again
+    assert capsys.readouterr().out.count("kept from the checkpoint") == 2
+    with pytest.raises(SystemExit):
+        long_documents.main([*argv, "--resume", "--documents", "2"])
+    assert "is of another configuration" in capsys.readouterr().err
