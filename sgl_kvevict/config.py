@@ -9,7 +9,7 @@ Where each knob is declared (``sgl_kvevict.settings.setting``: type, default, he
 * the knobs every policy reads: ``CommonSettings`` (``sgl_kvevict.common_settings``); those left
   ``None`` are resolved here from the policy's ``PolicyDefaults`` and the score's ``ScoreKind``;
 * a method's own knobs: the settings dataclass its module declares, ``Policy.knobs_type`` (Ada-KV's
-  ``alpha``, PyramidKV's ``pyramid_beta``, DBudgetKV's three) or ``Scorer.knobs_type`` (the learned
+  ``alpha``, PyramidKV's ``pyramid_beta``, topk's ``layer_scale``, DBudgetKV's three) or ``Scorer.knobs_type`` (the learned
   score's ``learned_weights``). A knob two methods share is declared once, by one class both take.
 
 ``eviction_options()`` collects them all from the registries (``Option``: the declaration and who

@@ -24,6 +24,7 @@ from sgl_kvevict.budget import (
     rank_candidates,
     reduced_attention_mass,
     score_entropy,
+    standardised_per_layer,
     uniform_head_counts,
 )
 from sgl_kvevict.scoring import StatsRequest, window_stats
@@ -298,3 +299,16 @@ def test_dbudget_threshold_is_monotone():
     order = torch.arange(4, 49)
     stops = [evicted_prefix_length(attention.square(), order, t) for t in (0.001, 0.01, 0.1, 0.5, 0.99)]
     assert stops == sorted(stops) and stops[0] < stops[-1] == len(order)
+
+
+def test_standardised_per_layer_scores_have_mean_0_and_deviation_1_and_keep_each_layer_order():
+    """Per layer over every head and candidate; the order inside a layer is unchanged, so a layer's heads
+    split its budget as before; a layer of equal scores becomes all 0 (no division by zero)."""
+    layer_scores = [random_scores(3, 10, seed=layer) * (layer + 1) - 5 * layer for layer in range(3)]
+    layer_scores.append(torch.full((3, 10), -7.0))
+    scaled = standardised_per_layer(layer_scores)
+    for raw, z in zip(layer_scores[:3], scaled[:3]):
+        assert float(z.mean()) == pytest.approx(0.0, abs=1e-12)
+        assert float(z.std(correction=0)) == pytest.approx(1.0, rel=1e-12)
+        assert torch.equal(torch.argsort(raw.flatten(), stable=True), torch.argsort(z.flatten(), stable=True))
+    assert torch.equal(scaled[3], torch.zeros(3, 10, dtype=torch.float64))

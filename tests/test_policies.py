@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import math
+
 import pytest
 import torch
 
@@ -397,18 +399,29 @@ def test_dbudget_heads_share_one_stop_and_larger_thresholds_evict_more():
 # ---- question-agnostic scores: KVzip's global top-k, LAVa's layer budgets -------------------------
 
 
+def standardised_naively(scores: torch.Tensor) -> list[list[float]]:
+    """``[H, n]`` -> (score - mean) / population standard deviation over the whole layer, in Python floats."""
+    values = [float(v) for v in scores.flatten()]
+    mean = sum(values) / len(values)
+    deviation = math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
+    return [[(float(v) - mean) / deviation for v in row] for row in scores]
+
+
 @pytest.mark.parametrize("spec", SPECS)
 @pytest.mark.parametrize("score", ["kvzip", "learned"])
 @pytest.mark.parametrize("budget", ["0.3", "40t"])
-def test_topk_keeps_the_global_top_k_over_every_layer_and_head(spec, score, budget, tmp_path):
+@pytest.mark.parametrize("layer_scale", ["raw", "standardised"])
+def test_topk_keeps_the_global_top_k_over_every_layer_and_head(spec, score, budget, layer_scale, tmp_path):
     """KVzip's allocation: the kept candidates are the best ``L * H_kv * selected`` (layer, head,
-    position) entries of the whole segment, found here by brute force over Python tuples."""
-    config = policy_config("topk", spec, tmp_path, budget=budget, score=score, window=WINDOW)
+    position) entries of the whole segment, found here by brute force over Python tuples; compared as
+    they are (``raw``) or after each layer's scores were standardised over the layer."""
+    config = policy_config("topk", spec, tmp_path, budget=budget, score=score, window=WINDOW, layer_scale=layer_scale)
     scores, layout, plan = observed_scores(config, spec, seed=4)
+    compared = [standardised_naively(s) if layer_scale == "standardised" else s.tolist() for s in scores]
     entries = sorted(
         (
-            (-float(layer_scores[h, p]), layer, h, p)
-            for layer, layer_scores in enumerate(scores)
+            (-layer_scores[h][p], layer, h, p)
+            for layer, layer_scores in enumerate(compared)
             for h in range(spec.num_kv_heads)
             for p in range(layout.num_candidates)
         )
@@ -431,8 +444,9 @@ def global_ranking(scores: list[torch.Tensor]) -> list[tuple[float, int, int, in
 @pytest.mark.parametrize("quantile", [0.05, 0.15, 0.6])
 def test_a_score_threshold_keeps_what_scores_above_it_under_the_budget_cap(spec, score, quantile, tmp_path):
     """topk with ``score_threshold``: the candidates at or above the threshold (rounded down to a whole
-    number per (layer, KV head)), never more than the budget keeps; brute force over Python tuples."""
-    plain = policy_config("topk", spec, tmp_path, budget="0.3", score=score, window=WINDOW)
+    number per (layer, KV head)), never more than the budget keeps (its plan on raw scores: a threshold
+    compares raw scores); brute force over Python tuples."""
+    plain = policy_config("topk", spec, tmp_path, budget="0.3", score=score, window=WINDOW, layer_scale="raw")
     scores, layout, capped_plan = observed_scores(plain, spec, seed=4)
     ranking = global_ranking(scores)
     threshold = -ranking[int(quantile * len(ranking))][0]

@@ -1,7 +1,8 @@
 """Budget allocation: how many entries each layer and KV head keeps, and which.
 
 * ``heads``: uniform split, Ada-KV's global top-k with alpha floor; per-head ranking.
-* ``layers``: PyramidKV schedule, LAVa entropy-proportional layer budgets, KVzip's global top-k.
+* ``layers``: PyramidKV schedule, LAVa entropy-proportional layer budgets, KVzip's global top-k, per-layer
+  standardised scores for it.
 * ``apportion``: the exact integer split both layer allocators use.
 * ``dbudget``: DBudgetKV's norm-drop stopping rule (no budget).
 """
@@ -14,6 +15,7 @@ from sgl_kvevict.budget.layers import (
     global_top_k_layer_budgets,
     pyramid_head_budgets,
     score_entropy,
+    standardised_per_layer,
 )
 
 __all__ = [
@@ -27,5 +29,6 @@ __all__ = [
     "rank_candidates",
     "reduced_attention_mass",
     "score_entropy",
+    "standardised_per_layer",
     "uniform_head_counts",
 ]

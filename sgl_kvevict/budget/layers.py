@@ -1,5 +1,6 @@
 """How a segment's candidate budget splits over layers: PyramidKV's fixed schedule, LAVa's
-entropy-proportional dynamic budgets and KVzip's global top-k. All keep the request total exact."""
+entropy-proportional dynamic budgets and KVzip's global top-k (of raw or per-layer standardised
+scores). All keep the request total exact."""
 
 from __future__ import annotations
 
@@ -69,3 +70,20 @@ def global_top_k_layer_budgets(layer_scores: list[torch.Tensor], total: int) -> 
     flat = torch.cat([scores.flatten() for scores in layer_scores])
     winners = torch.sort(flat, descending=True, stable=True).indices[:total]
     return torch.bincount(winners // layer_scores[0].numel(), minlength=len(layer_scores)).cpu()
+
+
+def standardised_per_layer(layer_scores: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each layer's ``[H_kv, n]`` scores shifted and scaled to mean 0 and standard deviation 1 over the
+    whole layer (every head and candidate; a layer of equal scores becomes all 0).
+
+    A global top-k of these keeps, in every layer, the entries that stand out from that layer's own
+    scores: a layer whose scores are low and flat (the broad attention of the first layers) is no
+    longer starved by layers whose scores are high. One shift and scale per layer leaves the order
+    inside the layer, so each layer's heads still split its budget by their raw scores.
+    """
+    scaled = []
+    for scores in layer_scores:
+        flat = scores.double()
+        spread = flat.std(correction=0)
+        scaled.append((flat - flat.mean()) / spread if spread > 0 else torch.zeros_like(flat))
+    return scaled
