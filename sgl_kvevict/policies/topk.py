@@ -6,12 +6,14 @@ Meant for question-agnostic scores: ``kvzip`` (the default: max attention of one
 pass, a probability in every layer) and ``learned`` (its predicted log). Window scores are accepted
 too.
 
-``layer_scale`` says what the one top-k compares. ``raw`` is KVzip's own: the scores as they are.
-``standardised`` (the default) first shifts and scales each layer's scores to mean 0 and standard
-deviation 1 (``standardised_per_layer``), so an entry is kept for standing out in its own layer. On
-SmolLM2 the raw scores give the first layers, whose attention is broad and whose scores are low and
-flat, 6-15% of their entries at a 25% budget, and answers that copy a five-digit code from a 2-4K
-document fail (docs/results/long_documents.md); keeping those layers' entries dense restores them.
+``layer_scale`` says what the one top-k compares. ``raw`` (the default) is KVzip's own: the scores as
+they are. ``standardised`` first shifts and scales each layer's scores to mean 0 and standard
+deviation 1 (``standardised_per_layer``), so an entry is kept for standing out in its own layer. With
+raw learned scores SmolLM2's first layers, whose attention is broad and whose scores are low and flat,
+keep 6-15% of their entries at a 25% budget, and answers that copy a five-digit code from a 2-4K
+document fail; standardising keeps more of them there. Measured through the server it is a wash so
+far (long documents +1 answer of 21 at 2K, equal at 4K and 7K; ~1.3K documents 11 vs 13 of 20:
+docs/methods/kvzip.md), so the default stays KVzip's.
 With a score threshold (``score_threshold``) the top-k keeps exactly the entries scoring at least the
 threshold, so it compares raw scores whatever ``layer_scale`` says.
 """
@@ -30,17 +32,17 @@ from sgl_kvevict.policies.scored import ScoredPolicy
 from sgl_kvevict.scoring import QUESTION_AGNOSTIC_SCORES, WINDOW_SCORES
 from sgl_kvevict.settings import Settings, setting
 
-LAYER_SCALES = ("standardised", "raw")
+LAYER_SCALES = ("raw", "standardised")
 
 
 @dataclass(frozen=True)
 class TopKKnobs(Settings):
     layer_scale: str = setting(
         LAYER_SCALES[0],
-        help="topk: what its one top-k over every layer compares: 'standardised' (each layer's scores to "
-        "mean 0, standard deviation 1 first, so every layer keeps what stands out in it) or 'raw' "
-        "(KVzip's own: the scores as they are, so layers with high scores take most of the budget); "
-        "with --kv-evict-score-threshold always raw",
+        help="topk: what its one top-k over every layer compares: 'raw' (KVzip's own: the scores as they "
+        "are, so layers with high scores take most of the budget) or 'standardised' (each layer's scores "
+        "to mean 0, standard deviation 1 first, so every layer keeps what stands out in it); with "
+        "--kv-evict-score-threshold always raw",
         valid=(lambda scale: scale in LAYER_SCALES, "layer scale {value!r} is not one of " + ", ".join(LAYER_SCALES)),
     )
 
