@@ -282,3 +282,30 @@ def test_tiny_soak_injects_every_fault_once_and_leaks_nothing(tiny_llama_dir, tm
     assert summary["flush_ok"] and summary["healthy_after"] and summary["final_reply_ok"] and summary["server_alive"]
     assert code == 0 and summary["passed"] and payload["summary"]["passed"]
     _no_server_left(tmp_path / "logs")
+
+
+def test_sigterm_to_a_benchmark_unwinds_so_its_servers_are_stopped(tmp_path):
+    """``launched_server`` stops its launcher in a ``finally``; under ``sigterm_raises`` a SIGTERM (a
+    ``kill`` of the benchmark) reaches that ``finally`` instead of ending the process where it stands."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    marker = tmp_path / "stopped"
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from benchmarks.load.servers import sigterm_raises\n"
+        "with sigterm_raises():\n"
+        "    try:\n"
+        "        print('ready', flush=True); time.sleep(60)\n"
+        f"    finally:\n        open({str(marker)!r}, 'w').write('stopped')\n"
+    )], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        started = time.monotonic()
+        child.send_signal(signal.SIGTERM)
+        assert child.wait(timeout=30) == 128 + signal.SIGTERM
+        assert time.monotonic() - started < 30 and marker.read_text() == "stopped"
+    finally:
+        child.kill()
+        child.wait()

@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -222,23 +223,45 @@ def launched_server(
     extra: tuple[str, ...] = (),
     startup_timeout: float = 600.0,
 ) -> Iterator[LaunchedServer]:
-    """The launcher in its own session, serving until the block ends; always stopped and checked."""
+    """The launcher in its own session, serving until the block ends; always stopped and checked, also
+    when the benchmark gets SIGTERM (``sigterm_raises``)."""
     check_launcher_accepts(model, variant, pool_tokens, extra)
     port = free_port()
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"server-{variant.label.replace(' ', '-')}-{pool_tokens}-{port}.log"
-    with open(log_path, "wb") as log_file:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "sgl_kvevict.server", *launcher_argv(model, port, variant, pool_tokens, extra)],
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    server = LaunchedServer(f"http://127.0.0.1:{port}", process, log_path, [])
+    with sigterm_raises():
+        with open(log_path, "wb") as log_file:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "sgl_kvevict.server", *launcher_argv(model, port, variant, pool_tokens, extra)],
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        server = LaunchedServer(f"http://127.0.0.1:{port}", process, log_path, [])
+        try:
+            _wait_until_serving(process, log_path, startup_timeout)
+            # Everything SGLang started is up by now; remembered so that stop can prove it all exited.
+            server.descendants = psutil.Process(process.pid).children(recursive=True)
+            yield server
+        finally:
+            stop_server(server, port)
+
+
+@contextlib.contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """SIGTERM raises ``SystemExit`` inside the block (main thread only; the previous handler after it).
+
+    Python's default SIGTERM ends the process without unwinding, so a ``kill`` of a benchmark left its
+    launcher and SGLang running in their own session; raising lets the caller's ``finally`` stop them."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def raise_exit(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, raise_exit)
     try:
-        _wait_until_serving(process, log_path, startup_timeout)
-        # Everything SGLang started is up by now; remembered so that stop can prove it all exited.
-        server.descendants = psutil.Process(process.pid).children(recursive=True)
-        yield server
+        yield
     finally:
-        stop_server(server, port)
+        signal.signal(signal.SIGTERM, previous)
