@@ -108,3 +108,28 @@ def test_long_documents_through_the_tiny_server_and_resume(tiny_llama_dir, tmp_p
     with pytest.raises(SystemExit):
         long_documents.main([*argv, "--resume", "--documents", "2"])
     assert "is of another configuration" in capsys.readouterr().err
+
+
+def test_the_reference_probe_asks_every_question_through_the_servers_compression(tmp_path):
+    """``long_documents_probe`` on one short document: stock keeps everything, the block-scope server
+    compresses the full blocks of turn 1 (kept share below 1), every question answered by both."""
+    from benchmarks import long_documents_probe
+
+    flags = "--kv-evict-policy topk --kv-evict-score learned --kv-evict-scope block --kv-evict-block-size 160 --kv-evict-budget 0.25"
+    assert long_documents_probe.main(["--lengths", "400", "--documents", "1", "--server", f"blocks={flags}",
+                                      "--out", str(tmp_path), "--threads", "2"]) == 0  # fmt: skip
+    payload = json.loads((tmp_path / "long_documents_probe.json").read_text())
+    by_server = {label: [a for a in payload["answers"] if a["server"] == label] for label in ("stock", "blocks")}
+    assert [len(answers) for answers in by_server.values()] == [3, 3]
+    assert {a["kept_share"] for a in by_server["stock"]} == {1.0}
+    kept = by_server["blocks"][0]["kept_share"]
+    assert 0.25 < kept < 0.75  # two 160-token blocks at 25% of ~470 tokens, the rest dense
+    assert len(payload["summary"]) == 2
+
+
+def test_the_reference_probe_refuses_bad_flags_before_loading_the_model(capsys):
+    from benchmarks import long_documents_probe
+
+    with pytest.raises(SystemExit) as exit_info:
+        long_documents_probe.main(["--server", "bad=--kv-evict-policy nope"])
+    assert exit_info.value.code == 2 and "nope" in capsys.readouterr().err

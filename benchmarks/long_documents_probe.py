@@ -1,0 +1,183 @@
+"""The long-document questions through the reference engine: a quick proxy of ``benchmarks.long_documents``
+for trying allocations, scores and knobs before a server run (minutes instead of an hour).
+
+    python -m benchmarks.long_documents_probe --server "raw=--kv-evict-policy topk --kv-evict-score learned --kv-evict-scope block" \\
+        --server "std=--kv-evict-policy topk --kv-evict-score learned --kv-evict-scope block --kv-evict-layer-scale standardised"
+    python -m benchmarks.long_documents_probe --lengths 2000 --only locker --server ...     # one kind of fact
+
+The same documents, turns and scoring as ``long_documents`` (``LABEL=FLAGS`` takes the launcher's
+eviction flags, parsed by the launcher's own parser; stock, the dense model, always comes first). Per
+document and server: turn 1's prompt is prefilled with the spans the server's scope compresses
+(``Scope.compressible_spans``: a block-scope prompt's full blocks), the summary is that cache's own
+greedy reply, then every question is answered from a copy of the cache holding turn 1, the summary
+and the turn-2 template, the question's tokens dense. fp32 on the CPU, one sequence at a time: the
+server's bf16 answers differ (docs/methods/kvzip.md compares the two). Prints accuracy per (server,
+length) and per fact kind, writes ``<name>.json`` with every answer into ``--out``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from benchmarks.cli import add_output_args, benchmark_parser, write_atomically
+from benchmarks.intervals import wilson
+from benchmarks.long_documents import STOCK_LABEL, LongDocumentsConfig, Server, turn_one, turn_two
+from sgl_kvevict.config import build_policy
+from sgl_kvevict.reference.engine import ReferenceEngine
+from sgl_kvevict.reference.schedule import Segment
+from sgl_kvevict.server.flags import FlagError, parse_args
+
+
+@dataclass(frozen=True)
+class ProbeAnswer:
+    server: str
+    length: int
+    document: int
+    question: str
+    answer: str
+    output: str
+    correct: bool
+    kept_share: float  # entries kept over the turn-1 prompt + summary tokens, mean over (layer, KV head)
+
+
+class ProbeServer:
+    """A server's eviction flags as the reference engine applies them (``policy`` None: stock)."""
+
+    def __init__(self, server: Server, model: str):
+        serving = parse_args(["--model", model, *server.flags]).serving
+        self.label = server.label
+        self.eviction = serving.eviction
+        self.policy = None if self.eviction is None else build_policy(self.eviction)
+        self.scope = serving.scope
+
+    def spans(self, prompt_end: int) -> tuple[Segment, ...]:
+        if self.policy is None:
+            return ()
+        return tuple(Segment(a, b) for a, b in self.scope.compressible_spans(0, prompt_end, self.eviction.window))
+
+
+def _ids(encoded) -> list[int]:
+    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+
+def greedy(engine: ReferenceEngine, sequence, logits: torch.Tensor, max_tokens: int) -> list[int]:
+    output: list[int] = []
+    while len(output) < max_tokens:
+        token = int(logits.argmax())
+        output.append(token)
+        if token in engine.eos_token_ids:
+            break
+        logits = engine.extend(sequence, [token])
+    return output
+
+
+def probe_document(engine: ReferenceEngine, server: ProbeServer, task, length: int, index: int,
+                   config: LongDocumentsConfig, only: str) -> list[ProbeAnswer]:  # fmt: skip
+    tokenizer = engine.tokenizer
+    turn1 = _ids(tokenizer.apply_chat_template(turn_one(task), add_generation_prompt=True))
+    spans = server.spans(len(turn1))
+
+    def compressed_turn1():
+        sequence = engine.new_sequence()
+        return sequence, engine.extend(sequence, turn1, server.policy, spans)
+
+    sequence, logits = compressed_turn1()
+    summary = tokenizer.decode(greedy(engine, sequence, logits, config.summary_tokens), skip_special_tokens=True).strip()
+    prompts = [_ids(tokenizer.apply_chat_template(turn_two(task, summary, q), continue_final_message=True)) for q in task.questions]
+    shared = next((i for i in range(min(map(len, prompts))) if len({p[i] for p in prompts}) > 1), min(map(len, prompts)))
+    sequence, _ = compressed_turn1()
+    engine.extend(sequence, prompts[0][len(turn1):shared])
+    dropped = sum(span.end - span.start for span in spans)
+    kept = sum(plan.total_kept() for plan in sequence.plans) / (engine.num_layers * engine.num_kv_heads)
+    kept_share = (kept + shared - dropped) / shared
+    answers = []
+    for question, prompt in zip(task.questions, prompts):
+        if only not in question.question:
+            continue
+        branch = copy.deepcopy(sequence)
+        output = tokenizer.decode(greedy(engine, branch, engine.extend(branch, prompt[shared:]), config.answer_tokens),
+                                  skip_special_tokens=True)  # fmt: skip
+        answers.append(ProbeAnswer(server.label, length, index, question.question, question.answer, output,
+                                   question.is_correct(output), kept_share))  # fmt: skip
+    return answers
+
+
+def fact_kind(question: str) -> str:
+    """The fact kind a question asks about, by its first words (``benchmarks/tasks.py``'s ``FACT_KINDS``)."""
+    return " ".join(question.split()[:3])
+
+
+def report(answers: Sequence[ProbeAnswer]) -> list[str]:
+    """One line per (server, length): accuracy [95% interval], kept share, and per fact kind."""
+    cells: dict[tuple[str, int], list[ProbeAnswer]] = defaultdict(list)
+    for answer in answers:
+        cells[(answer.server, answer.length)].append(answer)
+    lines = []
+    for (server, length), cell in cells.items():
+        right = sum(a.correct for a in cell)
+        interval = wilson(right, len(cell))
+        kinds: dict[str, list[bool]] = defaultdict(list)
+        for a in cell:
+            kinds[fact_kind(a.question)].append(a.correct)
+        per_kind = ", ".join(f"'{kind} ...' {sum(v)}/{len(v)}" for kind, v in sorted(kinds.items()))
+        kept = sum(a.kept_share for a in cell) / len(cell)
+        lines.append(f"{server} ~{length}: {right}/{len(cell)} [{100 * interval.low:.0f}, {100 * interval.high:.0f}], "
+                     f"kept {kept:.2f}; {per_kind}")  # fmt: skip
+    return lines
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = benchmark_parser("long_documents_probe", __doc__)
+    parser.add_argument("--server", action="append", default=[], metavar="LABEL=FLAGS",
+                        help="a server besides stock: its label and eviction flags (repeatable)")  # fmt: skip
+    parser.add_argument("--model", default="smollm2", help="bundled model name or HF folder (default smollm2)")
+    parser.add_argument("--lengths", default="2000,4000,7000", help="document lengths in model tokens")
+    parser.add_argument("--documents", type=int, default=7, help="documents per length (default 7)")
+    parser.add_argument("--only", default="", help="ask only the questions containing this text (e.g. locker)")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads")
+    add_output_args(parser, "long_documents_probe")
+    args = parser.parse_args(argv)
+    try:
+        config = LongDocumentsConfig(
+            model=args.model, servers=(Server(STOCK_LABEL, ("--kv-evict-policy", "none")), *map(Server.parse, args.server)),
+            lengths=tuple(int(length) for length in args.lengths.split(",") if length.strip()), documents=args.documents,
+            kinds=("facts",), seed=0, summary_tokens=32, answer_tokens=8, pool_tokens=max(16384, 1024 + max(
+                int(length) for length in args.lengths.split(",") if length.strip())),
+        )  # fmt: skip
+        servers = [ProbeServer(server, args.model) for server in config.servers]
+    except (ValueError, FlagError) as error:
+        parser.error(str(error))
+    torch.set_num_threads(args.threads)
+    engine = ReferenceEngine(args.model)
+    count_tokens = lambda text: len(engine.tokenizer(text)["input_ids"])  # noqa: E731
+    answers: list[ProbeAnswer] = []
+    started = time.perf_counter()
+    for length in config.lengths:
+        for index, task in enumerate(config.tasks(length, count_tokens)):
+            for server in servers:
+                found = probe_document(engine, server, task, length, index, config, args.only)
+                answers += found
+                print(f"  {server.label} ~{length} document {index + 1}/{config.documents}: "
+                      f"{sum(a.correct for a in found)}/{len(found)} right ({time.perf_counter() - started:.0f} s)", flush=True)  # fmt: skip
+    lines = report(answers)
+    print("\n".join(lines))
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"{args.name}.json"
+    payload = {"command": "python -m benchmarks.long_documents_probe " + " ".join(argv or sys.argv[1:]),
+               "servers": [asdict(server) for server in config.servers], "summary": lines,
+               "answers": [asdict(answer) for answer in answers]}  # fmt: skip
+    write_atomically(path, json.dumps(payload, indent=1) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
