@@ -29,6 +29,7 @@ import torch
 
 from benchmarks.cli import add_output_args, benchmark_parser, write_atomically
 from benchmarks.intervals import wilson
+from benchmarks.load.conversations import model_token_counter
 from benchmarks.long_documents import STOCK_LABEL, LongDocumentsConfig, Server, turn_one, turn_two
 from sgl_kvevict.config import build_policy
 from sgl_kvevict.reference.engine import ReferenceEngine
@@ -84,16 +85,13 @@ def probe_document(engine: ReferenceEngine, server: ProbeServer, task, length: i
     tokenizer = engine.tokenizer
     turn1 = _ids(tokenizer.apply_chat_template(turn_one(task), add_generation_prompt=True))
     spans = server.spans(len(turn1))
-
-    def compressed_turn1():
-        sequence = engine.new_sequence()
-        return sequence, engine.extend(sequence, turn1, server.policy, spans)
-
-    sequence, logits = compressed_turn1()
-    summary = tokenizer.decode(greedy(engine, sequence, logits, config.summary_tokens), skip_special_tokens=True).strip()
+    sequence = engine.new_sequence()
+    logits = engine.extend(sequence, turn1, server.policy, spans)
+    # The summary is decoded on a copy: turn 2 re-sends it as text, whose tokens may differ.
+    summary_ids = greedy(engine, copy.deepcopy(sequence), logits, config.summary_tokens)
+    summary = tokenizer.decode(summary_ids, skip_special_tokens=True).strip()
     prompts = [_ids(tokenizer.apply_chat_template(turn_two(task, summary, q), continue_final_message=True)) for q in task.questions]
     shared = next((i for i in range(min(map(len, prompts))) if len({p[i] for p in prompts}) > 1), min(map(len, prompts)))
-    sequence, _ = compressed_turn1()
     engine.extend(sequence, prompts[0][len(turn1):shared])
     dropped = sum(span.end - span.start for span in spans)
     kept = sum(plan.total_kept() for plan in sequence.plans) / (engine.num_layers * engine.num_kv_heads)
@@ -146,18 +144,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     add_output_args(parser, "long_documents_probe")
     args = parser.parse_args(argv)
     try:
+        lengths = tuple(int(length) for length in args.lengths.split(",") if length.strip())
         config = LongDocumentsConfig(
             model=args.model, servers=(Server(STOCK_LABEL, ("--kv-evict-policy", "none")), *map(Server.parse, args.server)),
-            lengths=tuple(int(length) for length in args.lengths.split(",") if length.strip()), documents=args.documents,
-            kinds=("facts",), seed=0, summary_tokens=32, answer_tokens=8, pool_tokens=max(16384, 1024 + max(
-                int(length) for length in args.lengths.split(",") if length.strip())),
+            lengths=lengths, documents=args.documents, kinds=("facts",), seed=0, summary_tokens=32, answer_tokens=8,
+            pool_tokens=max(16384, 1024 + max(lengths, default=0)),  # no pool here; the config checks it
         )  # fmt: skip
         servers = [ProbeServer(server, args.model) for server in config.servers]
     except (ValueError, FlagError) as error:
         parser.error(str(error))
     torch.set_num_threads(args.threads)
     engine = ReferenceEngine(args.model)
-    count_tokens = lambda text: len(engine.tokenizer(text)["input_ids"])  # noqa: E731
+    count_tokens = model_token_counter(args.model)  # long_documents' own: the same documents
     answers: list[ProbeAnswer] = []
     started = time.perf_counter()
     for length in config.lengths:

@@ -5,7 +5,6 @@ in Python, LAVa's cascade, DBudgetKV's suffix-norm form, a brute-force global to
 from __future__ import annotations
 
 import dataclasses
-
 import math
 
 import pytest
@@ -399,6 +398,11 @@ def test_dbudget_heads_share_one_stop_and_larger_thresholds_evict_more():
 # ---- question-agnostic scores: KVzip's global top-k, LAVa's layer budgets -------------------------
 
 
+def global_ranking(scores: list[torch.Tensor]) -> list[tuple[float, int, int, int]]:
+    """(-score, layer, head, offset) of every candidate, best first (ties: earlier layer, head, offset)."""
+    return sorted((-float(s[h, p]), layer, h, p) for layer, s in enumerate(scores) for h in range(s.shape[0]) for p in range(s.shape[1]))
+
+
 def standardised_naively(scores: torch.Tensor) -> list[list[float]]:
     """``[H, n]`` -> (score - mean) / population standard deviation over the whole layer, in Python floats."""
     values = [float(v) for v in scores.flatten()]
@@ -417,26 +421,14 @@ def test_topk_keeps_the_global_top_k_over_every_layer_and_head(spec, score, budg
     they are (``raw``) or after each layer's scores were standardised over the layer."""
     config = policy_config("topk", spec, tmp_path, budget=budget, score=score, window=WINDOW, layer_scale=layer_scale)
     scores, layout, plan = observed_scores(config, spec, seed=4)
-    compared = [standardised_naively(s) if layer_scale == "standardised" else s.tolist() for s in scores]
-    entries = sorted(
-        (
-            (-layer_scores[h][p], layer, h, p)
-            for layer, layer_scores in enumerate(compared)
-            for h in range(spec.num_kv_heads)
-            for p in range(layout.num_candidates)
-        )
-    )
+    compared = [torch.tensor(standardised_naively(s), dtype=torch.float64) for s in scores] if layer_scale == "standardised" else scores
+    entries = global_ranking(compared)
     total = spec.num_layers * spec.num_kv_heads * layout.selected_per_head
     expected = {(layer, h, p) for _, layer, h, p in entries[:total]}
     kept = {(layer, h, p) for layer in range(spec.num_layers) for h, p in kept_entries(candidate_mask(plan, layer, layout))}
     assert kept == expected
     per_layer = plan.counts().sum(1)
     assert len(set(per_layer.tolist())) > 1  # the budget really moved between layers
-
-
-def global_ranking(scores: list[torch.Tensor]) -> list[tuple[float, int, int, int]]:
-    """(-score, layer, head, offset) of every candidate, best first (ties: earlier layer, head, offset)."""
-    return sorted((-float(s[h, p]), layer, h, p) for layer, s in enumerate(scores) for h in range(s.shape[0]) for p in range(s.shape[1]))
 
 
 @pytest.mark.parametrize("spec", SPECS)
