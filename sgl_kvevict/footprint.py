@@ -6,7 +6,7 @@ engine *compresses while prefilling*: a block is stored compressed, and its dens
 pool, at the chunk in which it ends, before the next chunk is prefilled. A prompt then holds, at its
 peak, its compressed blocks, the dense tokens of the block in progress, the chunk being prefilled,
 and the dense tail after its last block. ``PrefillFootprint`` is that count; the engine gives it to
-SGLang's admission and length checks (``engine.admission``).
+SGLang's admission and length checks (``engine.adapter.admission``).
 
 Everything else holds a prompt dense until its end: request scope (one span, compressed after the
 prompt's last chunk), no chunking, a policy without a budget (it decides per input), and scores that

@@ -4,7 +4,7 @@ Two places refuse these features and both read this table:
 
 * the launcher (``sgl_kvevict.server``), from the command line, before the model loads: each limit
   lists the SGLang flags (every spelling) that turn the feature on, and the values refused;
-* the compressed radix tree (``sgl_kvevict.engine.factory``), when SGLang builds it in the
+* the compressed radix tree (``sgl_kvevict.engine.adapter.factory``), when SGLang builds it in the
   scheduler process, from a ``SetupFacts`` record the engine fills from SGLang's resolved
   configuration. This is the safety net for servers started without the launcher (``python -m
   sglang.launch_server --radix-cache-backend sgl_kvevict``, a ``--config`` file), so every limit
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 SGLANG_VERSION = "0.5.23"
-# The attention backends the plugin replaces with its own (sgl_kvevict.engine.plugin): the only ones
+# The attention backends the plugin replaces with its own (sgl_kvevict.engine.adapter.contacts): the only ones
 # that attend over compressed nodes. torch_native runs anywhere; flashinfer is the CUDA path.
 WRAPPED_ATTENTION_BACKENDS = ("torch_native", "flashinfer")
 

@@ -22,7 +22,7 @@ activate_cpu_mode()
 
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 
-from sgl_kvevict.engine.attention import KVEvictTorchBackend  # noqa: E402
+from sgl_kvevict.engine.adapter.attention import KVEvictTorchBackend  # noqa: E402
 from sgl_kvevict.engine.batch import CellBatchCache, ForwardRequests, RequestSlice, SegmentMetadata  # noqa: E402
 from sgl_kvevict.engine.cells import CellSpace  # noqa: E402
 from sgl_kvevict.engine.segments import CompressedSegment, PathView, ranges_to_positions  # noqa: E402
@@ -202,20 +202,20 @@ def torch_backend(scenario: Scenario) -> KVEvictTorchBackend:
         token_to_kv_pool=scenario.pool,
     )
     backend = KVEvictTorchBackend(runner)
-    backend.attach_coordinator(None, scenario.space)  # the tests drive the metadata themselves
+    backend.cell_space = scenario.space  # no engine: the tests drive the metadata themselves
     backend._init_segment_metadata(scenario.forward_batch, scenario.segments)
     return backend
 
 
 def flashinfer_against_fake(monkeypatch):
-    """A fixture body: ``sgl_kvevict.engine.flashinfer_backend`` imported against ``fake_flashinfer`` (and
+    """A fixture body: ``sgl_kvevict.engine.adapter.flashinfer_backend`` imported against ``fake_flashinfer`` (and
     forgotten afterwards), SGLang's FlashInfer backend creating its graph-mode decode wrappers from it."""
     fake = fake_flashinfer.install(monkeypatch)
-    monkeypatch.delitem(sys.modules, "sgl_kvevict.engine.flashinfer_backend", raising=False)
+    monkeypatch.delitem(sys.modules, "sgl_kvevict.engine.adapter.flashinfer_backend", raising=False)
     import sglang.srt.layers.attention.flashinfer_backend as stock
 
     monkeypatch.setattr(stock, "BatchDecodeWithPagedKVCacheWrapper", fake.BatchDecodeWithPagedKVCacheWrapper, raising=False)
-    import sgl_kvevict.engine.flashinfer_backend as module
+    import sgl_kvevict.engine.adapter.flashinfer_backend as module
 
     yield SimpleNamespace(backend=module, fake=fake)
-    sys.modules.pop("sgl_kvevict.engine.flashinfer_backend", None)
+    sys.modules.pop("sgl_kvevict.engine.adapter.flashinfer_backend", None)

@@ -36,7 +36,7 @@ from serving import error_lines, free_port, running_server
 from sgl_kvevict.architectures import model_facts_of
 from sgl_kvevict.checkpoints import COMPATIBILITY_MATRIX, build_tiny_model
 from sgl_kvevict.config import EvictionConfig, build_policy
-from sgl_kvevict.engine.coordinator import PLAN_DUMP_ENV
+from sgl_kvevict.engine.plan_dump import PLAN_DUMP_ENV
 from sgl_kvevict.scoring.learned import ModelShape
 from sgl_kvevict.server import compat_table
 

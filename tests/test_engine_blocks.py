@@ -32,7 +32,7 @@ from engine_client import (
 from serving import running_server
 from sgl_kvevict.config import EvictionConfig, build_policy
 from sgl_kvevict.reference.replay import ReplayedPlans
-from sgl_kvevict.engine.coordinator import PLAN_DUMP_ENV
+from sgl_kvevict.engine.plan_dump import PLAN_DUMP_ENV
 from test_engine_memory import run_concurrently
 from engine_client import assert_same_plan
 

@@ -34,7 +34,7 @@ from engine_client import (
 )
 from serving import running_server
 from sgl_kvevict.config import EvictionConfig, build_policy
-from sgl_kvevict.engine.coordinator import PLAN_DUMP_ENV
+from sgl_kvevict.engine.plan_dump import PLAN_DUMP_ENV
 from sgl_kvevict.reference.engine import Prompt
 from sgl_kvevict.reference.schedule import PrefillStep, Schedule, Segment
 

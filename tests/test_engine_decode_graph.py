@@ -50,8 +50,9 @@ from test_kernels_support import interpreter_process_test, on_kernel_devices
 
 from benchmarks.decode_graph import captured
 
-from sgl_kvevict.engine import decode_graph, host_copies, plugin
-from sgl_kvevict.engine.attention import compressed_attention
+from sgl_kvevict.engine import decode_graph, host_copies
+from sgl_kvevict.engine.adapter import scheduler_hooks
+from sgl_kvevict.engine.adapter.attention import compressed_attention
 from sgl_kvevict.engine.batch import CellBatch, ForwardRequests, RequestSlice
 from sgl_kvevict.engine.cells import CellSpace
 from sgl_kvevict.engine.decode_graph import (
@@ -66,11 +67,12 @@ from sgl_kvevict.engine.decode_graph import (
     segment_graph_limits,
     segments_limit,
 )
-from sgl_kvevict.engine.pool import UnsupportedKVPool
+from sgl_kvevict.engine.adapter.pool import UnsupportedKVPool
 from sgl_kvevict.kernels import MIN_CELLS_TO_SPLIT
 from sgl_kvevict.kernels.segment_attention import chosen_kv_splits
+from sgl_kvevict.engine.registry import forget_engine, register_engine
 from sgl_kvevict.engine.stats import EngineStats
-from sgl_kvevict.engine.sync_probe import SYNCING_METHODS, SyncProbe
+from sgl_kvevict.engine.adapter.sync_probe import SYNCING_METHODS, SyncProbe
 
 test_in_interpreter_process = interpreter_process_test(__file__)
 
@@ -97,12 +99,14 @@ def decode_scenario(specs, num_kv_heads: int, group: int, seed: int = 0):
     return scenario
 
 
-class ScenarioTree:
-    """The tree's side of the graph path: ``forward_begin`` gives each batch's requests as its scenario
-    built them (the engine's ``CompressionCoordinator.forward_begin``), and the engine's counters."""
+class ScenarioEngine:
+    """The engine's side of the graph path, registered for the scenario's pool as ``build_engine``
+    registers the real one: ``forward_begin`` gives each batch's requests as its scenario built them
+    (the engine's ``CompressionCoordinator.forward_begin``), and the engine's counters."""
 
     def __init__(self):
         self.stats = EngineStats()
+        self.coordinator = self
 
     def forward_begin(self, forward_batch, req_to_token):
         return forward_batch.requests
@@ -158,7 +162,7 @@ class GraphRunner:
         backend.cuda_graph_kv_indices = [torch.zeros(max_bs * context_len, dtype=torch.int32)]
         backend.kv_last_page_len = torch.ones(max_bs, dtype=torch.int32)
         backend.disable_cuda_graph_kv_split = False
-        backend.coordinator = ScenarioTree()
+        register_engine(self.pool, ScenarioEngine())
         return backend
 
     def _static_batch(self, batch_size: int) -> SimpleNamespace:
@@ -268,8 +272,8 @@ def test_every_decode_step_replays_the_segments_graph_as_attention_computes_it(f
     for seed, specs in enumerate(STEPS):
         replays_as_eager(runner, seed, specs)
     assert runner.buffers_in_use() == captured  # filled in place: a captured graph reads the same memory
-    assert runner.backend.coordinator.stats.graph_decodes == len(STEPS)
-    assert runner.backend.coordinator.stats.decode_graph_fallbacks == 0
+    assert runner.backend.engine.stats.graph_decodes == len(STEPS)
+    assert runner.backend.engine.stats.decode_graph_fallbacks == 0
 
 
 def test_the_segments_graphs_split_only_sequences_the_h100_measurement_splits():
@@ -319,7 +323,7 @@ def test_the_cell_index_holds_each_cell_of_the_pool_once_within_its_memory_bound
     scenario = decode_scenario(DECODE, 2, 2)  # its requests reserve 24 cells
     capped.load(scenario)
     assert capped.decode(scenario) is None
-    assert capped.backend.coordinator.stats.decode_graph_fallbacks == 1
+    assert capped.backend.engine.stats.decode_graph_fallbacks == 1
 
 
 @pytest.mark.torch_twins
@@ -328,7 +332,7 @@ def test_batches_without_compressed_requests_replay_the_stock_graph(flashinfer_m
     plain = runner.batch(decode_scenario(DECODE, 2, 2), plain=True)
     assert runner.backend.graph_can_replay(plain) and runner.variants.select(plain) == STOCK
     assert runner.variants.select(runner.batch(decode_scenario(DECODE, 2, 2))) == SEGMENTS
-    runner.backend.coordinator = None  # before SGLang builds the tree: nothing is compressed yet
+    forget_engine(runner.backend.token_to_kv_pool)  # before SGLang builds the tree: nothing is compressed yet
     assert runner.variants.select(runner.batch(decode_scenario(DECODE, 2, 2))) == STOCK
 
 
@@ -338,7 +342,7 @@ def test_a_batch_beyond_the_graph_buffers_runs_eagerly_and_is_counted(flashinfer
     before = [tensor.clone() for tensor in (runner.backend._decode_graph.cell_indptr, runner.backend._decode_graph.cell_indices)]
     scenario = decode_scenario(DECODE, 2, 2)
     assert runner.decode(scenario) is None
-    assert runner.backend.coordinator.stats.decode_graph_fallbacks == 1
+    assert runner.backend.engine.stats.decode_graph_fallbacks == 1
     after = (runner.backend._decode_graph.cell_indptr, runner.backend._decode_graph.cell_indices)
     assert all(torch.equal(a, b) for a, b in zip(before, after))
     assert runner.backend.graph_can_replay(runner.batch(scenario, plain=True))  # no cells: always fits
@@ -386,20 +390,20 @@ class StandInRunner:
 def test_the_plugin_hooks_capture_our_variants_and_replay_only_fitting_batches(flashinfer_module):
     runner = GraphRunner(flashinfer_module, 2, 2, context_len=4)
     stand_in = StandInRunner(runner.backend)
-    plugin.capture_graph_variants(StandInRunner.capture, stand_in)
+    scheduler_hooks.capture_graph_variants(StandInRunner.capture, stand_in)
     assert isinstance(stand_in.captured_with, SegmentGraphVariants)
     too_many_cells = runner.batch(decode_scenario(DECODE, 2, 2))
-    assert not plugin.replays_only_fitting_batches(StandInRunner.can_run_graph, stand_in, too_many_cells)
+    assert not scheduler_hooks.replays_only_fitting_batches(StandInRunner.can_run_graph, stand_in, too_many_cells)
     plain = runner.batch(decode_scenario(DECODE, 2, 2), plain=True)
-    assert plugin.replays_only_fitting_batches(StandInRunner.can_run_graph, stand_in, plain)
+    assert scheduler_hooks.replays_only_fitting_batches(StandInRunner.can_run_graph, stand_in, plain)
     with pytest.raises(NotImplementedError, match="its own graph variants"):
-        plugin.capture_graph_variants(StandInRunner.capture, StandInRunner(runner.backend, variants=object()))
+        scheduler_hooks.capture_graph_variants(StandInRunner.capture, StandInRunner(runner.backend, variants=object()))
     # The CPU backend has no replayable form: capturing decode graphs with it is refused.
     with pytest.raises(NotImplementedError, match="need the flashinfer attention backend"):
-        plugin.capture_graph_variants(StandInRunner.capture, StandInRunner(torch_backend(decode_scenario(DECODE, 2, 2))))
+        scheduler_hooks.capture_graph_variants(StandInRunner.capture, StandInRunner(torch_backend(decode_scenario(DECODE, 2, 2))))
     # A stock backend is left alone.
     stock = StandInRunner(object())
-    plugin.capture_graph_variants(StandInRunner.capture, stock)
+    scheduler_hooks.capture_graph_variants(StandInRunner.capture, stock)
     assert stock.captured_with is None
 
 
@@ -409,10 +413,10 @@ def test_capture_refuses_sglangs_metadata_glue_graph(monkeypatch):
     stand_in = StandInRunner(torch_backend(decode_scenario(DECODE, 2, 2)))
     monkeypatch.setenv("SGLANG_ENABLE_METADATA_GLUE_GRAPH", "true")
     with pytest.raises(NotImplementedError, match="SGLANG_ENABLE_METADATA_GLUE_GRAPH is set: it captures the preparation"):
-        plugin.capture_graph_variants(StandInRunner.capture, stand_in)
+        scheduler_hooks.capture_graph_variants(StandInRunner.capture, stand_in)
     monkeypatch.setenv("SGLANG_ENABLE_METADATA_GLUE_GRAPH", "0")  # off: the backend's own answer (no graphs on CPU)
     with pytest.raises(NotImplementedError, match="need the flashinfer attention backend"):
-        plugin.capture_graph_variants(StandInRunner.capture, stand_in)
+        scheduler_hooks.capture_graph_variants(StandInRunner.capture, stand_in)
 
 
 class HNDPool:

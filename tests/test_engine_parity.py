@@ -27,7 +27,7 @@ from engine_client import (
 )
 from serving import running_server
 from sgl_kvevict.config import EvictionConfig, build_policy
-from sgl_kvevict.engine.coordinator import PLAN_DUMP_ENV
+from sgl_kvevict.engine.plan_dump import PLAN_DUMP_ENV
 from sgl_kvevict.policies import registered_policies
 
 pytestmark = pytest.mark.server

@@ -17,7 +17,7 @@ CELLS_PER_SLOT = NUM_LAYERS * NUM_KV_HEADS
 
 
 def fused_buffers(head_dim_v: int = HEAD_DIM):
-    """Per-layer K and V buffers laid out as ``engine.pool`` allocates them (one storage)."""
+    """Per-layer K and V buffers laid out as ``engine.adapter.pool`` allocates them (one storage)."""
     if head_dim_v == HEAD_DIM:
         storage = torch.zeros(NUM_LAYERS, 2, NUM_SLOTS, NUM_KV_HEADS, HEAD_DIM)
         return [storage[layer, 0] for layer in range(NUM_LAYERS)], [storage[layer, 1] for layer in range(NUM_LAYERS)]

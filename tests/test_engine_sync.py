@@ -1,4 +1,4 @@
-"""Host-synchronising calls per decode forward, through real servers on CPU (``engine.sync_probe``).
+"""Host-synchronising calls per decode forward, through real servers on CPU (``engine.adapter.sync_probe``).
 
 A compressed decode must cost the host no more round trips than stock SGLang's, and none per layer: the
 per-forward metadata is built once (``engine.batch``), every layer only indexes it. Measured in the
@@ -14,7 +14,7 @@ import pytest
 
 from engine_client import TINY_SERVER_FLAGS, generate, stats
 from serving import running_server
-from sgl_kvevict.engine.sync_probe import PROBE_ENV
+from sgl_kvevict.engine.adapter.sync_probe import PROBE_ENV
 from test_engine_memory import prompt
 
 pytestmark = pytest.mark.server

@@ -13,7 +13,7 @@ from engine_client import ANY_REQUEST_OPTIONS, TINY_SERVER_FLAGS, assert_no_leak
 from engine_client import assert_strict_idle_check_passed, generate, stats
 from serving import running_server
 from sgl_kvevict.config import EvictionConfig, build_policy
-from sgl_kvevict.engine.coordinator import PLAN_DUMP_ENV
+from sgl_kvevict.engine.plan_dump import PLAN_DUMP_ENV
 from sgl_kvevict.reference.engine import Mode
 from test_engine_parity_smollm2 import case_id, case_options, mismatch_report, prompts, reference  # noqa: F401
 from test_engine_tensor_parallel import ranks_plan

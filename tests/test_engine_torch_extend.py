@@ -18,7 +18,7 @@ activate_cpu_mode()
 
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend  # noqa: E402
 
-from sgl_kvevict.engine.attention import KVEvictTorchBackend  # noqa: E402
+from sgl_kvevict.engine.adapter.attention import KVEvictTorchBackend  # noqa: E402
 
 HEAD_DIM, NUM_SLOTS = 16, 600
 

@@ -121,7 +121,7 @@ def launch_trace(tmp_path_factory):
 def test_the_cuda_launch_path_imports_with_the_standin(launch_trace):
     assert [item for item in launch_trace["imports"] if item["error"]] == []
     modules = {item["module"] for item in launch_trace["imports"]}
-    assert {"sglang.srt.server_args", "sglang.srt.model_executor.model_runner", "sgl_kvevict.engine.flashinfer_backend"} <= modules
+    assert {"sglang.srt.server_args", "sglang.srt.model_executor.model_runner", "sgl_kvevict.engine.adapter.flashinfer_backend"} <= modules
     assert launch_trace["sgl_kernel"] == "stand-in"
     assert launch_trace["origins"]["sgl_kernel"] == str(STANDIN)
     # The CUDA branches ran: they import the stand-in's submodules (CPU mode never does).

@@ -23,6 +23,8 @@ PURE_PACKAGES = (
     "sgl_kvevict.scoring", "sgl_kvevict.budget", "sgl_kvevict.policies", "sgl_kvevict.plan", "sgl_kvevict.settings",
     "sgl_kvevict.common_settings", "sgl_kvevict.sharding",
 )  # fmt: skip
+# The engine's core knows no SGLang: every contact with it lives in the adapter (engine/adapter/).
+ENGINE_ADAPTER = "sgl_kvevict.engine.adapter"
 
 
 def package_modules() -> dict[str, Path]:
@@ -122,13 +124,39 @@ def test_no_module_imports_another_that_imports_it_back():
     "forbidden", ["sglang", "transformers", "sgl_kvevict.engine", "sgl_kvevict.reference", "sgl_kvevict.config"]
 )
 def test_the_math_imports_no_engine(forbidden):
-    modules = package_modules()
+    assert offending_imports(lambda module: module.startswith(PURE_PACKAGES), forbidden) == {}
+
+
+def offending_imports(selected, forbidden: str) -> dict[str, list[str]]:
+    """Module -> the names under ``forbidden`` it imports, for the modules ``selected`` accepts."""
     offenders = {}
-    for module, path in modules.items():
-        if not module.startswith(PURE_PACKAGES):
+    for module, path in package_modules().items():
+        if not selected(module):
             continue
         imported = _imported_names(ast.parse(path.read_text()), module, path.name == "__init__.py")
         bad = sorted(name for name in imported if name == forbidden or name.startswith(forbidden + "."))
         if bad:
             offenders[module] = bad
-    assert offenders == {}
+    return offenders
+
+
+def in_engine_core(module: str) -> bool:
+    return module.startswith("sgl_kvevict.engine") and not module.startswith(ENGINE_ADAPTER)
+
+
+@pytest.mark.parametrize("forbidden", ["sglang", ENGINE_ADAPTER, "sgl_kvevict.server"])
+def test_the_engine_core_imports_no_sglang_and_no_adapter(forbidden):
+    assert offending_imports(in_engine_core, forbidden) == {}
+
+
+def test_only_the_adapter_imports_sglang_in_the_package():
+    """Outside the adapter, the product imports SGLang only to run it: the launcher's SGLang process."""
+    outside = offending_imports(lambda module: not module.startswith(ENGINE_ADAPTER), "sglang")
+    assert set(outside) == {"sgl_kvevict.server.sglang_entry"}
+
+
+def test_the_core_check_sees_an_sglang_import():
+    """The rule fails on a core module that imports SGLang (the parser sees imports inside functions)."""
+    tree = ast.parse("def f():\n    from sglang.srt.mem_cache.radix_cache import RadixCache\n")
+    assert "sglang.srt.mem_cache.radix_cache" in _imported_names(tree, "sgl_kvevict.engine.coordinator", False)
+    assert in_engine_core("sgl_kvevict.engine.coordinator") and not in_engine_core("sgl_kvevict.engine.adapter.factory")

@@ -103,10 +103,10 @@ def test_only_the_pinned_sglang_version_is_accepted():
 def test_the_plugin_refuses_to_register_in_another_sglang(monkeypatch):
     import importlib.metadata
 
-    from sgl_kvevict.engine import plugin
+    from sgl_kvevict.engine.adapter import contacts
     from sgl_kvevict.serving import ENV_VAR, ServingConfig
 
     monkeypatch.setenv(ENV_VAR, ServingConfig("lava").to_env())
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.5.24" if name == "sglang" else "0")
     with pytest.raises(UnsupportedVersion, match="sglang 0.5.24 is installed"):
-        plugin.register()
+        contacts.register()

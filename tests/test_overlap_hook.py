@@ -1,4 +1,4 @@
-"""The overlap schedule's hook (``plugin._settle_before_next_batch``) on a stand-in scheduler.
+"""The overlap schedule's hook (``scheduler_hooks.settle_before_next_batch``) on a stand-in scheduler.
 
 SGLang's overlap loop keeps the last batch's result in ``result_queue`` while it forms the next batch.
 The hook processes that result first exactly when the coordinator says the last batch's checkpoints
@@ -23,9 +23,9 @@ from sgl_kvevict.engine.coordinator import (  # noqa: E402
     SETTLED_FOR_PREFILL,
     CompressionCoordinator,
 )
-from sgl_kvevict.engine.plugin import _settle_before_next_batch  # noqa: E402
-from sgl_kvevict.engine.radix_cache import CompressedRadixCache  # noqa: E402
+from sgl_kvevict.engine.adapter.scheduler_hooks import settle_before_next_batch  # noqa: E402
 from sgl_kvevict.engine.records import RequestRecord  # noqa: E402
+from sgl_kvevict.engine.registry import engine_for, register_engine  # noqa: E402
 from sgl_kvevict.engine.stats import EngineStats  # noqa: E402
 from sgl_kvevict.scope import BlockScope, RequestScope  # noqa: E402
 
@@ -41,12 +41,25 @@ class Coordinator:
         return self.reason if last_batch == self.settling else ""
 
 
-def scheduler_with(queue, last_batch, settling: str = "prefill N", tree=None):
+class Pool:
+    """A KV pool: what the hook finds the engine by (``engine.registry``)."""
+
+
+def engine_pool(coordinator: Coordinator) -> Pool:
+    """A pool with an engine registered for it (``build_engine`` registers the real one so)."""
+    pool = Pool()
+    register_engine(pool, SimpleNamespace(coordinator=coordinator, stats=coordinator.stats))
+    return pool
+
+
+def scheduler_with(queue, last_batch, settling: str = "prefill N", pool=None):
     calls = []
-    if tree is None:
-        tree = CompressedRadixCache.__new__(CompressedRadixCache)  # only its type and coordinator are read
-        tree.coordinator = Coordinator(settling)
-    scheduler = SimpleNamespace(tree_cache=tree, last_batch=last_batch, process_batch_result=lambda *result: calls.append(("process", *result)))
+    pool = engine_pool(Coordinator(settling)) if pool is None else pool
+    allocator = SimpleNamespace(get_kvcache=lambda: pool)
+    scheduler = SimpleNamespace(
+        token_to_kv_pool_allocator=allocator, last_batch=last_batch,
+        process_batch_result=lambda *result: calls.append(("process", *result)),
+    )  # fmt: skip
     if queue is not None:
         scheduler.result_queue = queue
 
@@ -59,22 +72,22 @@ def scheduler_with(queue, last_batch, settling: str = "prefill N", tree=None):
 
 def test_a_batch_that_stores_spans_is_processed_before_the_next_is_formed():
     scheduler, form, calls = scheduler_with(deque([("copy of N", "result of N")]), "prefill N")
-    assert _settle_before_next_batch(form, scheduler, running_batch="running", last_batch="prefill N") == "plan"
+    assert settle_before_next_batch(form, scheduler, running_batch="running", last_batch="prefill N") == "plan"
     assert calls == [("process", "copy of N", "result of N"), ("form", "prefill N")]  # N still merges into the next
     assert scheduler.last_batch is None and not scheduler.result_queue
-    assert scheduler.tree_cache.coordinator.stats.overlap_waits == 1
+    assert engine_for(scheduler.token_to_kv_pool_allocator.get_kvcache()).stats.overlap_waits == 1
 
 
 def test_waits_are_counted_by_reason_and_served_with_the_stats():
     """Issue 34, finding 6: how often overlap is lost, and why, in ``/kvevict/stats`` (the snapshot)."""
-    tree = CompressedRadixCache.__new__(CompressedRadixCache)
-    tree.coordinator = coordinator = Coordinator("N")
+    coordinator = Coordinator("N")
+    pool = engine_pool(coordinator)
     for reason in (SETTLED_FOR_PREFILL, SETTLED_FOR_BLOCK, SETTLED_FOR_BLOCK, SETTLED_FOR_KVZIP):
         coordinator.reason = reason
-        scheduler, form, _ = scheduler_with(deque([("copy of N", "result of N")]), "N", tree=tree)
-        _settle_before_next_batch(form, scheduler, running_batch="running", last_batch="N")
-    scheduler, form, _ = scheduler_with(deque([("copy of M", "result of M")]), "M", tree=tree)  # overlaps
-    _settle_before_next_batch(form, scheduler, running_batch="running", last_batch="M")
+        scheduler, form, _ = scheduler_with(deque([("copy of N", "result of N")]), "N", pool=pool)
+        settle_before_next_batch(form, scheduler, running_batch="running", last_batch="N")
+    scheduler, form, _ = scheduler_with(deque([("copy of M", "result of M")]), "M", pool=pool)  # overlaps
+    settle_before_next_batch(form, scheduler, running_batch="running", last_batch="M")
     snapshot = coordinator.stats.snapshot()
     assert (snapshot["overlap_waits"], snapshot["overlap_waits_prefill"], snapshot["overlap_waits_block"],
             snapshot["overlap_waits_kvzip"]) == (4, 1, 2, 1)  # fmt: skip
@@ -94,13 +107,13 @@ def test_the_coordinator_names_why_a_batch_settles():
 
 
 def test_other_batches_the_serial_loop_and_stock_trees_are_left_to_sglang():
-    stock_tree = SimpleNamespace(coordinator=Coordinator("prefill N"))  # not our tree (e.g. --kv-evict-policy none)
-    for queue, last_batch, tree in (
+    stock_pool = Pool()  # no engine over it (e.g. --kv-evict-policy none)
+    for queue, last_batch, pool in (
         (deque([("copy of N", "result of N")]), "decode N", None),  # nothing to store: N overlaps
         (None, "prefill N", None),  # the serial loop: no result queue, N was processed already
         (deque(), None, None),  # the first batch
-        (deque([("copy of N", "result of N")]), "prefill N", stock_tree),
+        (deque([("copy of N", "result of N")]), "prefill N", stock_pool),
     ):
-        scheduler, form, calls = scheduler_with(queue, last_batch, tree=tree)
-        assert _settle_before_next_batch(form, scheduler, running_batch="running", last_batch=last_batch) == "plan"
+        scheduler, form, calls = scheduler_with(queue, last_batch, pool=pool)
+        assert settle_before_next_batch(form, scheduler, running_batch="running", last_batch=last_batch) == "plan"
         assert calls == [("form", last_batch)] and scheduler.last_batch == last_batch

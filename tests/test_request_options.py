@@ -157,16 +157,14 @@ def test_a_refused_string_is_never_cached_and_a_setup_that_cannot_bind_is_refuse
 def test_the_scheduler_serves_accepted_options_and_leaves_refused_ones_dense():
     """``Setups.for_request`` (the scheduler's safety net) with the default allow-list: the server's setup
     without options, the request's own for accepted ones (built once while cached), None (dense) and
-    one ``refused`` call for refused ones."""
-    refusals = []
-    setups = Setups(EvictionSetup.of(EvictionConfig()), DEFAULT, refused=lambda: refusals.append(1))
+    one count of ``request_option_errors`` for refused ones."""
+    setups = Setups(EvictionSetup.of(EvictionConfig()), DEFAULT)
     assert setups.for_request(None) is setups.default
     assert setups.for_request("tenant-7") is setups.default
     chosen = setups.for_request("kvevict:policy=lava,budget=0.5")
     assert chosen.config == EvictionConfig(policy="lava", budget="0.5") and chosen.policy.name == "lava"
     assert setups.for_request("kvevict:policy=lava,budget=0.5") is chosen
     assert setups.for_request("kvevict:policy=topk") is None
-    assert refusals == [1]
-    assert setups.counters() == {"request_setups_cached": 1, "request_setups_built": 1}
+    assert setups.counters() == {"request_setups_cached": 1, "request_setups_built": 1, "request_option_errors": 1}
     # Without per-request options every request gets the server's setup, whatever its extra_key.
     assert Setups(setups.default).for_request("kvevict:policy=lava") is setups.default

@@ -9,7 +9,7 @@ import pytest
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
 from sgl_kvevict.engine.eviction import CompressedTreeOrder, NodeCost
-from sgl_kvevict.engine.radix_cache import match_may_end
+from sgl_kvevict.engine.adapter.radix_cache import match_may_end
 from sgl_kvevict.engine.records import NodeRecord, node_record
 from sgl_kvevict.scope import BlockScope
 from tree_harness import WINDOW, KeepEvery, TreeHarness, tokens

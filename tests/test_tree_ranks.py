@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sgl_kvevict.engine.radix_cache import match_may_end
+from sgl_kvevict.engine.adapter.radix_cache import match_may_end
 from sgl_kvevict.engine.records import node_record
 from sgl_kvevict.engine.tensor_parallel import RankGroup
 from sgl_kvevict.plan import CompressionPlan, LayerPlan

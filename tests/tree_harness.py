@@ -1,8 +1,9 @@
 """An in-process compressed radix cache on real SGLang CPU pools, driven the way the scheduler drives it.
 
 ``TreeHarness`` builds SGLang's own ``ReqToTokenPool``, ``MHATokenToKVPool`` (made contiguous by the
-engine's patch, as in the server) and ``TokenToKVPoolAllocator`` on the CPU, our ``CompressedRadixCache``
-over them, and real ``Req`` objects. ``prefill`` does what the scheduler and the model do for one
+engine's patch, as in the server) and ``TokenToKVPoolAllocator`` on the CPU, the engine over them as
+production builds it (``build_engine``: our ``CompressedRadixCache``, its coordinator and arena), and
+real ``Req`` objects. ``prefill`` does what the scheduler and the model do for one
 request (match, lock, allocate and evict, write the row, fill the new slots' K/V, the engine's submit,
 the tree's checkpoint), with a deterministic stand-in policy so that the tests control what is kept;
 ``finish`` releases the request as ``release_kv_cache`` does. The coordinator sees each prefill through
@@ -24,24 +25,17 @@ import torch
 from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
-from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.sampling.sampling_params import SamplingParams
 
 from sgl_kvevict.config import EvictionConfig
-from sgl_kvevict.engine.arena import Arena
-from sgl_kvevict.engine.cells import CellSpace
-from sgl_kvevict.engine.compression import ScoringCapture
-from sgl_kvevict.engine.coordinator import CompressionCoordinator
+from sgl_kvevict.engine.adapter.factory import EnginePools, build_engine
+from sgl_kvevict.engine.adapter.pool import install_contiguous_kv_buffers
 from sgl_kvevict.engine.eviction import CompressedTreeOrder
-from sgl_kvevict.engine.factory import _slot_source
-from sgl_kvevict.engine.pool import install_contiguous_kv_buffers
-from sgl_kvevict.engine.radix_cache import CompressedRadixCache
 from sgl_kvevict.engine.records import node_record
 from sgl_kvevict.engine.setups import EvictionSetup, ModelShape, Setups
-from sgl_kvevict.engine.stats import EngineStats
 from sgl_kvevict.engine.tensor_parallel import RankGroup
 from sgl_kvevict.plan import CompressionPlan, LayerPlan
 from sgl_kvevict.policies.base import Policy, SegmentCompressor, SegmentSpec
@@ -134,18 +128,13 @@ class TreeHarness:
         self.req_to_token_pool = ReqToTokenPool(
             size=max_requests, max_context_len=max_context, device="cpu", enable_memory_saver=False
         )
-        self.space = CellSpace.of_buffers(self.pool.k_buffer, self.pool.v_buffer)
-        self.arena = Arena(self.space, _slot_source(self.allocator, self.space))
         config = EvictionConfig(policy="snapkv", window=WINDOW)
         policy = RulePolicy(config.common, rule)
-        self.stats = EngineStats()
-        capture = ScoringCapture(self.space, self.pool, hidden_states=None)
         setups = Setups(EvictionSetup(config, policy, policy.stats_request()))
-        self.coordinator = CompressionCoordinator(setups, scope, self.shape, capture, self.stats, ranks=ranks)
-        params = CacheInitParams(
-            disable=False, req_to_token_pool=self.req_to_token_pool, token_to_kv_pool_allocator=self.allocator, page_size=1
-        )
-        self.tree = CompressedRadixCache(params, self.coordinator, self.arena, self.stats, order)
+        pools = EnginePools(self.req_to_token_pool, self.allocator)
+        self.engine = build_engine(setups, scope, self.shape, pools, ranks=ranks, order=order)
+        self.tree, self.coordinator, self.arena = self.engine.tree, self.engine.coordinator, self.engine.arena
+        self.space, self.stats = self.engine.space, self.engine.stats
         self.running: list[Req] = []
         self.last_match = 0  # the prefix length of the last match (SGLang's cached tokens)
         self._next_rid = 0

@@ -48,8 +48,8 @@ FLASHINFER_MODULES = ("flashinfer", "flashinfer.prefill", "flashinfer.decode", "
 PLUGIN_MODULES = (
     "sgl_kvevict.server.launcher",
     "sgl_kvevict.server.sglang_entry",
-    "sgl_kvevict.engine.plugin",
-    "sgl_kvevict.engine.flashinfer_backend",
+    "sgl_kvevict.engine.adapter.contacts",
+    "sgl_kvevict.engine.adapter.flashinfer_backend",
 )
 TRACED_PACKAGES = ("sglang", "flashinfer")
 ORIGIN_PACKAGES = ("sglang", "flashinfer", "sgl_kernel", "sgl_kvevict")

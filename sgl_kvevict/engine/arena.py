@@ -5,7 +5,7 @@ slots from SGLang's allocator (or *adopts* slots a compression is about to free)
 cells (``engine.cells``: any cell can hold any layer's entry). Slots go back to SGLang when it asks the
 tree for room (``release_slots``, called by the tree's ``evict``), so a compressed server holds exactly
 the bytes a stock server with the same ``--max-total-tokens`` does, and dense and compressed KV compete
-for them through one eviction order (``engine.radix_cache``).
+for them through one eviction order (``engine.adapter.radix_cache``).
 
 Fragmentation: freed cells leave holes in borrowed slots. ``release_slots`` returns slots on demand,
 empty ones first, then by *moving* the live cells of the emptiest slots into holes of fuller ones

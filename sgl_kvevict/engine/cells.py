@@ -3,7 +3,7 @@
 One slot of SGLang's token pool holds every layer's K and V of one token: ``k_buffer[l][slot]`` is
 ``[H_kv, D]``. A *cell* is one of those vectors, (layer l, slot s, head h), and can hold any layer's
 kept entry, because the engine makes every layer's buffer a view of one allocation
-(``engine.pool``): K of all layers is one tensor, so ``k_rows`` (``[rows, D]``) addresses every cell by
+(``engine.adapter.pool``): K of all layers is one tensor, so ``k_rows`` (``[rows, D]``) addresses every cell by
 one integer and kernels read and write cells in place, one launch over all layers.
 
 Cell id of (l, s, h) is ``l * layer_stride + s * H_kv + h`` (rows of the flat K view); ``v_rows`` is a
@@ -76,7 +76,7 @@ class CellSpace:
     @classmethod
     def of_buffers(cls, k_buffers: list[torch.Tensor], v_buffers: list[torch.Tensor]) -> "CellSpace":
         """The cell space of per-layer ``[slots, H_kv, D]`` buffers that are equally spaced views of one
-        storage (``engine.pool`` allocates them so); ``ValueError`` otherwise."""
+        storage (``engine.adapter.pool`` allocates them so); ``ValueError`` otherwise."""
         first_k, first_v = k_buffers[0], v_buffers[0]
         num_slots, num_kv_heads, head_dim = first_k.shape
         head_dim_v = first_v.shape[2]

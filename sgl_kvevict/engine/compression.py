@@ -17,7 +17,7 @@ the dense keys). Spans of the same forward, earlier blocks included, are still d
 statistics come from ``kernels.window_stats_paged``, which reads the pool in place and never writes
 the ``[H_q, w, L]`` attention matrix; the reference engine's schedules mirror exactly these semantics.
 A learned scorer gets the layer's attention-input hidden states of the span instead
-(``engine.hidden_states``, ``HiddenRowsJob``).
+(``engine.adapter.hidden_states``, ``HiddenRowsJob``).
 
 Chunked prefill: a span may be prefilled by several forwards. A learned scorer gets each forward's rows
 of it as they come (``HiddenRowsJob``; ``scoring.base.RowScorer`` scores pieces). A window that
@@ -36,7 +36,6 @@ import torch
 
 from sgl_kvevict.engine.batch import RequestSlice
 from sgl_kvevict.engine.cells import CellSpace
-from sgl_kvevict.engine.hidden_states import HiddenStateCapture
 from sgl_kvevict.kernels import CompressedCells, window_stats_paged
 from sgl_kvevict.policies.base import SegmentCompressor, SegmentSpec
 from sgl_kvevict.scoring.window import RECONSTRUCTION_QUERIES, StatsRequest, WindowStats
@@ -86,6 +85,12 @@ class StatsSink(Protocol):
     def observe(self, layer: int, stats: WindowStats) -> None: ...
 
 
+class HiddenStates(Protocol):
+    """The attention inputs of the current forward, by layer id (``engine.adapter.hidden_states``)."""
+
+    by_layer: dict[int, torch.Tensor]  # layer id -> [N, d_model]
+
+
 class ScoringCapture:
     """Runs a forward's scoring jobs, one layer at a time, from its queries and the pool.
 
@@ -93,7 +98,7 @@ class ScoringCapture:
     hidden_states: the attention inputs of the forward, when a learned scorer may need them.
     """
 
-    def __init__(self, space: CellSpace, kv_pool, hidden_states: Optional[HiddenStateCapture]):
+    def __init__(self, space: CellSpace, kv_pool, hidden_states: Optional[HiddenStates]):
         self.space = space
         self.kv_pool = kv_pool
         self.hidden_states = hidden_states

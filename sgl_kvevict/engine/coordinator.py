@@ -9,28 +9,30 @@ request, every arrow one call (docs/design.md draws it):
    ``on_request_begin``: the request is indexed by rid (the attention backend sees only rids) and gets
    its ``RequestRecord`` with the eviction setup that serves it.
 2. **submit** — the attention backend's ``init_forward_metadata`` calls ``forward_begin``: each request
-   of the forward with its compressed path (the tree's ``path_view``), and, at a request's first
+   of the forward with its compressed path (``engine.paths``), and, at a request's first
    prefill forward, one ``SpanCompression`` per span its scope compresses.
 3. **statistics** — after each layer's attention the backend calls ``attention_end``: the scoring
    jobs of the forward observe that layer. KVzip spans instead queue reconstruction passes, which
    ``between_batches`` runs one piece at a time after each scheduler batch (``engine.reconstruction``).
 4. **plan** — the tree's ``checkpoint`` calls ``handover``: the plans of the request's spans that are
    ready, in position order, and where its still-pending spans begin (the tree inserts nothing from
-   there). When a request's passes finish after its prefill, ``between_batches`` hands its plans over
-   at once by calling the tree's ``checkpoint`` itself; at the request's final checkpoint its
-   remaining passes run to the end first.
-5. **store** — the tree turns each plan into a compressed node (``engine.radix_cache``).
+   there). When a request's passes finish after its prefill, ``between_batches`` returns it and the
+   adapter's after-batch hook checkpoints it at once; at the request's final checkpoint its remaining
+   passes run to the end first.
+5. **store** — the tree turns each plan into a compressed node (``engine.adapter.radix_cache``).
 6. **end** — the tree's ``on_release`` calls ``on_request_end``: what is still in flight is dropped.
+
+The coordinator never calls the tree: it reads a request's compressed path through ``PathViews``
+(``engine.paths``), and its collaborators (scoring capture, reconstructor, TP ranks, a plan listener)
+are given at construction (``engine.adapter.factory.build_engine``). It imports no SGLang.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import weakref
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -44,6 +46,7 @@ from sgl_kvevict.engine.compression import (
     SpanCompression,
     Stage,
 )
+from sgl_kvevict.engine.paths import PathViews
 from sgl_kvevict.engine.reconstruction import NoRoomForReconstruction, ReconstructionWork, Reconstructor
 from sgl_kvevict.engine.records import RECORD_ATTR, RequestRecord, request_record
 from sgl_kvevict.engine.setups import ModelShape, Setups
@@ -59,9 +62,8 @@ from sgl_kvevict.sharding import RankCounts
 logger = logging.getLogger(__name__)
 # Why the overlap schedule waits for a batch's results (``settles_before_next_batch``; counted per reason).
 SETTLED_FOR_PREFILL, SETTLED_FOR_BLOCK, SETTLED_FOR_KVZIP = "prefill", "block", "kvzip"
-
-# Debug switch: a directory where every plan handed to the tree is saved as ``<rid>.pt`` (parity tests).
-PLAN_DUMP_ENV = "KVEVICT_PLAN_DUMP_DIR"
+# Told of every plan handed to the tree: (request id, the plan, the scope's block index or None).
+PlanListener = Callable[[str, CompressionPlan, Optional[int]], None]
 
 
 @dataclass(frozen=True)
@@ -87,9 +89,10 @@ class Handover:
 class CompressionCoordinator:
     """setups: the configurations that serve requests; scope: which spans are compressed; shape: the
     model's (this rank's heads); capture: computes scoring statistics; stats: the engine's counters;
-    reconstructor: KVzip passes (None when no setup can ask for them); chunk_size: SGLang's chunked-prefill
-    size (None: prompts are prefilled in one forward); ranks: the tensor-parallel ranks plans are made
-    with (None: this one only)."""
+    paths: the compressed paths requests see; reconstructor: KVzip passes (None when no setup can ask for
+    them); chunk_size: SGLang's chunked-prefill size (None: prompts are prefilled in one forward); ranks:
+    the tensor-parallel ranks plans are made with (None: this one only); plan_listener: told of every plan
+    handed to the tree (a debug dump, ``engine.plan_dump``)."""
 
     def __init__(
         self,
@@ -98,9 +101,11 @@ class CompressionCoordinator:
         shape: ModelShape,
         capture: ScoringCapture,
         stats: EngineStats,
+        paths: PathViews,
         reconstructor: Optional[Reconstructor] = None,
         chunk_size: Optional[int] = None,
         ranks: Optional[RankGroup] = None,
+        plan_listener: Optional[PlanListener] = None,
     ):
         self.setups = setups
         self.ranks = ranks or RankGroup.single(shape.num_kv_heads, shape.num_layers)
@@ -109,16 +114,11 @@ class CompressionCoordinator:
         self.shape = shape
         self.capture = capture
         self.stats = stats
+        self.paths = paths
         self.reconstructor = reconstructor
-        self.store = None  # the tree, once it exists (``attach_store``)
+        self.plan_listener = plan_listener
         self._requests: "weakref.WeakValueDictionary[str, object]" = weakref.WeakValueDictionary()
         self._jobs: list[ForwardJob] = []
-        dump_dir = os.environ.get(PLAN_DUMP_ENV)
-        self._plan_dump_dir = Path(dump_dir) if dump_dir else None
-
-    def attach_store(self, store) -> None:
-        """The tree registers itself once it is built (it needs the coordinator first)."""
-        self.store = store
 
     # ---- 1. begin / 6. end ---------------------------------------------------------------------
 
@@ -136,7 +136,7 @@ class CompressionCoordinator:
         if record.prefill_forwards and not record.prefilled:
             self.stats.count("chunked_prefills_aborted")
         if self.reconstructor is not None:
-            self.reconstructor.drop(req, self.store)
+            self.reconstructor.drop(req)
         record.compressions.clear()
 
     # ---- 2. submit -----------------------------------------------------------------------------
@@ -160,7 +160,7 @@ class CompressionCoordinator:
                 row = int(forward_batch.req_pool_indices[index])
                 requests.append(RequestSlice(index, q_start, q_start + count, seq_len, row, None))
             else:
-                view = self.store.path_view(req.last_node)
+                view = self.paths.of(req.last_node)
                 request = RequestSlice(index, q_start, q_start + count, seq_len, req.kv.req_pool_idx, view)
                 requests.append(request)
                 if mode.is_extend():
@@ -238,23 +238,25 @@ class CompressionCoordinator:
         for job in self._jobs:
             self.capture.run(job, q, layer)
 
-    def between_batches(self) -> None:
-        """After a scheduler batch: one piece of the oldest reconstruction pass. A request whose passes are
-        all done gets its plans stored at once if its prefill is over (else at its next checkpoint)."""
+    def between_batches(self):
+        """After a scheduler batch: one piece of the oldest reconstruction pass. Returns the request whose
+        passes that finished, when its prefill is over: its plans are to be stored now (the caller
+        checkpoints it; else they are stored at its next checkpoint). None otherwise."""
         reconstructor = self.reconstructor
         if reconstructor is None or not reconstructor.queue:
-            return
+            return None
         work = reconstructor.queue[0]
         if self._run_piece(work):
             req = work.req
             if request_record(req).prefilled and not reconstructor.work_of(req):
-                self.store.checkpoint(req, up_to=len(req.origin_input_ids))
+                return req
+        return None
 
     def _run_piece(self, work: ReconstructionWork) -> bool:
         """One piece of ``work``; True when the work ended (its span is ready, or stays dense for want of
         room)."""
         try:
-            if not self.reconstructor.step(work, self.store):
+            if not self.reconstructor.step(work):
                 return False
         except NoRoomForReconstruction:
             self.stats.count("reconstructions_skipped")
@@ -310,28 +312,13 @@ class CompressionCoordinator:
 
     def _ready_plan(self, req, compression: SpanCompression) -> ReadyPlan:
         plan, rank_counts = self.ranks.plan(compression.compressor)
-        self._dump_plan(req.rid, plan)
+        if self.plan_listener is not None:
+            scope = self.scope
+            block = plan.segment_start // scope.block_size if isinstance(scope, BlockScope) else None
+            self.plan_listener(req.rid, plan, block)
         spec = compression.spec
         window_kept_dense = compression.window if self.scope.window_stays_dense else 0
         return ReadyPlan(spec, plan, spec.end - window_kept_dense, rank_counts)
-
-    def _dump_plan(self, rid: str, plan: CompressionPlan) -> None:
-        """Save ``<rid>.pt`` (request scope) or ``<rid>.block<k>.pt`` (block ``k`` in block scope); under
-        tensor parallelism every rank saves its heads' (``heads``: their global ids) as ``<name>.rank<r>.pt``."""
-        if self._plan_dump_dir is None:
-            return
-        self._plan_dump_dir.mkdir(parents=True, exist_ok=True)
-        layers = [(layer.kept_positions, layer.head_indptr) for layer in plan.layers]
-        shard = self.ranks.shard
-        payload = {
-            "segment_start": plan.segment_start, "segment_end": plan.segment_end, "layers": layers,
-            "heads": shard.local_heads,
-        }  # fmt: skip
-        scope = self.scope
-        name = f"{rid}.block{plan.segment_start // scope.block_size}" if isinstance(scope, BlockScope) else rid
-        if shard.tp_size > 1:
-            name += f".rank{shard.rank}"
-        torch.save(payload, self._plan_dump_dir / f"{name}.pt")
 
     # ---- admission -----------------------------------------------------------------------------
 

@@ -2,7 +2,8 @@
 
 SGLang's ``RadixCache.evict`` pops leaves in ``eviction_strategy.get_priority(node)`` order
 (``sglang/srt/mem_cache/evict_policy.py``: LRU, LFU, FIFO, ...). The compressed tree plugs its own
-strategy in the same slot; another order is one more subclass of ``EvictionStrategy``.
+strategy in the same slot (duck-typed: only ``get_priority`` is read); another order is one more
+subclass of ``CompressedTreeOrder``.
 
 ``GreedyDualSizeFrequency`` (the default, and today the only one): a leaf's priority is
 ``clock + reuses * cost / size``; the lowest priority is evicted first (among equals, the newest node
@@ -27,8 +28,6 @@ import abc
 import itertools
 from dataclasses import dataclass, field
 
-from sglang.srt.mem_cache.evict_policy import EvictionStrategy
-
 from sgl_kvevict.engine.records import NodeRecord, node_record
 
 
@@ -40,8 +39,13 @@ class NodeCost:
     slots: float
 
 
-class CompressedTreeOrder(EvictionStrategy):
-    """An eviction order the compressed tree drives: it reports every node made, reused and evicted."""
+class CompressedTreeOrder(abc.ABC):
+    """An eviction order the compressed tree drives: it reports every node made, reused and evicted. It
+    fills SGLang's ``eviction_strategy`` slot of the tree, whose one method is ``get_priority``."""
+
+    @abc.abstractmethod
+    def get_priority(self, node) -> tuple:
+        """The node's place in the order: the smallest is evicted first."""
 
     @abc.abstractmethod
     def created(self, record: NodeRecord, cost: NodeCost) -> None:

@@ -1,4 +1,4 @@
-"""KVzip's reconstruction passes as work of their own, through SGLang's model runner, between batches.
+"""KVzip's reconstruction passes as work of their own, one forward per piece, between batches.
 
 ``scoring.kvzip`` has the contract: after the forward that prefills a span ``[start, end)``, per chunk
 of the span, an extra forward feeds the chunk's ids (repeat instruction, the chat template's
@@ -22,26 +22,55 @@ are untouched.
 A span ending too close to the model's context length for its passes (``scoring.kvzip.NoRoomForPasses``)
 is refused at ``submit`` and stays dense.
 
-A piece's forward is an ordinary EXTEND batch of one pseudo-request (``ModelRunner.forward``); the
-coordinator's ``forward_begin`` recognises it by its rid (``Reconstructor.piece_in_flight``).
+A piece's forward is an ordinary EXTEND batch of one pseudo-request: ``PieceForward`` says what it
+feeds, and the ``run_forward`` the reconstructor is built with runs it (the adapter builds SGLang's
+``ForwardBatch`` for it, ``engine.adapter.reconstruction_forward``); the coordinator's ``forward_begin``
+recognises it by its rid (``Reconstructor.piece_in_flight``). Rows and slots come from a ``SlotPool``.
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional, Protocol
 
 import torch
-from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 
 from sgl_kvevict.engine.batch import RequestSlice
 from sgl_kvevict.engine.compression import ScoringJob, SpanCompression
+from sgl_kvevict.engine.paths import PathViews
 from sgl_kvevict.scoring.kvzip import ReconstructionChunk, ReconstructionPrompt, crop_columns, merge_chunk_stats, reconstruction_chunks
 from sgl_kvevict.scoring.window import WindowStats
 
 RECONSTRUCTION_RID_PREFIX = "kvevict-reconstruction-"
+
+
+class SlotPool(Protocol):
+    """Where a pass's temporary row and slots come from: SGLang's request table and KV allocator."""
+
+    req_to_token: torch.Tensor  # [rows, context]: every request's slot per position
+
+    def alloc_row(self) -> Optional[int]:
+        """A free row of ``req_to_token`` (None: none is free)."""
+
+    def free_row(self, row: int) -> None: ...
+
+    def alloc_slots(self, count: int) -> Optional[torch.Tensor]:
+        """``count`` free KV slots, evicting from the tree when the allocator is short (None: still short)."""
+
+    def free_slots(self, slots: torch.Tensor) -> None: ...
+
+
+@dataclass(frozen=True)
+class PieceForward:
+    """One piece's EXTEND forward of one pseudo-request: ``input_ids`` at positions ``first, first + 1, ...``
+    of row ``row``, their K/V written to ``slots``; ``rid`` names it."""
+
+    rid: str
+    row: int
+    input_ids: list[int]
+    first: int
+    slots: torch.Tensor
 
 
 class NoRoomForReconstruction(Exception):
@@ -100,14 +129,24 @@ class PieceInFlight:
 class Reconstructor:
     """Runs the reconstruction passes of one scheduler's requests, oldest work first.
 
-    model_runner: SGLang's, for the forwards. prompt: the passes' fixed token ids. piece_tokens: the
-    most tokens one forward feeds. position_limit: the positions a pass may use (the model's context
-    length, at most a ``req_to_token`` row). The ``store`` each call takes is the tree: its pools, ``evict`` for
-    slots, and ``path_view`` of a request.
+    slots: rows and KV slots for the passes. run_forward: runs one piece's forward (the model's).
+    paths: the compressed paths requests see. prompt: the passes' fixed token ids. piece_tokens: the most
+    tokens one forward feeds. position_limit: the positions a pass may use (the model's context length,
+    at most a ``req_to_token`` row).
     """
 
-    def __init__(self, model_runner, prompt: ReconstructionPrompt, piece_tokens: int, position_limit: int):
-        self.model_runner = model_runner
+    def __init__(
+        self,
+        slots: SlotPool,
+        run_forward: Callable[[PieceForward], None],
+        paths: PathViews,
+        prompt: ReconstructionPrompt,
+        piece_tokens: int,
+        position_limit: int,
+    ):
+        self.slots = slots
+        self.run_forward = run_forward
+        self.paths = paths
         self.prompt = prompt
         self.piece_tokens = piece_tokens
         self.position_limit = position_limit
@@ -122,13 +161,13 @@ class Reconstructor:
         chunks = reconstruction_chunks(ids, spec.start, self.prompt, self.position_limit)
         self.queue.append(ReconstructionWork(req, compression, chunks, ChunkStats(end=spec.end)))
 
-    def step(self, work: ReconstructionWork, store) -> bool:
+    def step(self, work: ReconstructionWork) -> bool:
         """Run one piece of ``work``; True when that finished it (its statistics are then in its collector
         and it left the queue). Raises ``NoRoomForReconstruction`` (the work is dropped first)."""
         try:
-            self._run_piece(work, store)
+            self._run_piece(work)
         except NoRoomForReconstruction:
-            self._drop(work, store)
+            self._drop(work)
             raise
         if not work.done:
             return False
@@ -138,88 +177,51 @@ class Reconstructor:
     def work_of(self, req) -> list[ReconstructionWork]:
         return [work for work in self.queue if work.req is req]
 
-    def drop(self, req, store) -> None:
+    def drop(self, req) -> None:
         """``req`` ended: give back the rows and slots of its work in flight, forget its queued work."""
         for work in self.work_of(req):
-            self._drop(work, store)
+            self._drop(work)
 
     # ---- one piece -------------------------------------------------------------------------------
 
-    def _run_piece(self, work: ReconstructionWork, store) -> None:
-        pool = store.req_to_token_pool
+    def _run_piece(self, work: ReconstructionWork) -> None:
+        pool = self.slots
         if work.row is None:
-            rows = pool.alloc_rows(1)
-            if rows is None:
+            work.row = pool.alloc_row()
+            if work.row is None:
                 raise NoRoomForReconstruction("no free req_to_token row for a reconstruction pass")
-            (work.row,) = rows
         chunk_ids = work.chunk.input_ids
         length = min(self.piece_tokens, len(chunk_ids) - work.fed)
-        slots = self._slots(length, store)
+        slots = pool.alloc_slots(length)
+        if slots is None:
+            raise NoRoomForReconstruction(f"no {length} free KV slots for a reconstruction pass")
         work.slots.append(slots)
         table, end = pool.req_to_token, work.end
         first = end + work.fed
         table[work.row, :end] = table[work.req.kv.req_pool_idx, :end]
         table[work.row, first : first + length] = slots.to(table.dtype)
-        view = store.path_view(work.req.last_node)
+        view = self.paths.of(work.req.last_node)
         request = RequestSlice(0, 0, length, first + length, work.row, view)
         job = ScoringJob.of(request, work.collector, length, work.compression.stats_request, table)
-        self.piece_in_flight = PieceInFlight(f"{RECONSTRUCTION_RID_PREFIX}{next(self._rids)}", request, job)
+        rid = f"{RECONSTRUCTION_RID_PREFIX}{next(self._rids)}"
+        self.piece_in_flight = PieceInFlight(rid, request, job)
         try:
-            self.model_runner.forward(self._forward_batch(chunk_ids[work.fed : work.fed + length], first, slots))
+            self.run_forward(PieceForward(rid, work.row, list(chunk_ids[work.fed : work.fed + length]), first, slots))
         finally:
             self.piece_in_flight = None
         work.fed += length
         if work.fed == len(chunk_ids):
-            self._release(work, store)
+            self._release(work)
             work.chunk_index, work.fed = work.chunk_index + 1, 0
 
-    def _release(self, work: ReconstructionWork, store) -> None:
-        allocator = store.token_to_kv_pool_allocator
+    def _release(self, work: ReconstructionWork) -> None:
         for slots in work.slots:
-            allocator.free(slots)
+            self.slots.free_slots(slots)
         work.slots = []
         if work.row is not None:
-            store.req_to_token_pool.free_rows([work.row])
+            self.slots.free_row(work.row)
             work.row = None
 
-    def _drop(self, work: ReconstructionWork, store) -> None:
-        self._release(work, store)
+    def _drop(self, work: ReconstructionWork) -> None:
+        self._release(work)
         self.queue.remove(work)
-
-    @staticmethod
-    def _slots(count: int, store) -> torch.Tensor:
-        allocator = store.token_to_kv_pool_allocator
-        shortfall = count - allocator.available_size()
-        if shortfall > 0:
-            store.evict(EvictParams(num_tokens=shortfall))
-        slots = allocator.alloc(count)
-        if slots is None:
-            raise NoRoomForReconstruction(f"no {count} free KV slots for a reconstruction pass")
-        return slots
-
-    def _forward_batch(self, input_ids, first: int, slots: torch.Tensor) -> ForwardBatch:
-        device = slots.device
-        length = len(input_ids)
-        seq_len = first + length
-        return ForwardBatch(
-            forward_mode=ForwardMode.EXTEND,
-            batch_size=1,
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
-            req_pool_indices=torch.tensor([self.piece_in_flight.request.row], dtype=torch.int64, device=device),
-            seq_lens=torch.tensor([seq_len], dtype=torch.int64, device=device),
-            seq_lens_cpu=torch.tensor([seq_len], dtype=torch.int64),
-            orig_seq_lens=torch.tensor([seq_len], dtype=torch.int64, device=device),
-            out_cache_loc=slots,
-            seq_lens_sum=seq_len,
-            positions=torch.arange(first, seq_len, dtype=torch.int64, device=device),
-            extend_num_tokens=length,
-            extend_seq_lens=torch.tensor([length], dtype=torch.int32, device=device),
-            extend_prefix_lens=torch.tensor([first], dtype=torch.int32, device=device),
-            extend_start_loc=torch.zeros(1, dtype=torch.int32, device=device),
-            extend_prefix_lens_cpu=[first],
-            extend_seq_lens_cpu=[length],
-            extend_logprob_start_lens_cpu=[length],
-            return_logprob=False,
-            capture_hidden_mode=CaptureHiddenMode.NULL,
-            rids=[self.piece_in_flight.rid],
-        )

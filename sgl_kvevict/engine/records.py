@@ -3,7 +3,7 @@
 SGLang's ``TreeNode`` and ``Req`` carry exactly one attribute of ours, ``kvevict``, pointing to a record
 defined here. Who writes what:
 
-* ``NodeRecord``: the tree (``engine.radix_cache``) creates one for every node it makes or adopts and
+* ``NodeRecord``: the tree (``engine.adapter.radix_cache``) creates one for every node it makes or adopts and
   writes its content fields; the eviction strategy (``engine.eviction``) writes its order fields.
 * ``RequestRecord``: the coordinator (``engine.coordinator``) creates it and writes its compression
   fields; the tree writes its two tree fields.

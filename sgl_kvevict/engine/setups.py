@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 from sgl_kvevict.config import EvictionConfig, build_policy
 from sgl_kvevict.policies.base import Policy
@@ -54,7 +54,7 @@ class Setups:
     allow-list: A/B experiments and the parity tests serve several policies from one server. SGLang
     keeps requests with different extra keys in separate subtrees, so a node compressed by one setup is
     never reused by another. The HTTP process refuses disallowed options first (HTTP 400); here a
-    refused request stays dense and ``refused`` is called once for it."""
+    refused request stays dense and is counted once in ``request_option_errors``."""
 
     def __init__(
         self,
@@ -62,10 +62,9 @@ class Setups:
         request_allow: Optional[AllowList] = None,
         model_dir: Optional[Path] = None,
         heads: Optional[tuple[int, ...]] = None,
-        refused: Callable[[], None] = lambda: None,
     ):
         self.default = default
-        self._refused = refused
+        self.refused = 0
         self._requests = None
         if request_allow is not None:
             self._requests = RequestSetups(request_allow, lambda config: EvictionSetup.of(config, model_dir, heads))
@@ -79,9 +78,9 @@ class Setups:
             return self._requests.get(text)
         except RequestOptionsRefused as error:
             logger.warning("sgl-kvevict: %s; the request stays dense", error)
-            self._refused()
+            self.refused += 1
             return None
 
     def counters(self) -> dict[str, int]:
-        """For ``/kvevict/stats``: per-request setups cached now and built since start."""
-        return RequestSetups.counters(self._requests)
+        """For ``/kvevict/stats``: per-request setups cached now and built since start, requests refused."""
+        return {**RequestSetups.counters(self._requests), "request_option_errors": self.refused}

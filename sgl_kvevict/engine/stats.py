@@ -71,7 +71,6 @@ class EngineStats:
     overlap_waits_kvzip: int = 0
     graph_decodes: int = 0
     decode_graph_fallbacks: int = 0
-    request_option_errors: int = 0
     dense_nodes_evicted: int = 0
     dense_slots_evicted: int = 0
     compressed_nodes_evicted: int = 0

@@ -4,7 +4,7 @@
 per node (compressed or dense; may a match end at it); ``CompressedRadixCache._compress`` carries the
 decision out. Tests drive this module with plain objects, no SGLang.
 
-The rules (``engine.radix_cache`` explains the invariants they keep):
+The rules (``engine.adapter.radix_cache`` explains the invariants they keep):
 
 * The request's span ``[start, end)`` hangs below its matched node. Walking the span's tokens down
   from there, the request may pass only through *split heads* (compressed nodes a match may pass

@@ -50,8 +50,8 @@ Invariants and the methods that keep them:
 compress. ``checkpoint`` asks the coordinator for the request's ready plans (``handover``), stores them
 in position order, then inserts the rest of the request densely, never past a span still in flight
 (its tokens stay the request's own until their plan is stored). ``match_prefix`` and ``on_release``
-tell the coordinator a request began and ended; ``path_view`` is what the coordinator and the attention
-backends read of a request's compressed path.
+tell the coordinator a request began and ended; what the coordinator and the attention backends read
+of a request's compressed path is its ``PathView`` (``engine.paths``).
 """
 
 from __future__ import annotations
@@ -77,35 +77,18 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 from sgl_kvevict.engine.arena import Arena
 from sgl_kvevict.engine.coordinator import CompressionCoordinator, ReadyPlan
 from sgl_kvevict.engine.eviction import CompressedTreeOrder, GreedyDualSizeFrequency, NodeCost
+from sgl_kvevict.engine.paths import compressed_nodes, is_compressed, match_may_end
 from sgl_kvevict.engine.records import RECORD_ATTR, NodeRecord, node_record, request_record
-from sgl_kvevict.engine.segments import CompressedSegment, PathView, SpareCells, Split
+from sgl_kvevict.engine.segments import CompressedSegment, SpareCells, Split
 from sgl_kvevict.engine.stats import EngineStats
 from sgl_kvevict.engine.tree_decisions import Outcome, Walk, atomic_prefix_length, decide_compression
 from sgl_kvevict.sharding import RankCounts
 
 
-def is_compressed(node: TreeNode) -> bool:
-    return node_record(node).is_compressed
-
-
-def match_may_end(node: TreeNode) -> bool:
-    """A match may end at ``node``'s end: always for a dense node, not for a split head."""
-    return node_record(node).match_may_end
-
-
-def compressed_nodes(node: TreeNode) -> list[TreeNode]:
-    """The compressed nodes from the root down to ``node``, root first."""
-    nodes = []
-    while node.parent is not None:  # the root has no parent
-        if is_compressed(node):
-            nodes.append(node)
-        node = node.parent
-    return nodes[::-1]
-
-
 class CompressedRadixCache(RadixCache):
-    """params: SGLang's; coordinator: what to compress (it learns of this tree through ``attach_store``);
-    arena: the compressed cells; stats: the engine's counters; order: the eviction order."""
+    """params: SGLang's; coordinator: what to compress (it never calls the tree: a request's compressed
+    path is read through ``engine.paths``); arena: the compressed cells; stats: the engine's counters;
+    order: the eviction order. Built by ``factory.build_engine``."""
 
     def __init__(
         self,
@@ -122,7 +105,6 @@ class CompressedRadixCache(RadixCache):
         super().__init__(params)  # calls reset()
         self.eviction_strategy = self.order  # SGLang's slot for the eviction order
         self.kv_pool = params.token_to_kv_pool_allocator.get_kvcache()
-        coordinator.attach_store(self)
 
     # ---- tree shape ----------------------------------------------------------------------------
 
@@ -205,19 +187,6 @@ class CompressedRadixCache(RadixCache):
         record.segment = tail_segment
         self.stats.node_split(record.requests_served, split.extra)
         return head
-
-    # ---- what a request sees -------------------------------------------------------------------
-
-    def path_view(self, node: TreeNode) -> Optional[PathView]:
-        """The compressed content on the path from the root to ``node`` (None when there is none),
-        memoised on the node while the arena's placements stay the same (a locked path only changes by
-        the split of a compressed node, which keeps every cell, or by cell moves)."""
-        record = node_record(node)
-        if record.view_generation != self.arena.generation:
-            segments = [node_record(path_node).segment for path_node in compressed_nodes(node)]
-            record.view = PathView.of(segments, self.device) if segments else None
-            record.view_generation = self.arena.generation
-        return record.view
 
     # ---- accounting: dense slots in the tree, plus the arena's borrowed slots --------------------
 

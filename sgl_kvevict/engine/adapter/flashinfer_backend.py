@@ -5,7 +5,7 @@ Written against FlashInfer's documented Python API and tested on CPU against
 (``tests/test_engine_flashinfer.py``). What ran on a GPU and what did not (a server end to end has
 not): the status table in docs/gpu.md.
 
-Registered in place of the stock ``flashinfer`` factory (``plugin.py``). A forward without
+Registered in place of the stock ``flashinfer`` factory (``contacts.CONTACTS``). A forward without
 compressed requests is the stock backend's (ragged + paged wrappers, CUDA kernels, no change). A
 forward with compressed requests (``SegmentAttentionBackend`` dispatch, shared with the CPU backend)
 runs every request of the batch as
@@ -39,7 +39,7 @@ graph-mode ``BatchDecodeWithPagedKVCacheWrapper`` over its dense positions (one 
 on SGLang's fixed graph buffers, planned in ``init_forward_metadata_out_graph`` before each replay)
 and ``DecodeGraphState`` over its cells, merged in the graph. ``graph_can_replay`` sends a batch whose
 cells exceed the buffers to the eager path. The plugin's hooks on the runner install the variants and
-the check (``plugin.py``).
+the check (``contacts.CONTACTS``).
 
 LSE bases: FlashInfer's ``run(..., return_lse=True)`` returns base-2 LSEs (``log2 sum exp``) and
 ``merge_state`` consumes them; ``segment_attention`` returns natural-log LSEs, converted here by
@@ -63,7 +63,8 @@ from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang.srt.model_executor.runner_utils.capture_mode import get_capture_attention_variant
 
-from sgl_kvevict.engine.attention import SegmentAttentionBackend
+from sgl_kvevict.engine.adapter.attention import SegmentAttentionBackend
+from sgl_kvevict.engine.adapter.pool import cell_space_of
 from sgl_kvevict.engine.batch import ForwardRequests, SegmentMetadata
 from sgl_kvevict.engine.decode_graph import (
     FITS,
@@ -75,7 +76,6 @@ from sgl_kvevict.engine.decode_graph import (
     longest_sequence,
     segment_graph_limits,
 )
-from sgl_kvevict.engine.pool import cell_space_of
 
 logger = logging.getLogger(__name__)
 LOG2_E = math.log2(math.e)
@@ -291,8 +291,7 @@ class KVEvictFlashInferBackend(SegmentAttentionBackend, FlashInferAttnBackend):
                 "sgl-kvevict decode CUDA graphs need one attention scale for every layer (the graph's dense "
                 "part is planned once per replay); pass --cuda-graph-backend-decode disabled for this model"
             )
-        space = cell_space_of(self.token_to_kv_pool)
-        self.cell_space = space
+        self.cell_space = space = cell_space_of(self.token_to_kv_pool)  # the pool's now (it refuses bad layouts)
         cell_id_bound = space.k_rows.shape[0]
         capacity = GraphCapacity(
             max_batch=max_bs,
@@ -312,7 +311,7 @@ class KVEvictFlashInferBackend(SegmentAttentionBackend, FlashInferAttnBackend):
         forward = self._graph_forward(forward_batch)
         why = FITS if forward is None else self._decode_graph.check(forward)
         if why:
-            self.coordinator.stats.count("decode_graph_fallbacks")
+            self.engine.stats.count("decode_graph_fallbacks")
             logger.debug("decode batch runs eagerly: %s", why)
         return not why
 
@@ -332,8 +331,9 @@ class KVEvictFlashInferBackend(SegmentAttentionBackend, FlashInferAttnBackend):
         asked_of, forward = self._graph_asked
         if asked_of is not forward_batch:
             forward = None
-            if self.coordinator is not None and forward_batch.forward_mode.is_decode():
-                forward = self.coordinator.forward_begin(forward_batch, self.req_to_token_pool.req_to_token)
+            coordinator = self.coordinator
+            if coordinator is not None and forward_batch.forward_mode.is_decode():
+                forward = coordinator.forward_begin(forward_batch, self.req_to_token_pool.req_to_token)
                 forward = forward if forward.compressed else None
             self._graph_asked = (forward_batch, forward)
         return forward
@@ -348,7 +348,7 @@ class KVEvictFlashInferBackend(SegmentAttentionBackend, FlashInferAttnBackend):
         else:
             (forward, label), self._replay = self._replay, (None, STOCK)
             if forward is not None:
-                self.coordinator.stats.count("graph_decodes")
+                self.engine.stats.count("graph_decodes")
         self.segments, self._graph_body = None, forward is not None
         if forward is None:
             return super().init_forward_metadata_out_graph(forward_batch, in_capture)
@@ -387,3 +387,10 @@ class KVEvictFlashInferBackend(SegmentAttentionBackend, FlashInferAttnBackend):
             queries, layer, *self.cell_rows, self._graph_cells_per_sequence, dense_out, dense_lse_base2 * LN_2
         )
         return merged.view(-1, layer.tp_q_head_num * layer.v_head_dim)
+
+
+def create_backend(runner) -> KVEvictFlashInferBackend:
+    """The ``flashinfer`` attention backend factory (``contacts.CONTACTS``)."""
+    if runner.use_mla_backend:
+        raise NotImplementedError("sgl-kvevict: MLA models (FlashInfer MLA backend) are not supported")
+    return KVEvictFlashInferBackend(runner, init_new_workspace=runner.init_new_workspace)

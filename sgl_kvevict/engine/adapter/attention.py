@@ -1,9 +1,9 @@
 """The attention backend: SGLang's ``TorchNativeAttnBackend`` plus scoring capture and segment attention.
 
-Registered in place of the stock ``torch_native`` factory (``plugin.py``), so the backend name and
-every stock gate keyed on it stay the same. Until the factory attaches the coordinator
-(``attach_coordinator``), and for every forward without compressed requests, it is the stock backend,
-call for call.
+Registered in place of the stock ``torch_native`` factory (``contacts.CONTACTS``), so the backend name
+and every stock gate keyed on it stay the same. SGLang builds it before the tree: it finds the engine
+of its KV pool per forward (``engine.registry``). Until one exists, and for every forward without
+compressed requests, it is the stock backend, call for call.
 
 A plan/run reader of per-forward metadata it builds itself: ``init_forward_metadata`` asks the
 coordinator for the forward's requests (``forward_begin``) and builds the ``SegmentMetadata`` of the
@@ -28,14 +28,19 @@ built once per forward (``engine.batch``). On CPU the kernels dispatch to their 
 
 from __future__ import annotations
 
+import functools
+from typing import Optional
+
 import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from torch.nn.functional import scaled_dot_product_attention
 
 from sgl_kvevict.engine.batch import CellBatchCache, DecodeKeys, DecodeKeysCache, DenseBatch, RequestSlice, SegmentMetadata
+from sgl_kvevict.engine.adapter.pool import cell_space_of
 from sgl_kvevict.engine.cells import CellSpace
 from sgl_kvevict.engine.coordinator import CompressionCoordinator
+from sgl_kvevict.engine.registry import Engine, engine_for
 from sgl_kvevict.kernels import merge_attention_states, segment_attention
 
 _QUERY_CHUNK = 512  # bounds the [chunk, H_q, L] fp32 logits of an extend's dense part
@@ -101,15 +106,27 @@ class SegmentAttentionBackend:
     ``_forward_with_segments``; the stock base provides ``req_to_token_pool`` and ``token_to_kv_pool``.
     """
 
-    coordinator: CompressionCoordinator | None = None
     segments: SegmentMetadata | None = None
+    _coordinator: CompressionCoordinator | None = None  # the current forward's
 
-    def attach_coordinator(self, coordinator: CompressionCoordinator, space: CellSpace) -> None:
-        """Called by the factory once the tree exists; until then the backend is stock. space: the pool's
-        cells, where compressed entries are read."""
-        self.coordinator = coordinator
-        self.cell_space = space
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self._cell_batches = CellBatchCache()
+
+    @property
+    def engine(self) -> Optional[Engine]:
+        """The engine of this backend's KV pool (None before SGLang builds the tree, and for a stock tree)."""
+        return engine_for(self.token_to_kv_pool)
+
+    @property
+    def coordinator(self) -> Optional[CompressionCoordinator]:
+        engine = self.engine
+        return None if engine is None else engine.coordinator
+
+    @functools.cached_property
+    def cell_space(self) -> CellSpace:
+        """The pool's cells, where compressed entries are read (views of the tree's, ``CellSpace``)."""
+        return cell_space_of(self.token_to_kv_pool)
 
     @property
     def cell_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,7 +134,8 @@ class SegmentAttentionBackend:
         return self.cell_space.k_rows, self.cell_space.v_rows
 
     def init_forward_metadata(self, forward_batch):
-        coordinator, self.segments = self.coordinator, None
+        self.segments = None
+        self._coordinator = coordinator = self.coordinator  # this forward's, for its layers
         if coordinator is not None:
             forward = coordinator.forward_begin(forward_batch, self.req_to_token_pool.req_to_token)
             if forward.compressed:
@@ -134,8 +152,8 @@ class SegmentAttentionBackend:
             out = super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
         else:
             out = self._forward_with_segments(q, k, v, layer, forward_batch, save_kv_cache, segments)
-        if self.coordinator is not None:
-            self.coordinator.attention_end(q, layer)
+        if self._coordinator is not None:
+            self._coordinator.attention_end(q, layer)
         return out
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
@@ -170,8 +188,8 @@ class KVEvictTorchBackend(SegmentAttentionBackend, TorchNativeAttnBackend):
     dense: DenseBatch | None = None
     decode_keys: DecodeKeys | None = None
 
-    def attach_coordinator(self, coordinator: CompressionCoordinator, space: CellSpace) -> None:
-        super().attach_coordinator(coordinator, space)
+    def __init__(self, model_runner):
+        super().__init__(model_runner)
         self._decode_keys = DecodeKeysCache()
 
     def _init_segment_metadata(self, forward_batch, segments: SegmentMetadata) -> None:

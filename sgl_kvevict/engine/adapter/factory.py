@@ -1,4 +1,4 @@
-"""The ``sgl_kvevict`` radix-cache backend factory: checks, then the engine's parts wired together.
+"""The engine's one assembly (``build_engine``), and the ``sgl_kvevict`` radix-cache backend that builds it.
 
 Runs in the scheduler process when SGLang builds its tree (after the KV pool and the attention
 backend exist). Every SGLang feature this version cannot honour with compressed nodes is refused
@@ -8,10 +8,15 @@ safety net for servers started another way.
 
 from __future__ import annotations
 
+import functools
 import logging
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Optional
 
-import torch
+from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.mem_cache.registry import TreeCacheBuildContext
 from sglang.srt.model_executor.cuda_graph_config import Backend
 from sglang.srt.runtime_context import (
@@ -25,22 +30,28 @@ from sglang.srt.runtime_context import (
     get_spec,
 )
 
-from sgl_kvevict.engine.admission import chunk_size
-from sgl_kvevict.engine.arena import Arena, SlotSource
-from sgl_kvevict.engine.attention import SegmentAttentionBackend
-from sgl_kvevict.engine.cells import CellSpace
-from sgl_kvevict.engine.compression import ScoringCapture, needs_reconstruction
-from sgl_kvevict.engine.coordinator import CompressionCoordinator
-from sgl_kvevict.engine.hidden_states import HiddenStateCapture
+from sgl_kvevict.engine.adapter.admission import chunk_size
+from sgl_kvevict.engine.adapter.attention import SegmentAttentionBackend
+from sgl_kvevict.engine.adapter.forward_batches import piece_forward
+from sgl_kvevict.engine.adapter.hidden_states import HiddenStateCapture
+from sgl_kvevict.engine.adapter.pool import UnsupportedKVPool, cell_space_of
+from sgl_kvevict.engine.adapter.radix_cache import CompressedRadixCache
+from sgl_kvevict.engine.adapter.slots import SchedulerSlots, slot_source
+from sgl_kvevict.engine.arena import Arena
+from sgl_kvevict.engine.compression import HiddenStates, ScoringCapture, needs_reconstruction
+from sgl_kvevict.engine.coordinator import CompressionCoordinator, PlanListener
+from sgl_kvevict.engine.eviction import CompressedTreeOrder
 from sgl_kvevict.engine.metrics import export_metrics
-from sgl_kvevict.engine.pool import UnsupportedKVPool, cell_space_of
-from sgl_kvevict.engine.radix_cache import CompressedRadixCache
-from sgl_kvevict.engine.reconstruction import Reconstructor
+from sgl_kvevict.engine.paths import PathViews
+from sgl_kvevict.engine.plan_dump import PlanDump
+from sgl_kvevict.engine.reconstruction import PieceForward, Reconstructor
+from sgl_kvevict.engine.registry import Engine, register_engine
 from sgl_kvevict.engine.setups import EvictionSetup, ModelShape, Setups
 from sgl_kvevict.engine.stats import EngineStats
 from sgl_kvevict.engine.stats_channel import serve_stats
 from sgl_kvevict.engine.tensor_parallel import RankGroup, process_group_gather
 from sgl_kvevict.limits import SetupFacts, violations
+from sgl_kvevict.scope import Scope
 from sgl_kvevict.scoring.kvzip import ReconstructionPrompt
 from sgl_kvevict.serving import RADIX_CACHE_BACKEND, ServingConfig
 from sgl_kvevict.sharding import PADDING, HeadShard
@@ -94,66 +105,137 @@ def unsupported_features(ctx: TreeCacheBuildContext, attn_backend) -> list[str]:
     return violations(facts)
 
 
-def create_compressed_radix_cache(ctx: TreeCacheBuildContext) -> CompressedRadixCache:
-    serving = ServingConfig.from_env()
+@dataclass(frozen=True)
+class EnginePools:
+    """SGLang's pools the engine works in: the request table and the KV allocator (whose pool holds the
+    cells: ``allocator.get_kvcache()``)."""
+
+    req_to_token: ReqToTokenPool
+    allocator: BaseTokenToKVPoolAllocator
+
+    @property
+    def kv(self):
+        return self.allocator.get_kvcache()
+
+
+@dataclass(frozen=True)
+class ModelParts:
+    """What the model gives the engine where its setups need it: the attention inputs of every layer
+    (learned scores), and KVzip's reconstruction passes (``Reconstruction``). None: not needed."""
+
+    hidden_states: Optional[HiddenStates] = None
+    reconstruction: Optional["Reconstruction"] = None
+
+
+@dataclass(frozen=True)
+class Reconstruction:
+    """run_forward: one piece's forward through the model; the rest as ``Reconstructor``'s."""
+
+    run_forward: Callable[[PieceForward], None]
+    prompt: ReconstructionPrompt
+    piece_tokens: int
+    position_limit: int
+
+
+def build_engine(
+    setups: Setups,
+    scope: Scope,
+    shape: ModelShape,
+    pools: EnginePools,
+    *,
+    model: ModelParts = ModelParts(),
+    chunk_size: Optional[int] = None,
+    ranks: Optional[RankGroup] = None,
+    order: Optional[CompressedTreeOrder] = None,
+    plan_listener: Optional[PlanListener] = None,
+) -> Engine:
+    """The engine over ``pools``, wired once, in dependency order, and registered for its KV pool
+    (``engine.registry``): the attention backends and hooks find it there. Production (``radix_cache_
+    factory``) and the tests' ``TreeHarness`` both build it here."""
+    kv_pool = pools.kv
+    try:
+        space = cell_space_of(kv_pool)
+    except UnsupportedKVPool as error:
+        raise UnsupportedSetup(f"KV eviction cannot store compressed KV in this KV pool: {error}") from None
+    arena = Arena(space, slot_source(pools.allocator, space))
+    paths = PathViews(arena, kv_pool.device)
+    stats = EngineStats()
+    reconstructor = None
+    if model.reconstruction is not None:
+        parts = model.reconstruction
+        slots = SchedulerSlots(pools.req_to_token, pools.allocator)
+        reconstructor = Reconstructor(
+            slots, parts.run_forward, paths, parts.prompt, parts.piece_tokens, parts.position_limit
+        )  # fmt: skip
+    capture = ScoringCapture(space, kv_pool, model.hidden_states)
+    coordinator = CompressionCoordinator(
+        setups, scope, shape, capture, stats, paths, reconstructor, chunk_size, ranks, plan_listener
+    )  # fmt: skip
+    params = CacheInitParams(
+        disable=False, req_to_token_pool=pools.req_to_token, token_to_kv_pool_allocator=pools.allocator, page_size=1
+    )
+    tree = CompressedRadixCache(params, coordinator, arena, stats, order)
+    engine = Engine(tree, coordinator, arena, space, setups, stats)
+    register_engine(kv_pool, engine)
+    return engine
+
+
+def radix_cache_factory(serving: ServingConfig):
+    """The ``sgl_kvevict`` radix-cache backend for ``serving`` (``contacts.CONTACTS``)."""
+    return functools.partial(create_compressed_radix_cache, serving=serving)
+
+
+def create_compressed_radix_cache(ctx: TreeCacheBuildContext, serving: ServingConfig) -> CompressedRadixCache:
     if not serving.enabled:
         raise UnsupportedSetup(f"--radix-cache-backend {RADIX_CACHE_BACKEND} needs an eviction policy (--kv-evict-policy)")
     runner = ctx.tp_worker.model_runner
     problems = unsupported_features(ctx, runner.attn_backend)
     if problems:
         raise UnsupportedSetup(f"KV eviction cannot run with: {'; '.join(problems)}")
-
-    pool = runner.token_to_kv_pool
-    allocator = ctx.params.token_to_kv_pool_allocator
+    kv_pool = runner.token_to_kv_pool
     shape = ModelShape(
-        num_layers=pool.layer_num,
+        num_layers=kv_pool.layer_num,
         num_q_heads=runner.model_config.get_num_attention_heads(ctx.tp_size),
-        num_kv_heads=pool.head_num,
+        num_kv_heads=kv_pool.head_num,
     )
     ranks = _rank_group(runner.model_config, ctx.tp_size, shape)
-    try:
-        space = cell_space_of(pool)
-    except UnsupportedKVPool as error:
-        raise UnsupportedSetup(f"KV eviction cannot store compressed KV in this KV pool: {error}") from None
-    arena = Arena(space, _slot_source(allocator, space))
     model_dir = Path(runner.model_config.model_path)
-    stats = EngineStats()
     heads = ranks.shard.local_heads if ranks.shard.tp_size > 1 else None
     default_setup = EvictionSetup.of(serving.eviction, model_dir, heads)
-    setups = Setups(
-        default_setup, serving.request_allow_list, model_dir, heads, refused=lambda: stats.count("request_option_errors")
-    )
+    setups = Setups(default_setup, serving.request_allow_list, model_dir, heads)
     # Score sources: when the server's setup needs them, or requests may bring their own.
     request = default_setup.stats_request
     hidden_states = HiddenStateCapture(runner.model) if request.hidden_states or serving.per_request else None
-    reconstructor = None
+    reconstruction = None
     if needs_reconstruction(request) or serving.per_request:
         # Passes run at positions after their span: rotary tables and req_to_token rows end here.
         position_limit = min(runner.model_config.context_len, runner.req_to_token_pool.req_to_token.shape[1])
-        reconstructor = Reconstructor(runner, _reconstruction_prompt(model_dir), _piece_tokens(), position_limit)
-    capture = ScoringCapture(space, pool, hidden_states)
-    coordinator = CompressionCoordinator(
-        setups, serving.scope, shape, capture, stats, reconstructor, chunk_size(), ranks
+        reconstruction = Reconstruction(
+            piece_forward(runner), _reconstruction_prompt(model_dir), _piece_tokens(), position_limit
+        )  # fmt: skip
+    pools = EnginePools(ctx.params.req_to_token_pool, ctx.params.token_to_kv_pool_allocator)
+    engine = build_engine(
+        setups, serving.scope, shape, pools, model=ModelParts(hidden_states, reconstruction), chunk_size=chunk_size(),
+        ranks=ranks, plan_listener=PlanDump.from_env(ranks.shard),
     )  # fmt: skip
-    cache = CompressedRadixCache(ctx.params, coordinator, arena, stats)
-    runner.attn_backend.attach_coordinator(coordinator, space)
+    tree = engine.tree
     logger.info(
         "sgl-kvevict: %s; %d KV slots shared by dense and compressed KV (%d cells per slot)%s",
-        serving.describe(), allocator.size, space.cells_per_slot, _describe_rank(ranks),
+        serving.describe(), pools.allocator.size, engine.space.cells_per_slot, _describe_rank(ranks),
     )  # fmt: skip
     if ranks.shard.rank != 0:
-        return cache  # every rank's memory is rank 0's (engine.tensor_parallel): rank 0 reports
+        return tree  # every rank's memory is rank 0's (engine.tensor_parallel): rank 0 reports
 
     def snapshot() -> dict:
         return {
-            **coordinator.describe(), **stats.snapshot(), **setups.counters(), **cache.memory_levels(),
+            **engine.coordinator.describe(), **engine.stats.snapshot(), **setups.counters(), **tree.memory_levels(),
             "tp_size": ranks.shard.tp_size, "tp_exchanges": ranks.exchanges, "tp_bytes_sent": ranks.bytes_sent,
         }  # fmt: skip
 
     serve_stats(snapshot)
-    if cache.metrics_collector is not None:  # SGLang's --enable-metrics: export ours with its cache labels
-        export_metrics(snapshot, cache.metrics_collector.labels)
-    return cache
+    if tree.metrics_collector is not None:  # SGLang's --enable-metrics: export ours with its cache labels
+        export_metrics(snapshot, tree.metrics_collector.labels)
+    return tree
 
 
 def total_kv_heads(model_config) -> int:
@@ -193,16 +275,3 @@ def _reconstruction_prompt(model_dir: Path) -> ReconstructionPrompt:
 
 def _piece_tokens() -> int:
     return chunk_size() or DEFAULT_RECONSTRUCTION_PIECE_TOKENS
-
-
-def _slot_source(allocator, space: CellSpace) -> SlotSource:
-    """The arena's access to SGLang's allocator: slots move between them as int64 tensors."""
-
-    def borrow(count: int):
-        slots = allocator.alloc(count)
-        return None if slots is None else slots.to("cpu", torch.int64)
-
-    def give_back(slots) -> None:
-        allocator.free(slots.to(allocator.device))
-
-    return SlotSource(borrow=borrow, give_back=give_back, copy_cells=space.copy)
