@@ -1,4 +1,4 @@
-# sgl-kvevict: one-command set-up and the two jobs of the README.
+# sgl-kvevict: one-command set-up and the two jobs of the README (its first section, "The two commands").
 #   make setup   create .venv with the pinned CPU environment (idempotent)
 #   make serve   set up if needed, then serve SmolLM2 on 127.0.0.1:30000, 25% of each prompt kept,
 #                ranked by the learned question-agnostic score, in 512-token blocks (POLICY=topk
@@ -19,12 +19,12 @@ STAMP := $(VENV)/.sgl-kvevict-setup
 POLICY ?= topk
 BUDGET ?= 0.25
 # A question-agnostic score, so a reused prefix still answers later questions; topk + learned is the
-# default because it answered as often as stock after reuse (README, "Choosing a policy"). Empty: the
-# policy's own score.
+# default because it answered as often as stock after reuse (docs/choosing.md, "Choosing a policy").
+# Empty: the policy's own score.
 SCORE ?= learned
 # Block scope: a shared prefix (a system prompt, a document) is compressed once in blocks that every
-# request starting with it reuses, and a prompt longer than the KV pool is served (README, "Choosing
-# the scope"). SCOPE=request compresses each prompt whole, for its own later turns.
+# request starting with it reuses, and a prompt longer than the KV pool is served (docs/choosing.md,
+# "Choosing the scope"). SCOPE=request compresses each prompt whole, for its own later turns.
 SCOPE ?= block
 PORT ?= 30000
 WORKERS ?= 1

@@ -2,7 +2,7 @@
 rule every report uses: ``A > B`` is claimed only where the two 95% intervals do not overlap.
 
 Non-overlap of two 95% Wilson intervals is a conservative test (a difference can be significant while
-the intervals still touch), which is the right side to err on for the claims a README makes.
+the intervals still touch), which is the right side to err on for the claims the documentation makes.
 """
 
 from __future__ import annotations

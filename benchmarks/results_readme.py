@@ -1,13 +1,15 @@
-"""Regenerate the measured part of the README's Results section from the benchmark outputs.
+"""Regenerate the measured part of docs/results.md from the benchmark outputs.
 
     python -m benchmarks.results_readme            # after engine_overhead, multiturn compare and soak
+    python -m benchmarks.results_readme --check    # exit 1 if the committed part is stale
 
 Reads ``engine_overhead.json``, ``multiturn.json`` and ``soak.json`` from ``--results`` (required),
 and ``sweep.json`` (``multiturn sweep``), ``block_scope.json`` (``multiturn sweep --name block_scope``
 with a shared system prompt and request vs block scope), ``reuse_quality.json``, ``long_documents.json`` and ``router.json``
 (``benchmarks.load.router``) when they exist,
-and replaces the README text between the two marker lines below with the commands that produced them,
-their key tables and links to the full reports and plots. Everything outside the markers is left alone.
+and replaces the text of ``--file`` (default docs/results.md) between the two marker lines below with the
+commands that produced them, their key tables and links to the full reports and plots. The links are
+relative to docs/ (``results/<name>.md``), where that file lives. Everything outside the markers is left alone.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ END = "<!-- results: end of generated part -->"
 
 
 class ResultsError(ValueError):
-    """A missing output file or missing README markers; the message names it."""
+    """A missing output file or missing marker lines; the message names it."""
 
 
 def _load(results: Path, name: str) -> dict:
@@ -59,7 +61,7 @@ def engine_overhead_part(report: dict) -> list[str]:
         f"### What compression costs and saves on one stream ({label} vs vanilla)",
         "",
         f"`{meta['command']}` ({_provenance(meta['environment'])}; full report: "
-        "[docs/results/engine_overhead.md](docs/results/engine_overhead.md))",
+        "[results/engine_overhead.md](results/engine_overhead.md))",
         "",
         f"| median | vanilla | {label} | ratio |",
         "|---|---|---|---|",
@@ -92,7 +94,7 @@ def multiturn_part(report: dict) -> list[str]:
         "### Concurrent multi-turn load at equal KV memory",
         "",
         f"`{meta['command']}` ({_provenance(env)}; full report with p90/p99 and every request: "
-        "[docs/results/multiturn.md](docs/results/multiturn.md))",
+        "[results/multiturn.md](results/multiturn.md))",
         "",
         f"{c['users']} users x {c['turns']} turns over ~{c['document_tokens']}-token documents, ~{meta['workload']['all_histories']} "
         f"history tokens in all; every server of a pool gets the same `--max-total-tokens` ({_pool_sizes(meta)}).",
@@ -125,7 +127,7 @@ def multiturn_part(report: dict) -> list[str]:
             f"| {_fmt(row['ttft_p50'])} | {_fmt(row['accuracy'])} ({_fmt(row['baseline_accuracy'])}) "
             f"| {row['fact_answers_flipped']} |"
         )
-    return lines + ["", "![multi-turn benchmark](docs/results/multiturn.png)"]
+    return lines + ["", "![multi-turn benchmark](results/multiturn.png)"]
 
 
 def _pool_sizes(meta: dict) -> str:
@@ -148,7 +150,7 @@ def sweep_part(report: dict, title: str, name: str) -> list[str]:
         f"### {title}",
         "",
         f"`{meta['command']}` ({_provenance(env)}; full report with the engine's stats per server: "
-        f"[docs/results/{name}.md](docs/results/{name}.md))",
+        f"[results/{name}.md](results/{name}.md))",
         "",
         f"{c['users']} users x {c['turns']} turns over ~{c['document_tokens']}-token documents{system}, "
         f"~{meta['workload']['all_histories']} history tokens in all; pools as a fraction of them: {_pool_sizes(meta)}. "
@@ -168,7 +170,7 @@ def sweep_part(report: dict, title: str, name: str) -> list[str]:
             f"| {_fmt(mt['ttft']['p50'])} | {_fmt(mt['hit_rate'])} | {_facts(mt)} "
             f"| {_fmt(row.get('output_tokens_per_second'))} | {_fmt(row.get('ttft_p50'))} | {_fmt(row.get('hit_rate'))} |"
         )
-    return lines + ["", f"![{title}](docs/results/{name}.png)"]
+    return lines + ["", f"![{title}](results/{name}.png)"]
 
 
 def reuse_quality_part(report: dict) -> list[str]:
@@ -177,7 +179,7 @@ def reuse_quality_part(report: dict) -> list[str]:
         "### Answers through the server after reuse (context-only quality)",
         "",
         f"`{meta['command']}` ({_provenance(report['environment'])}; every sample: "
-        "[docs/results/reuse_quality.md](docs/results/reuse_quality.md))",
+        "[results/reuse_quality.md](results/reuse_quality.md))",
         "",
         f"Turn 1: a ~{config['document_tokens']}-token document + a summary request; turn 2 (the history re-sent): the "
         f"task's question, scored. {config['samples']} conversations per server, one request at a time.",
@@ -204,7 +206,7 @@ def long_documents_part(report: dict) -> list[str]:
         "### Is 25% safe for my long documents? Answers by document length",
         "",
         f"`{meta['command']}` ({_provenance(report['environment'])}; every answer: "
-        "[docs/results/long_documents.md](docs/results/long_documents.md))",
+        "[results/long_documents.md](results/long_documents.md))",
         "",
         f"Per length {config['documents']} documents of the {', '.join(config['kinds'])} task (numbered facts spread "
         "over each); turn 1 asks for a summary (the server compresses the document before any question), then each fact is "
@@ -222,7 +224,7 @@ def router_part(report: dict) -> list[str]:
         "### Scale-out: workers behind SGLang's cache-aware router",
         "",
         f"{command} ({_provenance(meta['environment'])}; per-worker numbers from each worker's SGLang counters: "
-        "[docs/results/router.md](docs/results/router.md))",
+        "[results/router.md](results/router.md))",
         *table,
     ]
 
@@ -245,7 +247,7 @@ def soak_part(report: dict) -> list[str]:
         "### Soak: faults under load, then leak checks",
         "",
         f"`{meta['command']}` ({servers}; {_provenance(meta['environment'])}; details: "
-        "[docs/results/soak.md](docs/results/soak.md))",
+        "[results/soak.md](results/soak.md))",
         "",
         f"**{'Passed' if s['passed'] else 'FAILED'}**: {s['requests']} requests in {s['seconds']} s ({injected}); "
         f"malformed replies {len(s['malformed'])}, violations {len(s['violations'])}, leaks {s['leaks']} "
@@ -279,27 +281,47 @@ def generated_part(results: Path) -> str:
     return "\n".join(lines)
 
 
-def rewrite(readme: Path, results: Path) -> None:
-    text = readme.read_text()
+def _split(path: Path) -> tuple[str, str, str]:
+    """(text before the part, the part with its markers, text after it) of ``path``."""
+    text = path.read_text()
     if text.count(BEGIN) != 1 or text.count(END) != 1:
-        raise ResultsError(f"{readme} needs exactly one pair of marker lines:\n{BEGIN}\n{END}")
+        raise ResultsError(f"{path} needs exactly one pair of marker lines:\n{BEGIN}\n{END}")
     head, rest = text.split(BEGIN)
-    _, tail = rest.split(END)
-    readme.write_text(head + generated_part(results) + tail)
+    current, tail = rest.split(END)
+    return head, BEGIN + current + END, tail
+
+
+def rewrite(path: Path, results: Path) -> None:
+    head, _, tail = _split(path)
+    path.write_text(head + generated_part(results) + tail)
+
+
+def is_current(path: Path, results: Path) -> bool:
+    """Whether ``path``'s generated part is what ``results`` renders now."""
+    return _split(path)[1] == generated_part(results)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.results_readme", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--readme", type=Path, default=ROOT / "README.md", help="README to rewrite (default: the repo's)")
+    parser.add_argument(
+        "--file", "--readme", dest="file", type=Path, default=ROOT / "docs" / "results.md",
+        help="the Markdown file holding the marker lines (default docs/results.md; its links are relative to docs/)",
+    )  # fmt: skip
     parser.add_argument(
         "--results", type=Path, default=ROOT / "docs" / "results", help="folder of the benchmark JSON outputs (default docs/results)"
     )
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if the generated part is stale")
     args = parser.parse_args(argv)
     try:
-        rewrite(args.readme, args.results)
+        if args.check:
+            if not is_current(args.file, args.results):
+                print(f"{args.file}: the generated results part is stale; run python -m benchmarks.results_readme")
+                return 1
+            return 0
+        rewrite(args.file, args.results)
     except ResultsError as error:
         parser.error(str(error))
-    print(f"rewrote the generated Results part of {args.readme}")
+    print(f"rewrote the generated results part of {args.file}")
     return 0
 
 

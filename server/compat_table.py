@@ -1,5 +1,5 @@
 """The compatibility tables, generated from the compatibility matrix: the full one in
-docs/compatibility.md and the README's short one.
+docs/compatibility.md and the short one in README.md ("Does it fit my deployment?").
 
     python -m sgl_kvevict.server.compat_table                                   # print both
     python -m sgl_kvevict.server.compat_table --write README.md docs/compatibility.md

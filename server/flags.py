@@ -1,6 +1,6 @@
 """Command-line flags of ``python -m sgl_kvevict.server``: our own, parsed and validated here before
 any model loads. Every other flag goes to SGLang unchanged (``sglang_args``), except those
-``refusals`` turns down; ``--help`` and the README's flag table are derived from the same parser,
+``refusals`` turns down; ``--help`` and the flag table of docs/flags.md are derived from the same parser,
 the settings' metadata and ``sgl_kvevict.limits``.
 """
 
@@ -133,7 +133,7 @@ def refused_flags_text() -> str:
 
 
 def launcher_notes() -> list[str]:
-    """What the launcher adds and refuses, for --help's epilog and the README's flag table."""
+    """What the launcher adds and refuses, for --help's epilog and the flag table of docs/flags.md."""
     return [
         f"CPU development mode (no CUDA device): the launcher adds {render_defaults(CPU_MODE_DEFAULTS)} "
         f"--dtype bfloat16 where the CPU multiplies bf16 natively ({', '.join(sorted(BF16_CPU_FLAGS))}), "

@@ -1,10 +1,10 @@
-"""The README's table of the launcher's flags, generated from the parser (``flags.build_parser``),
-the settings' metadata and ``sgl_kvevict.limits``, so the README never retypes a flag, a default or
-a refused feature.
+"""The table of the launcher's flags in docs/flags.md, generated from the parser (``flags.build_parser``),
+the settings' metadata and ``sgl_kvevict.limits``, so the documentation never retypes a flag, a default
+or a refused feature.
 
     python -m sgl_kvevict.server.flags_table                 # print the section
-    python -m sgl_kvevict.server.flags_table --write README.md  # replace it between the markers
-    python -m sgl_kvevict.server.flags_table --check README.md  # exit 1 if it is stale
+    python -m sgl_kvevict.server.flags_table --write docs/flags.md  # replace it between the markers
+    python -m sgl_kvevict.server.flags_table --check docs/flags.md  # exit 1 if it is stale
 
 (``sgl_kvevict.generated_section``: the markers and the command.)
 """

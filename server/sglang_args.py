@@ -2,7 +2,7 @@
 launcher adds (CPU development mode, compression), each only when the user did not pass it.
 
 The added flags are data (``CPU_MODE_DEFAULTS``, ``COMPRESSION_DEFAULTS``), so ``--help`` and the
-README's flag table print exactly what the launcher passes.
+flag table of docs/flags.md print exactly what the launcher passes.
 """
 
 from __future__ import annotations

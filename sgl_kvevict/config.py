@@ -13,9 +13,9 @@ Where each knob is declared (``sgl_kvevict.settings.setting``: type, default, he
   score's ``learned_weights``). A knob two methods share is declared once, by one class both take.
 
 ``eviction_options()`` collects them all from the registries (``Option``: the declaration and who
-takes it), so the launcher's ``--kv-evict-<name>`` flags, ``--help`` and the README's flag table
-follow a new method without a line here. A knob given to a policy (and score) that does not take it
-is refused, like a budget given to a policy without one.
+takes it), so the launcher's ``--kv-evict-<name>`` flags, ``--help`` and the flag table of
+docs/flags.md follow a new method without a line here. A knob given to a policy (and score) that does
+not take it is refused, like a budget given to a policy without one.
 """
 
 from __future__ import annotations

@@ -96,7 +96,7 @@ class LimitFlag:
         return True
 
     def condition(self) -> str:
-        """What is refused, for --help and the README: ``--page-size > 1``."""
+        """What is refused, for --help and the flag table of docs/flags.md: ``--page-size > 1``."""
         if self.above is not None:
             return f"{self.spellings[0]} > {self.above}"
         if self.allowed is not None:

@@ -4,7 +4,7 @@ A settings dataclass (a frozen subclass of ``Settings``) declares each knob with
 ``setting(default, help, valid=...)``; its annotation is the type. Everything else is derived from
 that one declaration: parsing a CLI string (``parse_text``), the one-line ``ConfigError`` of a bad
 value (checked on construction), the launcher's ``--kv-evict-<name>`` flags with their ``--help``,
-and the README's table of flags. The knobs every policy reads are ``common_settings.CommonSettings``;
+and the table of flags in docs/flags.md. The knobs every policy reads are ``common_settings.CommonSettings``;
 a method's own knobs are a settings dataclass in its own module (``Policy.knobs_type``,
 ``Scorer.knobs_type``), so adding a knob is one field of the method that reads it.
 

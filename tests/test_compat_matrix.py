@@ -11,7 +11,7 @@ still decodes the reference's tokens; after a flush every cell and slot is back.
 exits the launcher with code 2 and the limit's line, before SGLang starts. Which architectures are
 refused is the launcher's reading of config.json (``architectures.py``); the last test holds that
 reading to SGLang's own for every architecture of the matrix, and the first the generated tables
-(docs/compatibility.md, the README) to these expectations.
+(docs/compatibility.md, README.md) to these expectations.
 """
 
 from __future__ import annotations

@@ -136,7 +136,7 @@ def test_defaults_apply_where_the_policy_takes_them_and_flags_win(tmp_path):
 
 # The eviction flags `make serve` passed before the launcher decided (the Makefile listed the policies
 # without a budget and those taking a score), per make variables given; block scope for every policy
-# since the scope was chosen again (README, "Choosing the scope"), unless SCOPE says otherwise.
+# since the scope was chosen again (docs/choosing.md, "Choosing the scope"), unless SCOPE says otherwise.
 BLOCK = ("--kv-evict-scope", "block")
 MAKE_SERVE_BEFORE = {
     (): ["--kv-evict-policy", "topk", *BLOCK, "--kv-evict-budget", "0.25", "--kv-evict-score", "learned"],

@@ -1,5 +1,5 @@
-"""The README's flag table is generated from the launcher's parser, and the README carries the
-current one."""
+"""The flag table of docs/flags.md is generated from the launcher's parser, and docs/flags.md carries
+the current one."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from sgl_kvevict.limits import LIMITS
 from sgl_kvevict.server.flags import build_parser
 from sgl_kvevict.server.flags_table import SECTION, main, render, split_help
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+FLAGS_DOC = Path(__file__).resolve().parent.parent / "docs" / "flags.md"
 
 
 def test_every_flag_of_ours_has_a_row_with_its_default_and_every_limit_is_listed():
@@ -28,7 +28,7 @@ def test_every_flag_of_ours_has_a_row_with_its_default_and_every_limit_is_listed
 
 
 def test_write_replaces_the_section_and_check_sees_a_stale_one(tmp_path, capsys):
-    readme = tmp_path / "README.md"
+    readme = tmp_path / "flags.md"
     readme.write_text(f"# title\n\n{SECTION.begin}\nold table\n{SECTION.end}\n\nafter\n")
     assert main(["--check", str(readme)]) == 1
     assert "stale" in capsys.readouterr().out
@@ -40,5 +40,5 @@ def test_write_replaces_the_section_and_check_sees_a_stale_one(tmp_path, capsys)
         main(["--check", str(readme)])
 
 
-def test_the_readme_flags_section_is_current():
-    assert SECTION.of(README.read_text()) == SECTION.fresh(), "run python -m sgl_kvevict.server.flags_table --write README.md"
+def test_the_documented_flags_section_is_current():
+    assert SECTION.of(FLAGS_DOC.read_text()) == SECTION.fresh(), "run python -m sgl_kvevict.server.flags_table --write docs/flags.md"

@@ -2,7 +2,7 @@
 dataclass, nothing else. A throwaway policy registered in-process (the registry is restored after
 each test) gets its knob parsed from strings, checked with a one-line ConfigError, refused for other
 policies, delivered to its compressors, and a ``--kv-evict-<knob>`` flag in ``--help`` and the
-README's table."""
+flag table of docs/flags.md."""
 
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ def test_a_new_policys_knob_is_parsed_checked_and_reaches_its_compressors(regist
         EvictionConfig.from_strings({"policy": "snapkv", "stride": "3"})
 
 
-def test_a_new_policys_knob_gets_a_flag_in_help_and_the_readme_table(registry):
+def test_a_new_policys_knob_gets_a_flag_in_help_and_the_flags_table(registry):
     register_keep_every()
     help_text = " ".join(build_parser().format_help().split())
     assert "--kv-evict-stride VALUE keep every STRIDE-th candidate; applies to policy keep-every (default 2)" in help_text

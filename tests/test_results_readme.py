@@ -1,4 +1,4 @@
-"""The README's generated Results part is rebuilt from the committed benchmark outputs, and only the
+"""The generated part of docs/results.md is rebuilt from the committed benchmark outputs, and only the
 text between the markers changes."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 
 
 def test_rewrite_replaces_only_the_marked_part(tmp_path):
-    readme = tmp_path / "README.md"
+    readme = tmp_path / "results.md"
     readme.write_text(f"# title\n\nbefore\n\n{results_readme.BEGIN}\nstale\n{results_readme.END}\n\nafter\n")
     results_readme.rewrite(readme, RESULTS)
     text = readme.read_text()
@@ -22,19 +22,30 @@ def test_rewrite_replaces_only_the_marked_part(tmp_path):
     assert "stale" not in text
     for name in ("engine_overhead", "multiturn", "soak"):
         assert json.loads((RESULTS / f"{name}.json").read_text())["meta"]["command"] in text
-    assert "![multi-turn benchmark](docs/results/multiturn.png)" in text
+    assert "![multi-turn benchmark](results/multiturn.png)" in text  # relative to docs/, where results.md lives
 
 
-def test_the_committed_readme_is_up_to_date(tmp_path):
-    readme = tmp_path / "README.md"
-    committed = (RESULTS.parents[1] / "README.md").read_text()
-    readme.write_text(committed)
-    results_readme.rewrite(readme, RESULTS)
-    assert readme.read_text() == committed, "run python -m benchmarks.results_readme"
+def test_the_committed_results_page_is_up_to_date(tmp_path):
+    page = tmp_path / "results.md"
+    committed = (RESULTS.parent / "results.md").read_text()
+    page.write_text(committed)
+    results_readme.rewrite(page, RESULTS)
+    assert page.read_text() == committed, "run python -m benchmarks.results_readme"
+
+
+def test_check_reports_a_stale_part_and_writes_nothing(tmp_path, capsys):
+    page = tmp_path / "results.md"
+    stale = f"# title\n\n{results_readme.BEGIN}\nstale\n{results_readme.END}\n"
+    page.write_text(stale)
+    assert results_readme.main(["--check", "--file", str(page)]) == 1
+    assert page.read_text() == stale and "stale" in capsys.readouterr().out
+    assert results_readme.main(["--file", str(page)]) == 0
+    assert results_readme.main(["--check", "--file", str(page)]) == 0
+    assert results_readme.main(["--check"]) == 0  # the committed docs/results.md
 
 
 def test_missing_markers_are_refused(tmp_path):
-    readme = tmp_path / "README.md"
+    readme = tmp_path / "results.md"
     readme.write_text("# no markers\n")
     with pytest.raises(results_readme.ResultsError, match="marker lines"):
         results_readme.rewrite(readme, RESULTS)
@@ -105,7 +116,7 @@ def test_optional_parts_render_when_their_outputs_exist(tmp_path):
     assert "### KV pool sweep at equal memory" in text and "### A shared system prompt: block scope vs request scope" in text
     assert "| 1.00 (4000) | lava@0.25 | 12.00 | 0.50 | 0.70 | 3/8 (38 [14, 69]) | 1.20 | 0.50 | 1.00 |" in text
     assert "| 0.25 | lava@0.25 | failed: the launcher exited |" in text
-    assert "after a shared ~200-token system prompt" in text and "![KV pool sweep at equal memory](docs/results/sweep.png)" in text
+    assert "after a shared ~200-token system prompt" in text and "![KV pool sweep at equal memory](results/sweep.png)" in text
     # accuracy, vs stock, reuse rate, TTFT 1 and its ratio, TTFT 2 and its ratio, net cost: (2-2) - (1-0.5)
     assert "| lava@0.25 | 45 [26, 66] (n=20) | 1.00 | 1.00 | 2.00 | 1.00 | 0.50 | 0.50 | -0.50 |" in text
     assert text.index("### Soak") < text.index("### KV pool sweep") < text.index("### Answers through the server")
