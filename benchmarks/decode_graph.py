@@ -5,7 +5,7 @@
     python -m benchmarks.decode_graph --check         # anywhere: the body against the formula, small shapes
 
 Runs without SGLang (the GPU machine cannot hold its CUDA stack): the parts of a decode step that the
-CUDA backend's graphs run (``engine/flashinfer_backend.py``) on a synthetic batch over a page-size-1
+CUDA backend's graphs run (``engine/adapter/flashinfer_backend.py``) on a synthetic batch over a page-size-1
 pool, bf16. Per model shape (SmolLM2-135M: 30 layers, 3 KV heads, 9 query heads, head dim 64;
 Llama-3-8B: 32 layers, 8 KV heads, 32 query heads, head dim 128), batch 1 and 8, history 2K and 8K
 tokens:

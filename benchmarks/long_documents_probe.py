@@ -8,7 +8,7 @@ for trying allocations, scores and knobs before a server run (minutes instead of
 The same documents, turns and scoring as ``long_documents`` (``LABEL=FLAGS`` takes the launcher's
 eviction flags, parsed by the launcher's own parser; stock, the dense model, always comes first). Per
 document and server: turn 1's prompt is prefilled with the spans the server's scope compresses
-(``Scope.compressible_spans``: a block-scope prompt's full blocks), the summary is that cache's own
+(``Scope.compressible_segments``: a block-scope prompt's full blocks), the summary is that cache's own
 greedy reply, then every question is answered from a copy of the cache holding turn 1, the summary
 and the turn-2 template, the question's tokens dense. fp32 on the CPU, one sequence at a time: the
 server's bf16 answers differ (docs/methods/kvzip.md compares the two). Prints accuracy per (server,
@@ -62,7 +62,7 @@ class ProbeServer:
     def spans(self, prompt_end: int) -> tuple[Segment, ...]:
         if self.policy is None:
             return ()
-        return tuple(Segment(a, b) for a, b in self.scope.compressible_spans(0, prompt_end, self.eviction.window))
+        return tuple(Segment(a, b) for a, b in self.scope.compressible_segments(0, prompt_end, self.eviction.window))
 
 
 def _ids(encoded) -> list[int]:

@@ -240,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     evict = parser.add_argument_group(
         "KV-cache eviction",
-        "Each prompt is compressed once after its prefill and kept in the radix tree: its own span minus "
+        "Each prompt is compressed once after its prefill and kept in the radix tree: its own segment minus "
         "the observation window, for its next turn (request scope), or its full blocks, for every request "
         "with the same prefix (block scope). The --kv-evict-* options below need a policy; one that does not "
         "apply to it (a budget for full, a method's knob for another method) is refused.",

@@ -3,7 +3,7 @@
 The launcher refuses, in one line, a model whose KV the compressed tree cannot manage (the model
 limits of ``limits.py``: MLA, sliding-window layers, state-space layers). It reads the HF config as
 saved (the text model's for a multimodal one), with neither transformers nor sglang. The tree checks
-the same limits again from SGLang's resolved model (``engine/factory.py``), which is exact; the rules
+the same limits again from SGLang's resolved model (``engine/adapter/factory.py``), which is exact; the rules
 here are the signals SGLang 0.5.23 acts on as they appear in configs, and ``tests/test_compat_matrix.py``
 holds them to SGLang's own decision for every architecture of the compatibility matrix.
 

@@ -6,7 +6,7 @@ Nothing downstream imports this module: a policy receives narrow settings types,
 
 Where each knob is declared (``sgl_kvevict.settings.setting``: type, default, help text, validity):
 
-* the knobs every policy reads: ``CommonSettings`` (``sgl_kvevict.common_settings``); those left
+* the knobs every policy reads: ``CommonSettings`` (``sgl_kvevict.settings``); those left
   ``None`` are resolved here from the policy's ``PolicyDefaults`` and the score's ``ScoreKind``;
 * a method's own knobs: the settings dataclass its module declares, ``Policy.knobs_type`` (Ada-KV's
   ``alpha``, PyramidKV's ``pyramid_beta``, topk's ``layer_scale``, DBudgetKV's three) or ``Scorer.knobs_type`` (the learned
@@ -24,10 +24,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-from sgl_kvevict.common_settings import CommonSettings
+from sgl_kvevict.settings import Budget, CommonSettings, ConfigError, Settings, label_of, parse_text, settings_of
 from sgl_kvevict.policies import Policy, PolicyDefaults, ScoredPolicy, get_policy_class, registered_policies
 from sgl_kvevict.scoring import SCORE_KINDS, SCORES
-from sgl_kvevict.settings import Budget, ConfigError, Settings, label_of, parse_text, settings_of
 
 DEFAULT_POLICY = "snapkv"
 DEFAULT_BUDGET = "0.25"

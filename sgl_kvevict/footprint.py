@@ -8,7 +8,7 @@ peak, its compressed blocks, the dense tokens of the block in progress, the chun
 and the dense tail after its last block. ``PrefillFootprint`` is that count; the engine gives it to
 SGLang's admission and length checks (``engine.adapter.admission``).
 
-Everything else holds a prompt dense until its end: request scope (one span, compressed after the
+Everything else holds a prompt dense until its end: request scope (one segment, compressed after the
 prompt's last chunk), no chunking, a policy without a budget (it decides per input), and scores that
 come from passes after the prefill (KVzip: a block waits dense for its passes).
 

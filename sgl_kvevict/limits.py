@@ -140,7 +140,7 @@ _MLA = (
 )
 _SLIDING_WINDOW_LAYERS = (
     "local attention layers (Gemma 2/3, gpt-oss, Llama 4's chunked layers) attend over the last positions' dense "
-    "slots, or a pool of their own, and a compressed span has given its slots back; compressing only the global "
+    "slots, or a pool of their own, and a compressed segment has given its slots back; compressing only the global "
     "layers is not implemented"
 )
 
@@ -150,7 +150,7 @@ _SLIDING_WINDOW_LAYERS = (
 # launcher reads them from the model's config, ``architectures.py``). Spellings are SGLang 0.5.23's
 # (sglang/srt/arg_groups/fields/*.py); a test checks them.
 LIMITS = (
-    Limit("page size", "compressed spans are token-granular: pages of more than one slot are not supported yet",
+    Limit("page size", "compressed segments are token-granular: pages of more than one slot are not supported yet",
           (LimitFlag(("--page-size",), above=1),), lambda f: f.page_size != 1),
     Limit("prefill CUDA graphs", _PREFILL_CUDA_GRAPHS,
           (LimitFlag(("--cuda-graph-backend-prefill",), allowed=("disabled",)),
@@ -193,7 +193,7 @@ LIMITS = (
           "batches mixing prefill and decode tokens are not handled by scoring capture yet; --prefill-decode-interval "
           "(on by default in CPU mode) lets running requests decode between a long prompt's chunks instead",
           (LimitFlag(("--enable-mixed-chunk",)),), lambda f: f.mixed_chunk),
-    Limit("PD disaggregation", "PD disaggregation transfers KV by slot rows and compressed spans hold placeholder slots",
+    Limit("PD disaggregation", "PD disaggregation transfers KV by slot rows and compressed segments hold placeholder slots",
           (LimitFlag(("--disaggregation-mode",), allowed=("null",)),), lambda f: f.disaggregation),
     Limit("several tokenizer workers", "/kvevict/stats is served by the single HTTP process's app",
           (LimitFlag(("--tokenizer-worker-num",), above=1),), lambda f: f.tokenizer_workers != 1),

@@ -99,12 +99,12 @@ class CompressionPlan:
         return mask
 
     def restricted(self, start: int, end: int) -> "CompressionPlan":
-        """The plan's entries at positions ``[start, end)``, as the plan of that span."""
+        """The plan's entries at positions ``[start, end)``, as the plan of that segment."""
         return CompressionPlan(start, end, tuple(layer.restricted(start, end) for layer in self.layers))
 
     @classmethod
     def keep_all(cls, segment_start: int, segment_end: int, num_layers: int, num_kv_heads: int) -> "CompressionPlan":
         """The identity plan: every entry kept (used for segments too short to compress)."""
-        span = torch.arange(segment_start, segment_end, dtype=torch.int64)
-        layer = LayerPlan.from_heads([span] * num_kv_heads)
+        segment = torch.arange(segment_start, segment_end, dtype=torch.int64)
+        layer = LayerPlan.from_heads([segment] * num_kv_heads)
         return cls(segment_start, segment_end, tuple([layer] * num_layers))

@@ -26,11 +26,10 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Generic, Iterable, Mapping, Optional, TypeVar
 
-from sgl_kvevict.common_settings import GQA_REDUCTIONS, POOLINGS
+from sgl_kvevict.settings import ConfigError, GQA_REDUCTIONS, POOLINGS
 from sgl_kvevict.config import POLICY_OPTION, EvictionConfig, eviction_options
 from sgl_kvevict.policies import registered_policies
 from sgl_kvevict.scoring import SCORES
-from sgl_kvevict.settings import ConfigError
 
 REQUEST_OPTIONS_PREFIX = "kvevict:"
 # Longer than any useful combination of the options (every option set is about 300 characters).
@@ -42,7 +41,7 @@ ANY_VALUE = "*"
 RANGE_SEPARATOR = ".."
 # What a request may choose unless the operator says otherwise: the policy, its budget within
 # [5%, 95%] or [16, 4096] tokens per head, the scores that cost no extra pass, and a window of at
-# most 64 tokens (the window's queries are scored against the whole span: its size is memory).
+# most 64 tokens (the window's queries are scored against the whole segment: its size is memory).
 DEFAULT_ALLOW = "policy=*,budget=0.05..0.95|16t..4096t,score=attn|learned|obc-value|obc-key|obc-joint,window=1..64"
 
 

@@ -1,15 +1,15 @@
-"""Scope: which spans of a prompt become compressed radix nodes, and who can reuse them.
+"""Scope: which segments of a prompt become compressed radix nodes, and who can reuse them.
 
 * ``RequestScope``: a request compresses its own new prompt tokens (everything after the prefix it
-  matched) as one span scored by its own last ``window`` tokens, which stay dense: the next chat
-  turn of the same conversation starts with them and reuses the span.
+  matched) as one segment scored by its own last ``window`` tokens, which stay dense: the next chat
+  turn of the same conversation starts with them and reuses the segment.
 * ``BlockScope(block_size)``: prompts are compressed in blocks ``[k B, (k + 1) B)`` aligned at
   position 0, each scored by the last ``window`` tokens inside it (kept in the block), so a block
   depends only on the tokens up to its end and every request that starts with the same tokens
   reuses it, whatever comes after.
 
 Both engines (the SGLang tree and the reference engine's schedules) ask the scope, so they compress
-the same spans. Pure Python.
+the same segments. Pure Python.
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ from sgl_kvevict.settings import ConfigError
 
 class Scope(abc.ABC):
     name: ClassVar[str]
-    # Whether the span's observation window is left out of the compressed node (request scope: the
+    # Whether the segment's observation window is left out of the compressed node (request scope: the
     # next turn continues from it) or compressed with it (a block holds its own window).
     window_stays_dense: ClassVar[bool]
 
     @abc.abstractmethod
-    def compressible_spans(self, start: int, end: int, window: int) -> list[tuple[int, int]]:
-        """The spans ``[a, b)`` compressed when a prompt's own tokens ``[start, end)`` are prefilled
+    def compressible_segments(self, start: int, end: int, window: int) -> list[tuple[int, int]]:
+        """The segments ``[a, b)`` compressed when a prompt's own tokens ``[start, end)`` are prefilled
         (``[0, start)`` is the prefix it reused)."""
 
     @staticmethod
@@ -48,8 +48,8 @@ class RequestScope(Scope):
     name: ClassVar[str] = "request"
     window_stays_dense: ClassVar[bool] = True
 
-    def compressible_spans(self, start: int, end: int, window: int) -> list[tuple[int, int]]:
-        """The request's own tokens as one span, when they hold more than the window."""
+    def compressible_segments(self, start: int, end: int, window: int) -> list[tuple[int, int]]:
+        """The request's own tokens as one segment, when they hold more than the window."""
         return [(start, end)] if end - start > window else []
 
     def __str__(self) -> str:
@@ -66,7 +66,7 @@ class BlockScope(Scope):
         if self.block_size < 1:
             raise ConfigError(f"block size {self.block_size} must be a positive number of tokens")
 
-    def compressible_spans(self, start: int, end: int, window: int) -> list[tuple[int, int]]:
+    def compressible_segments(self, start: int, end: int, window: int) -> list[tuple[int, int]]:
         """The full blocks inside ``[start, end - 1)``. Blocks starting before ``start`` hold tokens
         the tree already owns. The prompt's last token never joins a block: SGLang always recomputes
         at least one prompt token, so a repeated prompt then reuses every block of it (a block ending

@@ -32,7 +32,7 @@ class ServingConfig:
         (``"kvevict:policy=snapkv,budget=0.5"``; ``engine.setups.Setups``, bounded by ``sgl_kvevict.request_options``).
     request_allow: with ``per_request``, which options and values a request may choose (an
         ``AllowList`` spec; None: ``DEFAULT_ALLOW``).
-    scope: which spans become compressed radix nodes (``sgl_kvevict.scope``). One scope per server:
+    scope: which segments become compressed radix nodes (``sgl_kvevict.scope``). One scope per server:
         block scope does not also compress the tail after the last block in request scope. A block
         must hold more than the policy's window.
     """

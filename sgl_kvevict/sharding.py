@@ -11,9 +11,9 @@ come out as on a single rank:
   StreamingLLM, ...) exchange nothing.
 * **the memory decisions**: SGLang's TP schedulers never talk about memory; each assumes the others
   hold exactly its own free-slot count. A rank keeps a different number of entries than another
-  (its heads' budgets differ), so every rank *reserves* the same number of cells for a compressed span:
+  (its heads' budgets differ), so every rank *reserves* the same number of cells for a compressed segment:
   the largest any rank keeps (``RankCounts.reserved``). Reservations must also agree after a node is
-  split at a position, so each span remembers every rank's entries by position (``RankCounts``), and
+  split at a position, so each segment remembers every rank's entries by position (``RankCounts``), and
   the part before and after a split reserves the largest of those counts on each side.
 
 ``HeadShard`` follows how SGLang 0.5.23 lays KV heads out on ranks: consecutive equal shares; on CPU,
@@ -88,7 +88,7 @@ class HeadShard:
 
 @dataclass(frozen=True)
 class RankCounts:
-    """The entries every rank keeps of the span ``[start, start + length)``, by position: ``cumulative``
+    """The entries every rank keeps of the segment ``[start, start + length)``, by position: ``cumulative``
     int64 ``[R, length + 1]``, ``cumulative[r, i]`` = rank ``r``'s entries at positions before
     ``start + i`` (all layers and heads). ``entries_per_position``: what the ranks together hold of one
     position uncompressed (layers x the model's KV heads)."""
@@ -99,7 +99,7 @@ class RankCounts:
 
     @classmethod
     def of_positions(cls, start: int, per_rank: torch.Tensor, entries_per_position: int) -> "RankCounts":
-        """per_rank: int ``[R, length]``, each rank's entries at each position of the span."""
+        """per_rank: int ``[R, length]``, each rank's entries at each position of the segment."""
         cumulative = torch.nn.functional.pad(torch.cumsum(per_rank.to(torch.int64), 1), (1, 0))
         return cls(start, cumulative, entries_per_position)
 
@@ -114,20 +114,20 @@ class RankCounts:
         return self.cumulative.shape[1] - 1
 
     def restricted(self, start: int, end: int) -> "RankCounts":
-        """The counts of ``[start, end)`` (inside the span)."""
+        """The counts of ``[start, end)`` (inside the segment)."""
         window = self.cumulative[:, start - self.start : end - self.start + 1]
         return RankCounts(start, window - window[:, :1], self.entries_per_position)
 
     def keeps_everything(self) -> bool:
-        """Whether the ranks together keep every entry of the span (nothing to compress)."""
+        """Whether the ranks together keep every entry of the segment (nothing to compress)."""
         return int(self.per_rank().sum()) == self.length * self.entries_per_position
 
     def per_rank(self) -> torch.Tensor:
-        """int64 ``[R]``: each rank's entries in the span."""
+        """int64 ``[R]``: each rank's entries in the segment."""
         return self.cumulative[:, -1]
 
     def reserved(self) -> int:
-        """The cells every rank reserves for the span: the most entries any rank keeps of it."""
+        """The cells every rank reserves for the segment: the most entries any rank keeps of it."""
         return int(self.per_rank().max())
 
 

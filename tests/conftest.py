@@ -62,6 +62,15 @@ def tiny_llama_dir(tmp_path_factory) -> "Path":
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
 
 
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir):
+    """The fp32 reference engine on the tiny model: the parity tests' ground truth (a module may bring
+    its own, e.g. on SmolLM2)."""
+    from sgl_kvevict.reference.engine import ReferenceEngine
+
+    return ReferenceEngine(tiny_llama_dir, dtype=torch.float32)
+
+
 @pytest.fixture(scope="session")
 def learned_weights(tiny_llama_dir, tmp_path_factory) -> str:
     """A learned scorer for the tiny model, trained by the project's own command (about a second)."""

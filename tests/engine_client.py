@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import random
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
+from typing import Iterator, Optional
 
+import pytest
 import torch
 
-from serving import RunningServer
+from serving import RunningServer, running_server
+from sgl_kvevict.engine.plan_dump import PLAN_DUMP_ENV
 from sgl_kvevict.request_options import REQUEST_OPTIONS_PREFIX
 from sgl_kvevict.server.processes import authorization
 
@@ -21,6 +27,12 @@ MEMORY_FLAGS = ("--mem-fraction-static", "0.3")
 TINY_SERVER_FLAGS = ("--dtype", "float32", *MEMORY_FLAGS)
 # A test server whose requests choose any eviction options (the tests are trusted clients).
 ANY_REQUEST_OPTIONS = ("--kv-evict-per-request", "--kv-evict-request-allow", "all")
+
+
+def random_prompt(length: int, seed: int) -> list[int]:
+    """Token ids of the tiny model's vocabulary, the same for the same seed."""
+    rng = random.Random(seed)
+    return [rng.randrange(5, 250) for _ in range(length)]
 
 
 def get(server: RunningServer, path: str) -> dict:
@@ -129,3 +141,31 @@ def assert_same_plan(server_plan: dict, reference_plan) -> None:
     for layer, ((kept_positions, head_indptr), expected) in enumerate(zip(server_plan["layers"], reference_plan.layers)):
         assert torch.equal(head_indptr, expected.head_indptr), f"layer {layer}: kept counts per KV head differ"
         assert torch.equal(kept_positions, expected.kept_positions), f"layer {layer}: kept positions differ"
+
+
+@contextlib.contextmanager
+def checked_server(
+    model, log_dir: Path, *flags: str, dump_dir: Optional[Path] = None, idle_check: bool = True
+) -> Iterator[RunningServer]:
+    """The launcher with ``flags``; with ``dump_dir``, saving every plan it hands its tree there
+    (``engine.plan_dump``); with ``idle_check``, SGLang's strict idle check must have passed when the
+    test is done with it."""
+    with pytest.MonkeyPatch.context() as patch:
+        if dump_dir is not None:
+            patch.setenv(PLAN_DUMP_ENV, str(dump_dir))
+        with running_server(model, log_dir, *flags) as running:
+            yield running
+            if idle_check:
+                assert_strict_idle_check_passed(running)
+
+
+def module_server(name: str, *flags: str):
+    """A module-scoped ``server`` fixture: the tiny model served with ``flags``, checked when the module
+    is done (``checked_server``)."""
+
+    @pytest.fixture(scope="module")
+    def server(tiny_llama_dir, tmp_path_factory):
+        with checked_server(tiny_llama_dir, tmp_path_factory.mktemp(name), *flags) as running:
+            yield running
+
+    return server

@@ -1,6 +1,6 @@
 """Batches of compressed and plain requests over a small KV pool, for the attention backends' tests.
 
-A scenario is one forward (extend or decode) of a few requests, some with compressed spans on their
+A scenario is one forward (extend or decode) of a few requests, some with compressed segments on their
 path (cells taken from slots no dense position uses, per-(layer, head) counts that differ, heads
 without cells), over a pool whose placeholder slot 0 is NaN so that any read of it shows. Shared by
 tests/test_engine_flashinfer.py and tests/test_engine_decode_graph.py.
@@ -33,23 +33,23 @@ NUM_LAYERS, HEAD_DIM, NUM_SLOTS = 2, 16, 256
 
 @dataclass(frozen=True)
 class RequestSpec:
-    """A request of the batch: ``spans`` ``((start, end, cells[layer][head]), ...)`` compressed (empty = plain).
+    """A request of the batch: ``segments`` ``((start, end, cells[layer][head]), ...)`` compressed (empty = plain).
 
     Cell counts are given for two KV heads and cycled over the scenario's heads."""
 
     seq_len: int
     num_queries: int
-    spans: tuple = ()
+    segments: tuple = ()
 
 
-# Heads without cells (request 0 layer 0 head 1; request 2 head 0 of its second span), a plain
-# request between compressed ones, and a dense range between two compressed spans (request 2).
+# Heads without cells (request 0 layer 0 head 1; request 2 head 0 of its second segment), a plain
+# request between compressed ones, and a dense range between two compressed segments (request 2).
 EXTEND = (
     RequestSpec(16, 4, ((0, 10, ((3, 0), (5, 2))),)),
     RequestSpec(9, 5),
     RequestSpec(18, 3, ((0, 6, ((2, 4), (1, 3))), (9, 13, ((0, 2), (2, 0))))),
 )
-DECODE = tuple(RequestSpec(spec.seq_len + 1, 1, spec.spans) for spec in EXTEND)
+DECODE = tuple(RequestSpec(spec.seq_len + 1, 1, spec.segments) for spec in EXTEND)
 
 
 class KVPool:
@@ -120,7 +120,7 @@ def build_scenario(specs, mode: ForwardMode, num_kv_heads: int, group: int, dtyp
         row = index + 1  # row 0 unused: rows are not batch indices
         segments = [
             compressed_segment(start, end, [[heads[h % 2] for h in range(num_kv_heads)] for heads in two_head_counts], free_cells, generator)
-            for start, end, two_head_counts in spec.spans
+            for start, end, two_head_counts in spec.segments
         ]  # fmt: skip
         view = PathView.of(segments, torch.device("cpu")) if segments else None
         request = RequestSlice(index, q_start, q_start + spec.num_queries, spec.seq_len, row, view)

@@ -22,21 +22,11 @@ import pytest
 import torch
 
 from conftest_policies import kvzap_folder, tiny_training
-from engine_client import (
-    ANY_REQUEST_OPTIONS,
-    TINY_SERVER_FLAGS,
-    assert_no_leak_after_flush,
-    assert_same_plan,
-    assert_strict_idle_check_passed,
-    generate,
-    request_options,
-    stats,
-)
-from serving import error_lines, free_port, running_server
+import engine_client as client
+from serving import error_lines, free_port
 from sgl_kvevict.architectures import model_facts_of
 from sgl_kvevict.checkpoints import COMPATIBILITY_MATRIX, build_tiny_model
 from sgl_kvevict.config import EvictionConfig, build_policy
-from sgl_kvevict.engine.plan_dump import PLAN_DUMP_ENV
 from sgl_kvevict.scoring.learned import ModelShape
 from sgl_kvevict.server import compat_table
 
@@ -108,19 +98,17 @@ def served(request, tiny_models, tmp_path_factory):
                             shape.num_kv_heads, hidden_dim=32)  # fmt: skip
     dump_dir = tmp_path_factory.mktemp(f"{name}-plans")
     flags = ("--kv-evict-policy", "topk", "--kv-evict-score", "learned", "--kv-evict-learned-weights", weights,
-             *ANY_REQUEST_OPTIONS, "--max-total-tokens", "4096", *TINY_SERVER_FLAGS)  # fmt: skip
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(PLAN_DUMP_ENV, str(dump_dir))
-        with running_server(model_dir, tmp_path_factory.mktemp(f"{name}-server"), *flags) as server:
-            reference = ReferenceEngine(model_dir, dtype=torch.float32)
-            yield Served(name, model_dir, weights, kvzap, reference, server, dump_dir)
-            assert_strict_idle_check_passed(server)
+             *client.ANY_REQUEST_OPTIONS, "--max-total-tokens", "4096", *client.TINY_SERVER_FLAGS)  # fmt: skip
+    log_dir = tmp_path_factory.mktemp(f"{name}-server")
+    with client.checked_server(model_dir, log_dir, *flags, dump_dir=dump_dir) as server:
+        reference = ReferenceEngine(model_dir, dtype=torch.float32)
+        yield Served(name, model_dir, weights, kvzap, reference, server, dump_dir)
 
 
 def serve(served: Served, policy: str, prompt: list[int], rid: str) -> dict:
     """Greedy tokens of ``prompt``: the server's own setting for ``topk``, else ``policy`` per request."""
-    options = None if policy == "topk" else request_options(served.config(policy))
-    return generate(served.server, prompt, MAX_NEW_TOKENS, rid=rid, options=options)
+    options = None if policy == "topk" else client.request_options(served.config(policy))
+    return client.generate(served.server, prompt, MAX_NEW_TOKENS, rid=rid, options=options)
 
 
 @pytest.mark.parametrize("policy", ["topk", "topk-kvzap", "snapkv"])
@@ -132,10 +120,10 @@ def test_the_server_keeps_and_answers_what_the_reference_does(served, policy):
     expected = served.reference.generate(prompt, build_policy(config), max_new_tokens=MAX_NEW_TOKENS)
     (plan,) = expected.plans
     assert plan.total_kept() < PROMPT_LENGTH * plan.num_layers * plan.layers[0].num_kv_heads  # compressed
-    assert_same_plan(torch.load(served.dump_dir / f"{rid}.pt"), plan)
+    client.assert_same_plan(torch.load(served.dump_dir / f"{rid}.pt"), plan)
     assert tuple(response["output_ids"]) == expected.output_ids
-    assert stats(served.server)["compressed_nodes"] >= 1
-    assert_no_leak_after_flush(served.server)
+    assert client.stats(served.server)["compressed_nodes"] >= 1
+    client.assert_no_leak_after_flush(served.server)
 
 
 def test_a_later_turn_reuses_the_compressed_prefix(served):
@@ -146,10 +134,10 @@ def test_a_later_turn_reuses_the_compressed_prefix(served):
     config = served.config("topk")
     first = random_prompt(PROMPT_LENGTH, seed=2)
     answer = serve(served, "topk", first, f"{served.name}-turn-1")["output_ids"]
-    before = stats(served.server)
+    before = client.stats(served.server)
     second = first + list(answer) + random_prompt(NEW_TURN_TOKENS, seed=3)
     response = serve(served, "topk", second, f"{served.name}-turn-2")
-    after = stats(served.server)
+    after = client.stats(served.server)
     assert after["reuse_hits"] == before["reuse_hits"] + 1
     assert response["meta_info"]["cached_tokens"] >= PROMPT_LENGTH
     # The reference reads turn 1's plan (the one the server dumped for it) and prefills the rest on top.
@@ -160,7 +148,7 @@ def test_a_later_turn_reuses_the_compressed_prefix(served):
         Prompt.from_ids(second), ReplayedPlans(config, turn_one.plans), schedule, MAX_NEW_TOKENS
     )
     assert tuple(response["output_ids"]) == expected.output_ids
-    assert_no_leak_after_flush(served.server)
+    client.assert_no_leak_after_flush(served.server)
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
@@ -177,7 +165,7 @@ def test_the_launcher_refuses_in_one_line_before_the_model_loads(name, tiny_mode
 
 def sglang_facts(model_dir) -> dict[str, bool]:
     """What SGLang 0.5.23 resolves for the model, without loading it: the facts the tree reads
-    (engine/factory.py) from the model runner, by SGLang's own functions."""
+    (engine/adapter/factory.py) from the model runner, by SGLang's own functions."""
     import types
 
     from sgl_kvevict.compat import activate_cpu_mode

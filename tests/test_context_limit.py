@@ -1,36 +1,24 @@
-"""Prompts up to the model's context length, with every score in both scopes: each is served (the span
+"""Prompts up to the model's context length, with every score in both scopes: each is served (the segment
 compressed, or kept dense where its scoring cannot run) or refused with HTTP 400 and its reason, and
 the server stays healthy with an exact ledger.
 
-KVzip's passes run at positions after their span, so near the context length they get smaller chunks
+KVzip's passes run at positions after their segment, so near the context length they get smaller chunks
 (``ReconstructionPrompt.chunk_size_before``): a ~3.9K-token prompt of the 4096-position tiny model is
 compressed with passes of under 200 tokens, and its plan equals the reference engine's (which chunks
-the same way). A span ending closer than one minimum pass to the limit stays dense
+the same way). A segment ending closer than one minimum pass to the limit stays dense
 (``reconstructions_skipped``). One request of this kind once brought the scheduler down.
 """
 
 from __future__ import annotations
 
 import json
-import random
 import urllib.request
 
 import pytest
 import torch
 
-from engine_client import (
-    ANY_REQUEST_OPTIONS,
-    TINY_SERVER_FLAGS,
-    assert_no_leak_after_flush,
-    assert_same_plan,
-    assert_strict_idle_check_passed,
-    post_status,
-    request_options,
-    stats,
-)
-from serving import running_server
+import engine_client as client
 from sgl_kvevict.config import EvictionConfig, build_policy
-from sgl_kvevict.engine.plan_dump import PLAN_DUMP_ENV
 from sgl_kvevict.reference.engine import Prompt
 from sgl_kvevict.reference.schedule import Mode, Schedule
 from sgl_kvevict.scoring import SCORES
@@ -47,34 +35,20 @@ MAX_NEW_TOKENS = 4
 NEAR_TIE = 0.02
 
 
-def random_prompt(length: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(5, 250) for _ in range(length)]
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_llama_dir):
-    from sgl_kvevict.reference.engine import ReferenceEngine
-
-    return ReferenceEngine(tiny_llama_dir, dtype=torch.float32)
-
-
 @pytest.fixture(scope="module", params=SCOPES)
 def scoped_server(request, tiny_llama_dir, tmp_path_factory):
     dump_dir = tmp_path_factory.mktemp("plans")
-    flags = ("--kv-evict-policy", "topk", "--kv-evict-scope", request.param, *ANY_REQUEST_OPTIONS,
-             "--max-total-tokens", "12000", *TINY_SERVER_FLAGS)  # fmt: skip
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(PLAN_DUMP_ENV, str(dump_dir))
-        with running_server(tiny_llama_dir, tmp_path_factory.mktemp(f"limit-{request.param}"), *flags) as running:
-            yield running, dump_dir, request.param
-            assert_strict_idle_check_passed(running)
+    flags = ("--kv-evict-policy", "topk", "--kv-evict-scope", request.param, *client.ANY_REQUEST_OPTIONS,
+             "--max-total-tokens", "12000", *client.TINY_SERVER_FLAGS)  # fmt: skip
+    log_dir = tmp_path_factory.mktemp(f"limit-{request.param}")
+    with client.checked_server(tiny_llama_dir, log_dir, *flags, dump_dir=dump_dir) as running:
+        yield running, dump_dir, request.param
 
 
 def served(server, prompt: list[int], rid: str, options: str) -> dict:
     payload = {"input_ids": prompt, "rid": rid, "extra_key": "kvevict:" + options,
                "sampling_params": {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0}}  # fmt: skip
-    status, body = post_status(server, payload)
+    status, body = client.post_status(server, payload)
     assert status == 200, (len(prompt), options, body[:500])
     return json.loads(body)
 
@@ -83,36 +57,36 @@ def served(server, prompt: list[int], rid: str, options: str) -> dict:
 def test_prompts_up_to_the_context_length_are_served_or_refused(score, scoped_server, learned_weights):
     server, _, scope = scoped_server
     overrides = {"score": score, **({"learned_weights": learned_weights} if score == "learned" else {})}
-    options = request_options(EvictionConfig.for_policy("topk", **overrides))
-    skipped_before = stats(server)["reconstructions_skipped"]
+    options = client.request_options(EvictionConfig.for_policy("topk", **overrides))
+    skipped_before = client.stats(server)["reconstructions_skipped"]
     for length in (SHRUNK_CHUNKS, AT_THE_LIMIT):
-        reply = served(server, random_prompt(length, seed=length), f"{scope}-{score}-{length}", options)
+        reply = served(server, client.random_prompt(length, seed=length), f"{scope}-{score}-{length}", options)
         assert reply["meta_info"]["completion_tokens"] >= 1
-    status, body = post_status(server, {"input_ids": random_prompt(OVER_THE_LIMIT, 1), "sampling_params": {"max_new_tokens": 1}})
+    status, body = client.post_status(server, {"input_ids": client.random_prompt(OVER_THE_LIMIT, 1), "sampling_params": {"max_new_tokens": 1}})
     assert status == 400 and "exceeds the maximum allowed length" in body, body[:500]
-    skipped = stats(server)["reconstructions_skipped"] - skipped_before
-    # Request scope: the span at the limit has no room for a pass. Block scope: blocks end 32 positions
+    skipped = client.stats(server)["reconstructions_skipped"] - skipped_before
+    # Request scope: the segment at the limit has no room for a pass. Block scope: blocks end 32 positions
     # or more before the prompt's last token, so every block fits a pass (in shrunken chunks).
     assert skipped == (1 if score == "kvzip" and scope == "request" else 0)
     with urllib.request.urlopen(server.base_url + "/health", timeout=60) as response:
         assert response.status == 200
-    assert_no_leak_after_flush(server)
+    client.assert_no_leak_after_flush(server)
 
 
 @pytest.mark.parametrize("scoped_server", ["request"], indirect=True)
 def test_kvzip_near_the_limit_keeps_what_the_reference_keeps(scoped_server, reference, tiny_llama_dir):
-    """Request scope: one span ending ~200 positions before the limit, scored in chunks that fit there;
+    """Request scope: one segment ending ~200 positions before the limit, scored in chunks that fit there;
     the reference engine chunks it the same way and keeps the same entries."""
     server, dump_dir, _ = scoped_server
     config = EvictionConfig.for_policy("topk", score="kvzip")
-    prompt = random_prompt(SHRUNK_CHUNKS, seed=7)
+    prompt = client.random_prompt(SHRUNK_CHUNKS, seed=7)
     rid = "kvzip-near-limit"
-    reply = served(server, prompt, rid, request_options(config))
+    reply = served(server, prompt, rid, client.request_options(config))
     expected = reference.generate(prompt, build_policy(config).for_model(tiny_llama_dir), max_new_tokens=MAX_NEW_TOKENS)
     (plan,) = expected.plans
     assert plan.kept_fraction() < 0.5
     assert CONTEXT_LENGTH - plan.segment_end < 2048 + MIN_CHUNK_TOKENS  # default chunks would not fit
-    assert_same_plan(torch.load(dump_dir / f"{rid}.pt"), plan)
+    client.assert_same_plan(torch.load(dump_dir / f"{rid}.pt"), plan)
     # Greedy tokens through the compressed cache: each served token is the reference's best, up to the
     # random model's near ties (top-2 gaps of ~0.01 here), the reference fed the served tokens.
     sequence, logits = reference.prefill(Prompt.from_ids(prompt), build_policy(config).for_model(tiny_llama_dir),
@@ -120,4 +94,4 @@ def test_kvzip_near_the_limit_keeps_what_the_reference_keeps(scoped_server, refe
     for token in reply["output_ids"]:
         assert logits.max() - logits[token] < NEAR_TIE, (reply["output_ids"], expected.output_ids)
         logits = reference.extend(sequence, [token])
-    assert_no_leak_after_flush(server)
+    client.assert_no_leak_after_flush(server)

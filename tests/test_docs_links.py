@@ -1,7 +1,7 @@
 """The README stays a five-minute page, and every relative link of the documentation resolves: each
 ``[text](target)`` (and image) in README.md and docs/**/*.md that is not a web or mail address names a
 file or folder of the repository, and a ``#anchor`` into a Markdown file names one of its headings
-under GitHub's slug rule. Links inside code (fenced blocks, inline spans) are not links."""
+under GitHub's slug rule. Links inside code (fenced blocks, inline segments) are not links."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def links(path: Path) -> list[Link]:
 
 
 def heading_text(markdown: str) -> str:
-    """A heading as GitHub renders it to plain text: code spans, links and emphasis reduced to their text."""
+    """A heading as GitHub renders it to plain text: code segments, links and emphasis reduced to their text."""
     text = re.sub(r"(`+)(.+?)\1", lambda match: match.group(2), markdown)
     text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", text)
     text = re.sub(r"<[^>]+>", "", text)

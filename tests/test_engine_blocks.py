@@ -20,21 +20,11 @@ import random
 import pytest
 import torch
 
-from engine_client import (
-    ANY_REQUEST_OPTIONS,
-    TINY_SERVER_FLAGS,
-    assert_no_leak_after_flush,
-    assert_strict_idle_check_passed,
-    generate,
-    request_options,
-    stats,
-)
+import engine_client as client
 from serving import running_server
 from sgl_kvevict.config import EvictionConfig, build_policy
 from sgl_kvevict.reference.replay import ReplayedPlans
-from sgl_kvevict.engine.plan_dump import PLAN_DUMP_ENV
 from test_engine_memory import run_concurrently
-from engine_client import assert_same_plan
 
 pytestmark = pytest.mark.server
 
@@ -42,7 +32,7 @@ BLOCK = 96
 DOCUMENT = 3 * BLOCK + 20  # three blocks and a dense tail
 QUESTION = 15
 MAX_NEW_TOKENS = 6
-BLOCK_FLAGS = ("--kv-evict-scope", "block", "--kv-evict-block-size", str(BLOCK), *TINY_SERVER_FLAGS)
+BLOCK_FLAGS = ("--kv-evict-scope", "block", "--kv-evict-block-size", str(BLOCK), *client.TINY_SERVER_FLAGS)
 # Half of a block: 48 entries per (layer, KV head), 12-16 selected beside the 32-token window (and the
 # sinks of block 0). At 0.25 a block's budget would leave nothing to select and it would stay dense.
 LAVA = EvictionConfig(policy="lava", budget="0.5")
@@ -54,13 +44,6 @@ def tokens(seed: int, length: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_llama_dir):
-    from sgl_kvevict.reference.engine import ReferenceEngine
-
-    return ReferenceEngine(tiny_llama_dir, dtype=torch.float32)
-
-
-@pytest.fixture(scope="module")
 def dump_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("block-plans")
 
@@ -68,12 +51,10 @@ def dump_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir, tmp_path_factory, dump_dir):
     flags = ("--kv-evict-policy", "lava", "--kv-evict-budget", "0.5", "--max-total-tokens", "4096",
-             *ANY_REQUEST_OPTIONS, *BLOCK_FLAGS)  # fmt: skip
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(PLAN_DUMP_ENV, str(dump_dir))
-        with running_server(tiny_llama_dir, tmp_path_factory.mktemp("blocks"), *flags) as running:
-            yield running
-            assert_strict_idle_check_passed(running)
+             *client.ANY_REQUEST_OPTIONS, *BLOCK_FLAGS)  # fmt: skip
+    log_dir = tmp_path_factory.mktemp("blocks")
+    with client.checked_server(tiny_llama_dir, log_dir, *flags, dump_dir=dump_dir) as running:
+        yield running
 
 
 def reference_run(reference, prompt_ids, context_end, *steps, config=LAVA):
@@ -104,25 +85,25 @@ def reference_with_plans(reference, prompt_ids, steps):
 
 def assert_block_plans(dump_dir, rid: str, blocks, expected_plans) -> None:
     for block, plan in zip(blocks, expected_plans, strict=True):
-        assert_same_plan(torch.load(dump_dir / f"{rid}.block{block}.pt"), plan)
+        client.assert_same_plan(torch.load(dump_dir / f"{rid}.block{block}.pt"), plan)
 
 
 def test_different_questions_share_the_document_blocks(server, reference, dump_dir):
     document = tokens(1, DOCUMENT)
     first_prompt, second_prompt = document + tokens(2, QUESTION), document + tokens(3, QUESTION)
 
-    first = generate(server, first_prompt, MAX_NEW_TOKENS, rid="first")
+    first = client.generate(server, first_prompt, MAX_NEW_TOKENS, rid="first")
     expected_first = reference_run(reference, first_prompt, len(first_prompt), (len(first_prompt), (0, 1, 2)))
     assert_block_plans(dump_dir, "first", (0, 1, 2), expected_first.plans)
     assert tuple(first["output_ids"]) == expected_first.output_ids
-    after_first = stats(server)
+    after_first = client.stats(server)
     assert (after_first["scope"], after_first["block_size"]) == ("block", BLOCK)
     assert after_first["compressed_nodes"] == after_first["compressed_nodes_created"] == 3
     assert after_first["compressed_tokens"] == 3 * BLOCK
     kept = sum(plan.total_kept() for plan in expected_first.plans)  # a block keeps its window in its cells
     assert after_first["arena_cells_used"] == after_first["kept_cells"] == kept
 
-    second = generate(server, second_prompt, MAX_NEW_TOKENS, rid="second")
+    second = client.generate(server, second_prompt, MAX_NEW_TOKENS, rid="second")
     assert second["meta_info"]["cached_tokens"] >= DOCUMENT  # three blocks and the dense tail
     assert not list(dump_dir.glob("second.*"))  # nothing scored, nothing compressed
     # Context-only: the document compressed in blocks, then the question over it.
@@ -131,7 +112,7 @@ def test_different_questions_share_the_document_blocks(server, reference, dump_d
         for layer, other in zip(recomputed.layers, stored.layers):  # the blocks the server holds
             assert torch.equal(layer.kept_positions, other.kept_positions)
     assert tuple(second["output_ids"]) == expected_second.output_ids
-    after_second = stats(server)
+    after_second = client.stats(server)
     assert after_second["compressed_nodes"] == after_second["compressed_nodes_created"] == 3  # each block held once
     assert after_second["arena_cells_used"] == after_first["arena_cells_used"]
     assert after_second["shared_node_hits"] == 3
@@ -144,7 +125,7 @@ def test_different_questions_share_the_document_blocks(server, reference, dump_d
     # divergence on), and its third block below that.
     divergence = BLOCK + 40
     diverging_prompt = document[:divergence] + tokens(4, 2 * BLOCK + 10) + tokens(5, QUESTION)
-    diverging = generate(server, diverging_prompt, MAX_NEW_TOKENS, rid="diverging")
+    diverging = client.generate(server, diverging_prompt, MAX_NEW_TOKENS, rid="diverging")
     assert diverging["meta_info"]["cached_tokens"] == BLOCK
     scored = reference_run(reference, diverging_prompt, BLOCK, (BLOCK, (0,)), (len(diverging_prompt), (1, 2)))
     assert_block_plans(dump_dir, "diverging", (1, 2), scored.plans[1:])
@@ -155,10 +136,10 @@ def test_different_questions_share_the_document_blocks(server, reference, dump_d
     steps = ((BLOCK, (expected_first.plans[0],)), (3 * BLOCK, (head, own, scored.plans[2])))
     expected_diverging = reference_with_plans(reference, diverging_prompt, steps)
     assert tuple(diverging["output_ids"]) == expected_diverging.output_ids
-    after_diverging = stats(server)
+    after_diverging = client.stats(server)
     assert after_diverging["compressed_nodes"] == after_diverging["compressed_nodes_created"] == 6  # + head, own, third
     assert after_diverging["shared_node_hits"] == 4
-    assert_no_leak_after_flush(server)
+    client.assert_no_leak_after_flush(server)
 
 
 def test_kvzip_reconstructs_each_block_over_the_keys_before_its_end(server, reference, dump_dir):
@@ -166,23 +147,23 @@ def test_kvzip_reconstructs_each_block_over_the_keys_before_its_end(server, refe
     # [0, block end): the reference engine's passes for the same block schedule.
     config = EvictionConfig.for_policy("lava", budget="0.5", score="kvzip")
     prompt = tokens(6, DOCUMENT) + tokens(7, QUESTION)
-    response = generate(server, prompt, MAX_NEW_TOKENS, rid="kvzip", options=request_options(config))
+    response = client.generate(server, prompt, MAX_NEW_TOKENS, rid="kvzip", options=client.request_options(config))
     expected = reference_run(reference, prompt, len(prompt), (len(prompt), (0, 1, 2)), config=config)
     assert_block_plans(dump_dir, "kvzip", (0, 1, 2), expected.plans)
     assert tuple(response["output_ids"]) == expected.output_ids
-    after = stats(server)
+    after = client.stats(server)
     assert after["compressed_nodes"] == 3 and after["arena_cells_used"] == after["kept_cells"]
     assert after["reconstructions_skipped"] == 0
-    assert_no_leak_after_flush(server)  # the passes' slots and rows went back
+    client.assert_no_leak_after_flush(server)  # the passes' slots and rows went back
 
 
 def test_concurrent_requests_compress_every_shared_block_once(server):
     documents = [tokens(10 + d, DOCUMENT) for d in range(3)]
     prompts = [document + tokens(20 + q, QUESTION) for document in documents for q in range(4)]
-    before = stats(server)
-    calls = [lambda prompt=prompt: generate(server, prompt, 2) for prompt in prompts]
+    before = client.stats(server)
+    calls = [lambda prompt=prompt: client.generate(server, prompt, 2) for prompt in prompts]
     run_concurrently(calls)
-    after = stats(server)
+    after = client.stats(server)
     distinct_blocks = 3 * len(documents)
     assert after["compressed_nodes"] == distinct_blocks
     assert after["compressed_nodes_created"] - before["compressed_nodes_created"] == distinct_blocks
@@ -193,7 +174,7 @@ def test_concurrent_requests_compress_every_shared_block_once(server):
     races = after["compression_races_lost"] - before["compression_races_lost"]
     hits = after["shared_node_hits"] - before["shared_node_hits"]
     assert races + hits == len(prompts) * 3 - distinct_blocks
-    assert_no_leak_after_flush(server)
+    client.assert_no_leak_after_flush(server)
 
 
 def test_reused_blocks_survive_a_new_document_in_a_tight_pool(tiny_llama_dir, tmp_path):
@@ -203,26 +184,26 @@ def test_reused_blocks_survive_a_new_document_in_a_tight_pool(tiny_llama_dir, tm
     flags = ("--kv-evict-policy", "snapkv", "--kv-evict-budget", "0.5", "--max-total-tokens", "540", *BLOCK_FLAGS)
     reused, once, newest = (tokens(30 + d, DOCUMENT) for d in range(3))
     with running_server(tiny_llama_dir, tmp_path, *flags) as server:
-        generate(server, reused + tokens(40, QUESTION), 2)
-        assert generate(server, reused + tokens(41, QUESTION), 2)["meta_info"]["cached_tokens"] >= 3 * BLOCK
-        generate(server, once + tokens(42, QUESTION), 2)
-        generate(server, newest + tokens(43, QUESTION), 2)  # needs room: evicts compressed blocks
-        full = stats(server)
+        client.generate(server, reused + tokens(40, QUESTION), 2)
+        assert client.generate(server, reused + tokens(41, QUESTION), 2)["meta_info"]["cached_tokens"] >= 3 * BLOCK
+        client.generate(server, once + tokens(42, QUESTION), 2)
+        client.generate(server, newest + tokens(43, QUESTION), 2)  # needs room: evicts compressed blocks
+        full = client.stats(server)
         assert full["compressed_nodes_created"] == 9 and full["compressed_nodes_evicted"] >= 2
         assert full["arena_cells_used"] == full["kept_cells"]
         # A node enters cold; the blocks a second request reused stay, the ones used once go first.
-        assert generate(server, reused + tokens(44, QUESTION), 2)["meta_info"]["cached_tokens"] >= 3 * BLOCK
-        assert generate(server, once + tokens(45, QUESTION), 2)["meta_info"]["cached_tokens"] <= BLOCK
-        assert_no_leak_after_flush(server)
-        assert_strict_idle_check_passed(server)
+        assert client.generate(server, reused + tokens(44, QUESTION), 2)["meta_info"]["cached_tokens"] >= 3 * BLOCK
+        assert client.generate(server, once + tokens(45, QUESTION), 2)["meta_info"]["cached_tokens"] <= BLOCK
+        client.assert_no_leak_after_flush(server)
+        client.assert_strict_idle_check_passed(server)
 
 
-def test_compressible_spans_by_scope():
+def test_compressible_segments_by_scope():
     from sgl_kvevict.scope import BlockScope, RequestScope
 
-    assert RequestScope().compressible_spans(10, 300, window=32) == [(10, 300)]  # request scope: its own span
-    assert RequestScope().compressible_spans(10, 40, window=32) == []  # not longer than the window
+    assert RequestScope().compressible_segments(10, 300, window=32) == [(10, 300)]  # request scope: its own segment
+    assert RequestScope().compressible_segments(10, 40, window=32) == []  # not longer than the window
     # Block scope: full blocks before the prompt's last token, and none that starts before `start`.
-    assert BlockScope(96).compressible_spans(0, 289, window=32) == [(0, 96), (96, 192), (192, 288)]
-    assert BlockScope(96).compressible_spans(0, 288, window=32) == [(0, 96), (96, 192)]
-    assert BlockScope(96).compressible_spans(100, 400, window=32) == [(192, 288), (288, 384)]  # block 1 is the tree's
+    assert BlockScope(96).compressible_segments(0, 289, window=32) == [(0, 96), (96, 192), (192, 288)]
+    assert BlockScope(96).compressible_segments(0, 288, window=32) == [(0, 96), (96, 192)]
+    assert BlockScope(96).compressible_segments(100, 400, window=32) == [(192, 288), (288, 384)]  # block 1 is the tree's

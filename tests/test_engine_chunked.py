@@ -16,25 +16,12 @@ served, and a request that cannot fit even compressed is refused rather than lef
 
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
 
-from engine_client import (
-    ANY_REQUEST_OPTIONS,
-    TINY_SERVER_FLAGS,
-    assert_no_leak_after_flush,
-    assert_same_plan,
-    assert_strict_idle_check_passed,
-    generate,
-    post_status,
-    request_options,
-    stats,
-)
-from serving import running_server
+import engine_client as client
 from sgl_kvevict.config import EvictionConfig, build_policy
-from sgl_kvevict.engine.plan_dump import PLAN_DUMP_ENV
 from sgl_kvevict.reference.engine import Prompt
 from sgl_kvevict.reference.schedule import PrefillStep, Schedule, Segment
 
@@ -45,28 +32,14 @@ PROMPT_LENGTHS = (600, 1300)
 CASES = [(policy, score) for score in ("attn", "learned", "kvzip") for policy in ("topk", "lava", "ada-snapkv")]
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_llama_dir):
-    from sgl_kvevict.reference.engine import ReferenceEngine
-
-    return ReferenceEngine(tiny_llama_dir, dtype=torch.float32)
-
-
-def random_prompt(length: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(5, 250) for _ in range(length)]
-
-
 @pytest.fixture(scope="module", params=CHUNK_SIZES, ids=lambda size: f"chunk{size}")
 def chunked_server(request, tiny_llama_dir, tmp_path_factory):
     dump_dir = tmp_path_factory.mktemp("plans")
-    flags = ("--kv-evict-policy", "snapkv", *ANY_REQUEST_OPTIONS, "--max-total-tokens", "8192",
-             "--chunked-prefill-size", str(request.param), *TINY_SERVER_FLAGS)  # fmt: skip
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(PLAN_DUMP_ENV, str(dump_dir))
-        with running_server(tiny_llama_dir, tmp_path_factory.mktemp("chunked"), *flags) as running:
-            yield running, dump_dir, request.param
-            assert_strict_idle_check_passed(running)
+    flags = ("--kv-evict-policy", "snapkv", *client.ANY_REQUEST_OPTIONS, "--max-total-tokens", "8192",
+             "--chunked-prefill-size", str(request.param), *client.TINY_SERVER_FLAGS)  # fmt: skip
+    log_dir = tmp_path_factory.mktemp("chunked")
+    with client.checked_server(tiny_llama_dir, log_dir, *flags, dump_dir=dump_dir) as running:
+        yield running, dump_dir, request.param
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda case: "-".join(case))
@@ -78,14 +51,14 @@ def test_a_chunked_prompt_keeps_what_the_unchunked_reference_keeps(
     overrides = {"score": score, **({"learned_weights": learned_weights} if score == "learned" else {})}
     config = EvictionConfig.for_policy(policy, **overrides)
     for index, length in enumerate(PROMPT_LENGTHS):
-        prompt = random_prompt(length, seed=10 + index)
+        prompt = client.random_prompt(length, seed=10 + index)
         rid = f"chunk{chunk}-{policy}-{score}-{index}"
-        generate(server, prompt, 2, rid=rid, options=request_options(config))
+        client.generate(server, prompt, 2, rid=rid, options=client.request_options(config))
         expected = reference.generate(prompt, build_policy(config).for_model(tiny_llama_dir), max_new_tokens=1)
         (reference_plan,) = expected.plans
-        assert_same_plan(torch.load(dump_dir / f"{rid}.pt"), reference_plan)
-    assert stats(server)["chunked_prefills"] >= sum(length > chunk for length in PROMPT_LENGTHS)
-    assert_no_leak_after_flush(server)
+        client.assert_same_plan(torch.load(dump_dir / f"{rid}.pt"), reference_plan)
+    assert client.stats(server)["chunked_prefills"] >= sum(length > chunk for length in PROMPT_LENGTHS)
+    client.assert_no_leak_after_flush(server)
 
 
 BLOCK, BLOCK_CHUNK, BLOCK_POOL, BLOCK_BUDGET = 128, 256, 1000, "0.3"
@@ -96,14 +69,12 @@ def block_server(tiny_llama_dir, tmp_path_factory):
     """Block scope, chunks of 256 tokens, blocks of 128, a pool of 1000 slots: a fresh prompt of up to
     ~2170 tokens fits compressed while prefilling (``PrefillFootprint.longest_prompt``)."""
     dump_dir = tmp_path_factory.mktemp("block-plans")
-    flags = ("--kv-evict-policy", "snapkv", "--kv-evict-budget", BLOCK_BUDGET, *ANY_REQUEST_OPTIONS,
+    flags = ("--kv-evict-policy", "snapkv", "--kv-evict-budget", BLOCK_BUDGET, *client.ANY_REQUEST_OPTIONS,
              "--kv-evict-scope", "block", "--kv-evict-block-size", str(BLOCK), "--chunked-prefill-size", str(BLOCK_CHUNK),
-             "--max-total-tokens", str(BLOCK_POOL), *TINY_SERVER_FLAGS)  # fmt: skip
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(PLAN_DUMP_ENV, str(dump_dir))
-        with running_server(tiny_llama_dir, tmp_path_factory.mktemp("blocks"), *flags) as running:
-            yield running, dump_dir
-            assert_strict_idle_check_passed(running)
+             "--max-total-tokens", str(BLOCK_POOL), *client.TINY_SERVER_FLAGS)  # fmt: skip
+    log_dir = tmp_path_factory.mktemp("blocks")
+    with client.checked_server(tiny_llama_dir, log_dir, *flags, dump_dir=dump_dir) as running:
+        yield running, dump_dir
 
 
 @pytest.mark.parametrize("policy,score", [("topk", "attn"), ("ada-snapkv", "learned")])
@@ -114,10 +85,10 @@ def test_block_scope_compresses_each_block_at_its_chunk(policy, score, block_ser
     length = 700
     overrides = {"score": score, "budget": BLOCK_BUDGET, **({"learned_weights": learned_weights} if score == "learned" else {})}
     config = EvictionConfig.for_policy(policy, **overrides)
-    prompt = random_prompt(length, seed=3)
-    chunked_before = stats(server)["chunked_prefills"]
+    prompt = client.random_prompt(length, seed=3)
+    chunked_before = client.stats(server)["chunked_prefills"]
     rid = f"blocks-{policy}-{score}"
-    response = generate(server, prompt, 4, rid=rid, options=request_options(config))
+    response = client.generate(server, prompt, 4, rid=rid, options=client.request_options(config))
     blocks = [Segment(start, start + BLOCK) for start in range(0, length - 1 - BLOCK + 1, BLOCK)]
     ends = [*range(BLOCK_CHUNK, length, BLOCK_CHUNK), length]
     steps = [PrefillStep(end, tuple(b for b in blocks if begin < b.end <= end)) for begin, end in zip([0, *ends], ends)]
@@ -126,10 +97,10 @@ def test_block_scope_compresses_each_block_at_its_chunk(policy, score, block_ser
     )
     assert len(expected.plans) == len(blocks) == 5
     for index, plan in enumerate(expected.plans):
-        assert_same_plan(torch.load(dump_dir / f"{rid}.block{index}.pt"), plan)
+        client.assert_same_plan(torch.load(dump_dir / f"{rid}.block{index}.pt"), plan)
     assert tuple(response["output_ids"]) == expected.output_ids
-    assert stats(server)["chunked_prefills"] == chunked_before + 1
-    assert_no_leak_after_flush(server)
+    assert client.stats(server)["chunked_prefills"] == chunked_before + 1
+    client.assert_no_leak_after_flush(server)
 
 
 def test_a_prompt_longer_than_the_pool_is_served_and_one_that_cannot_fit_is_refused(block_server):
@@ -138,14 +109,14 @@ def test_a_prompt_longer_than_the_pool_is_served_and_one_that_cannot_fit_is_refu
     tail and reply) and new tokens exceed the pool at their peak is refused with an error instead of
     waiting forever for room that can never come."""
     server, _ = block_server
-    prompt = random_prompt(1600, seed=5)
-    first = generate(server, prompt, 2)
+    prompt = client.random_prompt(1600, seed=5)
+    first = client.generate(server, prompt, 2)
     assert first["meta_info"]["finish_reason"]["type"] == "length", first["meta_info"]
     assert len(first["output_ids"]) == 2  # SGLang alone would clip the answer to nothing (prompt + answer > pool)
-    after = stats(server)
+    after = client.stats(server)
     assert after["compressed_nodes"] == (len(prompt) - 1) // BLOCK, after  # every block ends before the last token
-    follow_up = [*prompt, *first["output_ids"], *random_prompt(500, seed=6)]
-    status, body = post_status(server, {"input_ids": follow_up, "sampling_params": {"max_new_tokens": 2}})
+    follow_up = [*prompt, *first["output_ids"], *client.random_prompt(500, seed=6)]
+    status, body = client.post_status(server, {"input_ids": follow_up, "sampling_params": {"max_new_tokens": 2}})
     assert status == 400, (status, body[:500])
     assert "the KV pool holds" in body, body[:500]
-    assert_no_leak_after_flush(server)
+    client.assert_no_leak_after_flush(server)

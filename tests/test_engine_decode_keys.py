@@ -95,7 +95,7 @@ def moved(view: PathView, scenario, generator) -> PathView:
     free = scenario.space.cells_of_slots(torch.tensor(free_slots(scenario))).flatten()
     targets = free[torch.randperm(len(free), generator=generator)[: len(view.cells)]]
     scenario.space.copy(view.cells, targets)
-    return PathView.of_entries(view.spans, view.counts, targets, view.positions, view.reserved_cells)
+    return PathView.of_entries(view.ranges, view.counts, targets, view.positions, view.reserved_cells)
 
 
 def test_decode_keys_are_built_again_when_cells_move_or_a_request_leaves():

@@ -26,37 +26,25 @@ activate_cpu_mode()
 
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 
-from segment_scenarios import (  # noqa: E402
-    DECODE,
-    EXTEND,
-    HEAD_DIM,
-    NUM_LAYERS,
-    NUM_SLOTS,
-    Scenario,
-    build_scenario,
-    flashinfer_against_fake,
-    layer_of,
-    naive_attention,
-    run_backend,
-    torch_backend,
-)
+import segment_scenarios as scenarios  # noqa: E402
 
 
 @pytest.fixture
 def flashinfer_module(monkeypatch):
-    yield from flashinfer_against_fake(monkeypatch)
+    yield from scenarios.flashinfer_against_fake(monkeypatch)
 
 
-def make_flashinfer_backend(module, scenario: Scenario, num_kv_heads: int = 2, group: int = 2):
+def make_flashinfer_backend(module, scenario: scenarios.Scenario, num_kv_heads: int = 2, group: int = 2):
     """The backend without ``FlashInferAttnBackend.__init__`` (CUDA only): the attributes its segment path reads."""
     backend = module.backend.KVEvictFlashInferBackend.__new__(module.backend.KVEvictFlashInferBackend)
     backend.req_to_token_pool = SimpleNamespace(req_to_token=scenario.req_to_token)
     backend.token_to_kv_pool = scenario.pool
     workspace = torch.empty(1 << 20, dtype=torch.uint8)
     backend.prefill_wrappers_paged = [module.fake.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")]
-    layer = layer_of(0, num_kv_heads, group)
+    layer = scenarios.layer_of(0, num_kv_heads, group)
+    head_dim, dtype = scenarios.HEAD_DIM, scenario.pool.dtype
     backend._shape = module.backend.AttentionShape(
-        layer.tp_q_head_num, num_kv_heads, HEAD_DIM, HEAD_DIM, layer.scaling, scenario.pool.dtype, scenario.pool.dtype
+        layer.tp_q_head_num, num_kv_heads, head_dim, head_dim, layer.scaling, dtype, dtype
     )
     backend.cell_space = scenario.space
     backend._init_segment_metadata(scenario.forward_batch, scenario.segments)
@@ -64,43 +52,42 @@ def make_flashinfer_backend(module, scenario: Scenario, num_kv_heads: int = 2, g
 
 
 GQA = [pytest.param(2, 2, id="kv2-g2"), pytest.param(1, 3, id="kv1-g3"), pytest.param(4, 1, id="kv4-g1")]
+MODES = [(scenarios.EXTEND, ForwardMode.EXTEND), (scenarios.DECODE, ForwardMode.DECODE)]
 
 
 @pytest.mark.parametrize("num_kv_heads,group", GQA)
-@pytest.mark.parametrize(
-    "specs,mode", [(EXTEND, ForwardMode.EXTEND), (DECODE, ForwardMode.DECODE)], ids=["extend", "decode"]
-)
+@pytest.mark.parametrize("specs,mode", MODES, ids=["extend", "decode"])
 def test_mixed_batch_matches_cpu_backend_and_naive_attention(flashinfer_module, specs, mode, num_kv_heads, group):
-    flash = build_scenario(specs, mode, num_kv_heads, group)
-    cpu = build_scenario(specs, mode, num_kv_heads, group)
+    flash = scenarios.build_scenario(specs, mode, num_kv_heads, group)
+    cpu = scenarios.build_scenario(specs, mode, num_kv_heads, group)
     backend = make_flashinfer_backend(flashinfer_module, flash, num_kv_heads, group)
-    cpu_backend = torch_backend(cpu)
-    for layer_id in range(NUM_LAYERS):  # the layers keep different cells per head
-        layer = layer_of(layer_id, num_kv_heads, group)
-        out = run_backend(backend, flash, layer)
-        expected = run_backend(cpu_backend, cpu, layer)
+    cpu_backend = scenarios.torch_backend(cpu)
+    for layer_id in range(scenarios.NUM_LAYERS):  # the layers keep different cells per head
+        layer = scenarios.layer_of(layer_id, num_kv_heads, group)
+        out = scenarios.run_backend(backend, flash, layer)
+        expected = scenarios.run_backend(cpu_backend, cpu, layer)
         assert torch.isfinite(out).all()
         torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
-        torch.testing.assert_close(out.double(), naive_attention(flash, layer), atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(out.double(), scenarios.naive_attention(flash, layer), atol=2e-5, rtol=1e-5)
     # one plan serves every layer (same softmax scale); each layer ran the dense wrapper once
     wrapper = backend.prefill_wrappers_paged[0]
-    assert len(wrapper.plan_calls) == 1 and len(wrapper.run_calls) == NUM_LAYERS
+    assert len(wrapper.plan_calls) == 1 and len(wrapper.run_calls) == scenarios.NUM_LAYERS
 
 
 def test_bf16_batch_matches_naive_attention(flashinfer_module):
-    scenario = build_scenario(EXTEND, ForwardMode.EXTEND, 2, 2, dtype=torch.bfloat16)
+    scenario = scenarios.build_scenario(scenarios.EXTEND, ForwardMode.EXTEND, 2, 2, dtype=torch.bfloat16)
     backend = make_flashinfer_backend(flashinfer_module, scenario)
-    layer = layer_of(1, 2, 2)
-    out = run_backend(backend, scenario, layer)
+    layer = scenarios.layer_of(1, 2, 2)
+    out = scenarios.run_backend(backend, scenario, layer)
     assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.double(), naive_attention(scenario, layer), atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(out.double(), scenarios.naive_attention(scenario, layer), atol=3e-2, rtol=3e-2)
 
 
 def test_flashinfer_arguments_have_the_documented_types(flashinfer_module):
-    scenario = build_scenario(EXTEND, ForwardMode.EXTEND, 2, 2)
+    scenario = scenarios.build_scenario(scenarios.EXTEND, ForwardMode.EXTEND, 2, 2)
     backend = make_flashinfer_backend(flashinfer_module, scenario)
-    layer = layer_of(0, 2, 2)
-    run_backend(backend, scenario, layer)
+    layer = scenarios.layer_of(0, 2, 2)
+    scenarios.run_backend(backend, scenario, layer)
     wrapper = backend.prefill_wrappers_paged[0]
     (plan,) = wrapper.plan_calls
     kv_device = scenario.pool.k_buffer[0].device
@@ -113,12 +100,13 @@ def test_flashinfer_arguments_have_the_documented_types(flashinfer_module):
     assert plan["paged_kv_last_page_len"].tolist() == [1, 1, 1]
     assert 0 not in plan["paged_kv_indices"].tolist()  # no placeholder slot of a compressed position
     expected = dict(
-        num_qo_heads=4, num_kv_heads=2, head_dim_qk=HEAD_DIM, head_dim_vo=HEAD_DIM, page_size=1, causal=True,
-        sm_scale=layer.scaling, q_data_type=torch.float32, kv_data_type=torch.float32,
+        num_qo_heads=4, num_kv_heads=2, head_dim_qk=scenarios.HEAD_DIM, head_dim_vo=scenarios.HEAD_DIM, page_size=1,
+        causal=True, sm_scale=layer.scaling, q_data_type=torch.float32, kv_data_type=torch.float32,
     )  # fmt: skip
     assert {key: plan[key] for key in expected} == expected
     (run,) = wrapper.run_calls
-    assert run["return_lse"] and run["k_cache"].shape == (NUM_SLOTS, 1, 2, HEAD_DIM)  # NHD, page size 1
+    assert run["return_lse"]
+    assert run["k_cache"].shape == (scenarios.NUM_SLOTS, 1, 2, scenarios.HEAD_DIM)  # NHD, page size 1
 
 
 def test_merge_splits_heads_beyond_one_launch(flashinfer_module):

@@ -21,12 +21,11 @@ from engine_client import (
     TINY_SERVER_FLAGS,
     abort,
     assert_no_leak_after_flush,
-    assert_strict_idle_check_passed,
+    module_server,
     flush,
     generate,
     stats,
 )
-from serving import running_server
 
 pytestmark = pytest.mark.server
 
@@ -42,11 +41,7 @@ def prompt(seed: int, length: int = PROMPT_LENGTH) -> list[int]:
     return [5 + seed] + [rng.randrange(40, 250) for _ in range(length - 1)]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_llama_dir, tmp_path_factory):
-    with running_server(tiny_llama_dir, tmp_path_factory.mktemp("memory"), *SERVER_FLAGS) as running:
-        yield running
-        assert_strict_idle_check_passed(running)
+server = module_server("memory", *SERVER_FLAGS)
 
 
 @pytest.fixture(autouse=True)

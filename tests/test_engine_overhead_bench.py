@@ -37,13 +37,13 @@ def test_engine_overhead_report_on_the_tiny_model(tiny_llama_dir, tmp_path):
         assert server["summary"]["decode_tokens_per_second"] > 0
     assert vanilla["memory_per_conversation"] is None
     memory = policy["memory_per_conversation"]
-    # snapkv at 0.25 keeps a quarter of the compressed span (per layer and head, on average).
+    # snapkv at 0.25 keeps a quarter of the compressed segment (per layer and head, on average).
     assert 0.1 < memory["compressed_ratio"] <= 0.3
     assert memory["compressed_ratio"] < memory["conversation_ratio"] < 1
     ratios = report["ratios"]
     assert ratios["prefill_ttft"] > 0 and ratios["decode_tokens_per_second"] > 0
     assert ratios["policy_turn2_reuse_speedup"] > 0
     text = (tmp_path / "overhead.md").read_text()
-    assert "| prefill: TTFT of a fresh" in text and "| compressed span" in text
+    assert "| prefill: TTFT of a fresh" in text and "| compressed segment" in text
     assert report["meta"]["command"].startswith("python -m benchmarks.engine_overhead --model")
     assert psutil.Process().children(recursive=True) == []

@@ -10,42 +10,18 @@ and slot back on /flush_cache.
 
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
 
-from engine_client import (
-    ANY_REQUEST_OPTIONS,
-    TINY_SERVER_FLAGS,
-    assert_no_leak_after_flush,
-    assert_same_plan,
-    assert_strict_idle_check_passed,
-    generate,
-    request_options,
-    stats,
-)
-from serving import running_server
+import engine_client as client
 from sgl_kvevict.config import EvictionConfig, build_policy
-from sgl_kvevict.engine.plan_dump import PLAN_DUMP_ENV
 from sgl_kvevict.policies import registered_policies
 
 pytestmark = pytest.mark.server
 
 PROMPT_LENGTHS = (300, 520)
 MAX_NEW_TOKENS = 6
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_llama_dir):
-    from sgl_kvevict.reference.engine import ReferenceEngine
-
-    return ReferenceEngine(tiny_llama_dir, dtype=torch.float32)
-
-
-def random_prompt(length: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(5, 250) for _ in range(length)]
 
 
 def compressed_cells(plan, window: int) -> int:
@@ -71,12 +47,9 @@ def case_id(case) -> str:
 
 
 def parity_server(tiny_llama_dir, tmp_path, dump_dir, *schedule_flags: str):
-    flags = ("--kv-evict-policy", "snapkv", *ANY_REQUEST_OPTIONS, "--max-total-tokens", "4096", *TINY_SERVER_FLAGS)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(PLAN_DUMP_ENV, str(dump_dir))
-        with running_server(tiny_llama_dir, tmp_path, *flags, *schedule_flags) as running:
-            yield running
-            assert_strict_idle_check_passed(running)
+    flags = ("--kv-evict-policy", "snapkv", *client.ANY_REQUEST_OPTIONS, "--max-total-tokens", "4096", *client.TINY_SERVER_FLAGS)
+    with client.checked_server(tiny_llama_dir, tmp_path, *flags, *schedule_flags, dump_dir=dump_dir) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
@@ -98,17 +71,17 @@ def check_keeps_what_the_reference_keeps(server, case, reference, dump_dir, lear
     config = EvictionConfig.for_policy(policy, **overrides)
     waits = 0
     for index, length in enumerate(PROMPT_LENGTHS):
-        prompt = random_prompt(length, seed=index)
+        prompt = client.random_prompt(length, seed=index)
         rid = f"{rid_prefix}{case_id(case)}-{index}"
-        waits_before = stats(server)["overlap_waits"]
-        response = generate(server, prompt, MAX_NEW_TOKENS, rid=rid, options=request_options(config))
+        waits_before = client.stats(server)["overlap_waits"]
+        response = client.generate(server, prompt, MAX_NEW_TOKENS, rid=rid, options=client.request_options(config))
         expected = reference.generate(prompt, build_policy(config).for_model(tiny_llama_dir), max_new_tokens=MAX_NEW_TOKENS)
         (reference_plan,) = expected.plans
 
-        assert_same_plan(torch.load(dump_dir / f"{rid}.pt"), reference_plan)
+        client.assert_same_plan(torch.load(dump_dir / f"{rid}.pt"), reference_plan)
         assert tuple(response["output_ids"]) == expected.output_ids
 
-        during = stats(server)
+        during = client.stats(server)
         waits += during["overlap_waits"] - waits_before
         evicted = reference_plan.total_kept() < length * reference.num_layers * reference.num_kv_heads
         assert during["compressed_nodes"] == int(evicted)
@@ -117,7 +90,7 @@ def check_keeps_what_the_reference_keeps(server, case, reference, dump_dir, lear
         if config.budget is not None:
             per_head = max(config.budget.per_head(length), config.window)
             assert reference_plan.total_kept() <= per_head * reference.num_layers * reference.num_kv_heads
-        assert_no_leak_after_flush(server)
+        client.assert_no_leak_after_flush(server)
     return waits
 
 

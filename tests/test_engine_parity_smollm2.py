@@ -18,17 +18,8 @@ import pytest
 import torch
 
 from benchmarks.tasks import make_task
-from engine_client import (
-    ANY_REQUEST_OPTIONS,
-    TINY_SERVER_FLAGS,
-    assert_no_leak_after_flush,
-    assert_same_plan,
-    assert_strict_idle_check_passed,
-    generate,
-)
-from serving import running_server
+import engine_client as client
 from sgl_kvevict.config import EvictionConfig, build_policy
-from sgl_kvevict.engine.plan_dump import PLAN_DUMP_ENV
 from sgl_kvevict.policies import registered_policies
 from sgl_kvevict.reference.engine import Mode, Prompt
 
@@ -65,12 +56,10 @@ def dump_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, dump_dir):
-    flags = ("--kv-evict-policy", "snapkv", *ANY_REQUEST_OPTIONS, "--max-total-tokens", "8192", *TINY_SERVER_FLAGS)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(PLAN_DUMP_ENV, str(dump_dir))
-        with running_server("smollm2", tmp_path_factory.mktemp("smollm2-parity"), *flags) as running:
-            yield running
-            assert_strict_idle_check_passed(running)
+    flags = ("--kv-evict-policy", "snapkv", *client.ANY_REQUEST_OPTIONS, "--max-total-tokens", "8192", *client.TINY_SERVER_FLAGS)
+    log_dir = tmp_path_factory.mktemp("smollm2-parity")
+    with client.checked_server("smollm2", log_dir, *flags, dump_dir=dump_dir) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
@@ -129,12 +118,12 @@ def test_smollm2_passkey_greedy_parity(case, server, reference, prompts, dump_di
     config = EvictionConfig.for_policy(policy, **dict(overrides))
     for index, prompt in enumerate(prompts):
         rid = f"{case_id(case)}-{index}"
-        response = generate(server, list(prompt.token_ids), MAX_NEW_TOKENS, rid=rid, options=case_options(case))
+        response = client.generate(server, list(prompt.token_ids), MAX_NEW_TOKENS, rid=rid, options=case_options(case))
         assert response["meta_info"]["prompt_tokens"] == len(prompt)
         policy_object = build_policy(config).for_model(reference.model_dir)
         expected = reference.generate(prompt, policy_object, Mode.QUESTION_AWARE, MAX_NEW_TOKENS)
         (reference_plan,) = expected.plans
-        assert_same_plan(torch.load(dump_dir / f"{rid}.pt"), reference_plan)
+        client.assert_same_plan(torch.load(dump_dir / f"{rid}.pt"), reference_plan)
         served = tuple(response["output_ids"])
         assert served == expected.output_ids, mismatch_report(reference, prompt, policy_object, served, expected.output_ids)
-        assert_no_leak_after_flush(server)
+        client.assert_no_leak_after_flush(server)

@@ -15,12 +15,11 @@ import pytest
 from engine_client import (
     TINY_SERVER_FLAGS,
     assert_no_leak_after_flush,
-    assert_strict_idle_check_passed,
+    module_server,
     flush,
     generate,
     stats,
 )
-from serving import running_server
 from test_engine_memory import prompt
 
 pytestmark = pytest.mark.server
@@ -37,11 +36,7 @@ def conversation(seed: int) -> list[int]:
     return SYSTEM + prompt(seed, DOCUMENT)
 
 
-@pytest.fixture(scope="module")
-def server(tiny_llama_dir, tmp_path_factory):
-    with running_server(tiny_llama_dir, tmp_path_factory.mktemp("shared-prefix"), *SERVER_FLAGS) as running:
-        yield running
-        assert_strict_idle_check_passed(running)
+server = module_server("shared-prefix", *SERVER_FLAGS)
 
 
 @pytest.fixture(autouse=True)
@@ -58,8 +53,8 @@ def test_every_conversation_sharing_a_system_prompt_is_compressed_and_reused(ser
     # The first conversation's node split into the shared head and its tail; the other two hang below the head.
     assert compressed["compressed_nodes"] == 4
     assert compressed["compressed_nodes_created"] - before["compressed_nodes_created"] == 4
-    own_span = len(prompts[0]) - WINDOW
-    assert compressed["compressed_tokens"] == own_span + 2 * (own_span - len(SYSTEM))
+    own_segment = len(prompts[0]) - WINDOW
+    assert compressed["compressed_tokens"] == own_segment + 2 * (own_segment - len(SYSTEM))
     assert compressed["arena_cells_used"] == compressed["kept_cells"]
     assert compressed["requests_served_per_node_max"] == 3  # the head, by all three conversations
 

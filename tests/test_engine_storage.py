@@ -170,7 +170,7 @@ def plan_of(start: int, end: int, heads: list[list[int]], num_layers: int = 2) -
     return CompressionPlan(start, end, (layer,) * num_layers)
 
 
-def test_a_restricted_plan_keeps_each_heads_positions_inside_the_span():
+def test_a_restricted_plan_keeps_each_heads_positions_inside_the_segment():
     plan = plan_of(10, 20, [[10, 12, 18, 19], [11, 14, 18, 19]])
     kept = plan.restricted(12, 18)
     assert (kept.segment_start, kept.segment_end) == (12, 18)
@@ -210,16 +210,16 @@ def test_a_segment_reserves_what_the_rank_keeping_most_keeps_on_each_side_of_a_s
     assert (split.missing(0), split.missing(1), split.extra) == (2, 0, 2)  # 10 cells reserved after, 8 before
 
 
-def test_path_view_groups_cells_by_layer_and_head_over_spans_in_path_order():
+def test_path_view_groups_cells_by_layer_and_head_over_segments_in_path_order():
     first = segment_of(plan_of(0, 8, [[1, 2], [3]]))
     first.cells = torch.tensor([50, 51, 52, 60, 61, 62])
     second = segment_of(plan_of(12, 16, [[12], [13, 14]]))
     second.cells = torch.tensor([70, 71, 72, 80, 81, 82])
     view = PathView.of([first, second], torch.device("cpu"))
-    assert view.spans == ((0, 8), (12, 16))
+    assert view.ranges == ((0, 8), (12, 16))
     assert view.counts.tolist() == [[3, 3], [3, 3]]
     assert view.layer_offsets == (0, 6, 12)
-    # layer 0: head 0 of both spans in path order, then head 1; then layer 1 the same.
+    # layer 0: head 0 of both segments in path order, then head 1; then layer 1 the same.
     assert view.cells.tolist() == [50, 51, 70, 52, 71, 72, 60, 61, 80, 62, 81, 82]
     assert view.positions.tolist() == [1, 2, 12, 3, 13, 14] * 2
     assert view.compressed_tokens == 12

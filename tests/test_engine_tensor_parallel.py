@@ -12,32 +12,20 @@ these are the single-rank decisions.
 
 from __future__ import annotations
 
-import random
 
 import psutil
 import pytest
 import torch
 
-from engine_client import (
-    ANY_REQUEST_OPTIONS,
-    TINY_SERVER_FLAGS,
-    assert_no_leak_after_flush,
-    assert_same_plan,
-    assert_strict_idle_check_passed,
-    generate,
-    request_options,
-    stats,
-)
-from serving import running_server
+import engine_client as client
 from sgl_kvevict.config import EvictionConfig, build_policy
-from sgl_kvevict.engine.plan_dump import PLAN_DUMP_ENV
 from sgl_kvevict.sharding import PADDING
 from test_engine_blocks import BLOCK, reference_run
 
 pytestmark = pytest.mark.server
 
 TP = 2
-TP_FLAGS = ("--tp-size", str(TP), "--max-total-tokens", "4096", *ANY_REQUEST_OPTIONS, *TINY_SERVER_FLAGS)
+TP_FLAGS = ("--tp-size", str(TP), "--max-total-tokens", "4096", *client.ANY_REQUEST_OPTIONS, *client.TINY_SERVER_FLAGS)
 PROMPT_LENGTHS = (300, 520)
 MAX_NEW_TOKENS = 6
 POLICIES = ("topk", "lava", "ada-snapkv", "pyramidkv", "snapkv")
@@ -49,29 +37,21 @@ EXCHANGES = {"topk": 2, "lava": 2, "ada-snapkv": 2, "pyramidkv": 1, "snapkv": 1}
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_llama_dir):
-    from sgl_kvevict.reference.engine import ReferenceEngine
-
-    return ReferenceEngine(tiny_llama_dir, dtype=torch.float32)
-
-
-@pytest.fixture(scope="module")
 def dump_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("tp-plans")
 
 
 def tp_server(tiny_llama_dir, tmp_path, dump_dir, *flags: str):
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(PLAN_DUMP_ENV, str(dump_dir))
-        with running_server(tiny_llama_dir, tmp_path, "--kv-evict-policy", "snapkv", *flags, *TP_FLAGS) as running:
-            yield running
+    flags = ("--kv-evict-policy", "snapkv", *flags, *TP_FLAGS)
+    with client.checked_server(tiny_llama_dir, tmp_path, *flags, dump_dir=dump_dir, idle_check=False) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir, tmp_path_factory, dump_dir):
     for running in tp_server(tiny_llama_dir, tmp_path_factory.mktemp("tp"), dump_dir):
         yield running
-        assert_strict_idle_check_passed(running)
+        client.assert_strict_idle_check_passed(running)
 
 
 @pytest.fixture(scope="module")
@@ -82,11 +62,6 @@ def block_server(tiny_llama_dir, tmp_path_factory, dump_dir):
         tiny_llama_dir, tmp_path_factory.mktemp("tp-blocks"), dump_dir, "--kv-evict-scope", "block",
         "--kv-evict-block-size", str(BLOCK), "--kv-evict-budget", "0.5",
     )  # fmt: skip
-
-
-def random_prompt(length: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(5, 250) for _ in range(length)]
 
 
 def ranks_plan(dump_dir, name: str, tp: int = TP) -> tuple[dict, list[int]]:
@@ -118,17 +93,17 @@ def config_of(case, learned_weights: str) -> EvictionConfig:
 def test_ranks_keep_what_one_device_keeps(case, server, reference, dump_dir, learned_weights, tiny_llama_dir):
     config = config_of(case, learned_weights)
     for index, length in enumerate(PROMPT_LENGTHS):
-        prompt = random_prompt(length, seed=index)
+        prompt = client.random_prompt(length, seed=index)
         rid = f"tp-{'-'.join(case)}-{index}"
-        before = stats(server)
-        response = generate(server, prompt, MAX_NEW_TOKENS, rid=rid, options=request_options(config))
+        before = client.stats(server)
+        response = client.generate(server, prompt, MAX_NEW_TOKENS, rid=rid, options=client.request_options(config))
         expected = reference.generate(prompt, build_policy(config).for_model(tiny_llama_dir), max_new_tokens=MAX_NEW_TOKENS)
         (reference_plan,) = expected.plans
         merged, per_rank = ranks_plan(dump_dir, rid)
-        assert_same_plan(merged, reference_plan)
+        client.assert_same_plan(merged, reference_plan)
         assert tuple(response["output_ids"]) == expected.output_ids
 
-        during = stats(server)
+        during = client.stats(server)
         window = config.window
         compressed = [  # each rank's entries before the dense window: what its node holds
             sum(int((positions < reference_plan.segment_end - window).sum()) for positions, _ in dump["layers"])
@@ -139,22 +114,22 @@ def test_ranks_keep_what_one_device_keeps(case, server, reference, dump_dir, lea
         assert during["kept_cells"] == during["arena_cells_used"] == max(compressed)  # every rank reserves alike
         assert during["tp_exchanges"] - before["tp_exchanges"] == EXCHANGES[case[0]]
         assert sum(per_rank) == reference_plan.total_kept()
-        assert_no_leak_after_flush(server)
+        client.assert_no_leak_after_flush(server)
 
 
 def test_later_turns_reuse_the_compressed_prefix_on_every_rank(server, learned_weights):
-    options = request_options(config_of(("lava", "learned"), learned_weights))
-    conversation = random_prompt(400, seed=7)
+    options = client.request_options(config_of(("lava", "learned"), learned_weights))
+    conversation = client.random_prompt(400, seed=7)
     for turn in range(3):
-        before = stats(server)
-        response = generate(server, conversation, MAX_NEW_TOKENS, rid=f"turn-{turn}", options=options)
-        after = stats(server)
+        before = client.stats(server)
+        response = client.generate(server, conversation, MAX_NEW_TOKENS, rid=f"turn-{turn}", options=options)
+        after = client.stats(server)
         if turn:  # the previous turn's compressed prefix, on both ranks (a mismatch would hang the TP group)
             assert after["reuse_hits"] == before["reuse_hits"] + 1
             assert response["meta_info"]["cached_tokens"] >= 400
-        conversation = conversation + list(response["output_ids"]) + random_prompt(20, seed=10 + turn)
-    assert stats(server)["requests_compressed"] >= 1
-    assert_no_leak_after_flush(server)
+        conversation = conversation + list(response["output_ids"]) + client.random_prompt(20, seed=10 + turn)
+    assert client.stats(server)["requests_compressed"] >= 1
+    client.assert_no_leak_after_flush(server)
 
 
 BLOCK_CASES = [case for case in CASES if case[1] != "kvzip"]
@@ -164,19 +139,19 @@ BLOCK_CASES = [case for case in CASES if case[1] != "kvzip"]
 def test_block_scope_ranks_keep_what_one_device_keeps(case, block_server, reference, dump_dir, learned_weights, tiny_llama_dir):
     config = EvictionConfig.for_policy(case[0], score=case[1], budget="0.5",
                                        **({"learned_weights": learned_weights} if case[1] == "learned" else {}))  # fmt: skip
-    prompt = random_prompt(3 * BLOCK + 35, seed=3)
+    prompt = client.random_prompt(3 * BLOCK + 35, seed=3)
     rid = f"tp-block-{'-'.join(case)}"
-    response = generate(block_server, prompt, MAX_NEW_TOKENS, rid=rid, options=request_options(config))
+    response = client.generate(block_server, prompt, MAX_NEW_TOKENS, rid=rid, options=client.request_options(config))
     expected = reference_run(reference, prompt, len(prompt), (len(prompt), (0, 1, 2)), config=config)
     for block, plan in enumerate(expected.plans):
-        assert_same_plan(ranks_plan(dump_dir, f"{rid}.block{block}")[0], plan)
+        client.assert_same_plan(ranks_plan(dump_dir, f"{rid}.block{block}")[0], plan)
     assert tuple(response["output_ids"]) == expected.output_ids
-    assert stats(block_server)["compressed_nodes"] == 3
-    assert_no_leak_after_flush(block_server)
+    assert client.stats(block_server)["compressed_nodes"] == 3
+    client.assert_no_leak_after_flush(block_server)
 
 
 def test_every_rank_of_the_block_server_kept_its_ledger(block_server):
-    assert_strict_idle_check_passed(block_server)
+    client.assert_strict_idle_check_passed(block_server)
 
 
 def test_a_killed_rank_ends_the_server_with_a_clear_error_and_no_process_left(block_server):

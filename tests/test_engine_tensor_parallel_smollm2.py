@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine_client import ANY_REQUEST_OPTIONS, TINY_SERVER_FLAGS, assert_no_leak_after_flush, assert_same_plan
-from engine_client import assert_strict_idle_check_passed, generate, stats
-from serving import running_server
+import engine_client as client
 from sgl_kvevict.config import EvictionConfig, build_policy
-from sgl_kvevict.engine.plan_dump import PLAN_DUMP_ENV
 from sgl_kvevict.reference.engine import Mode
 from test_engine_parity_smollm2 import case_id, case_options, mismatch_report, prompts, reference  # noqa: F401
 from test_engine_tensor_parallel import ranks_plan
@@ -34,13 +31,11 @@ def dump_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, dump_dir):
-    flags = ("--kv-evict-policy", "snapkv", "--tp-size", str(TP), *ANY_REQUEST_OPTIONS, "--max-total-tokens", "8192",
-             *TINY_SERVER_FLAGS)  # fmt: skip
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(PLAN_DUMP_ENV, str(dump_dir))
-        with running_server("smollm2", tmp_path_factory.mktemp("smollm2-tp3"), *flags) as running:
-            yield running
-            assert_strict_idle_check_passed(running)
+    flags = ("--kv-evict-policy", "snapkv", "--tp-size", str(TP), *client.ANY_REQUEST_OPTIONS, "--max-total-tokens", "8192",
+             *client.TINY_SERVER_FLAGS)  # fmt: skip
+    log_dir = tmp_path_factory.mktemp("smollm2-tp3")
+    with client.checked_server("smollm2", log_dir, *flags, dump_dir=dump_dir) as running:
+        yield running
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
@@ -48,13 +43,13 @@ def test_smollm2_ranks_keep_what_one_device_keeps(case, server, reference, promp
     policy, overrides = case
     prompt = prompts[0]
     rid = f"tp3-{case_id(case)}"
-    response = generate(server, list(prompt.token_ids), 8, rid=rid, options=case_options(case))
+    response = client.generate(server, list(prompt.token_ids), 8, rid=rid, options=case_options(case))
     policy_object = build_policy(EvictionConfig.for_policy(policy, **dict(overrides))).for_model(reference.model_dir)
     expected = reference.generate(prompt, policy_object, Mode.QUESTION_AWARE, 8)
     (reference_plan,) = expected.plans
     merged, per_rank = ranks_plan(dump_dir, rid, TP)
-    assert_same_plan(merged, reference_plan)
+    client.assert_same_plan(merged, reference_plan)
     served = tuple(response["output_ids"])
     assert served == expected.output_ids, mismatch_report(reference, prompt, policy_object, served, expected.output_ids)
-    assert stats(server)["tp_size"] == TP and len(per_rank) == TP
-    assert_no_leak_after_flush(server)
+    assert client.stats(server)["tp_size"] == TP and len(per_rank) == TP
+    client.assert_no_leak_after_flush(server)

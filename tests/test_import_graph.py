@@ -17,11 +17,11 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 # pyproject.toml's package-dir: import prefix -> source folder.
 PACKAGE_DIRS = {"sgl_kvevict": ROOT / "sgl_kvevict", "sgl_kvevict.kernels": ROOT / "kernels", "sgl_kvevict.server": ROOT / "server"}
-# The math knows no engine; only engine/ imports sglang, only reference/ imports transformers models.
+# The math knows no engine; only engine/adapter/ imports sglang, only reference/ imports transformers models.
 # Nor does it know the config that builds it: policies and scores take narrow settings types.
 PURE_PACKAGES = (
     "sgl_kvevict.scoring", "sgl_kvevict.budget", "sgl_kvevict.policies", "sgl_kvevict.plan", "sgl_kvevict.settings",
-    "sgl_kvevict.common_settings", "sgl_kvevict.sharding",
+    "sgl_kvevict.settings", "sgl_kvevict.sharding",
 )  # fmt: skip
 # The engine's core knows no SGLang: every contact with it lives in the adapter (engine/adapter/).
 ENGINE_ADAPTER = "sgl_kvevict.engine.adapter"

@@ -68,7 +68,7 @@ SHAPES = [
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """A request reusing a compressed prefix: positions in ``compressed`` spans are no dense keys; KV
+    """A request reusing a compressed prefix: positions in ``compressed`` segments are no dense keys; KV
     head ``g`` keeps ``cells_per_head[g]`` of them as cells. ``cells_after_context`` extra cells per
     head lie at positions ``>= L`` (a caller passing a layer's whole path): they must change nothing."""
 
@@ -83,12 +83,12 @@ class Layout:
     cells_after_context: int = 0
 
     def __str__(self) -> str:
-        spans = "+".join(f"{start}-{end}" for start, end in self.compressed)
+        segments = "+".join(f"{start}-{end}" for start, end in self.compressed)
         cells = "-".join(map(str, self.cells_per_head))
         after = f"-after{self.cells_after_context}" if self.cells_after_context else ""
         return (
             f"kv{self.num_kv_heads}-g{self.group}-d{self.head_dim}-dv{self.head_dim_v}-L{self.context_len}"
-            f"-w{self.window}-gaps{spans}-cells{cells}{after}"
+            f"-w{self.window}-gaps{segments}-cells{cells}{after}"
         )
 
 

@@ -151,7 +151,7 @@ def test_a_missing_router_is_refused_before_the_model_resolves(monkeypatch, tmp_
 
 def test_a_server_started_without_the_launcher_is_refused_by_the_tree(tiny_llama_dir, tmp_path):
     """SGLang started directly with the plugin's tree: the tree reads the same limits from SGLang's
-    resolved configuration (sgl_kvevict.limits via engine/factory.py) and refuses to be built."""
+    resolved configuration (sgl_kvevict.limits via engine/adapter/factory.py) and refuses to be built."""
     import os
     import signal
     import sys
@@ -185,4 +185,4 @@ def test_a_server_started_without_the_launcher_is_refused_by_the_tree(tiny_llama
     output = log_path.read_text(errors="replace")
     assert "Uvicorn running" not in output  # refused before it served
     [line] = [line for line in output.splitlines() if "KV eviction cannot run with:" in line][-1:]
-    assert "page size: compressed spans are token-granular" in line and "mixed chunks: batches mixing" in line
+    assert "page size: compressed segments are token-granular" in line and "mixed chunks: batches mixing" in line

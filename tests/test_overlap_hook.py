@@ -2,7 +2,7 @@
 
 SGLang's overlap loop keeps the last batch's result in ``result_queue`` while it forms the next batch.
 The hook processes that result first exactly when the coordinator says the last batch's checkpoints
-store compressed spans, and then tells the loop nothing is left to process for it (``last_batch``
+store compressed segments, and then tells the loop nothing is left to process for it (``last_batch``
 None). End to end, every server test runs under the overlap schedule and the parity tests count the
 waits (tests/test_engine_parity.py).
 """
@@ -70,7 +70,7 @@ def scheduler_with(queue, last_batch, settling: str = "prefill N", pool=None):
     return scheduler, form, calls
 
 
-def test_a_batch_that_stores_spans_is_processed_before_the_next_is_formed():
+def test_a_batch_that_stores_segments_is_processed_before_the_next_is_formed():
     scheduler, form, calls = scheduler_with(deque([("copy of N", "result of N")]), "prefill N")
     assert settle_before_next_batch(form, scheduler, running_batch="running", last_batch="prefill N") == "plan"
     assert calls == [("process", "copy of N", "result of N"), ("form", "prefill N")]  # N still merges into the next

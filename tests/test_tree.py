@@ -69,7 +69,7 @@ def test_conversations_sharing_a_prefix_split_the_node_and_each_hangs_its_own(ha
     assert harness.last_match == 0  # sharing only the head: nothing to end a match at
     harness.finish(third)
     assert len(heads[0].children) == 3 and len(harness.compressed_nodes()) == 4
-    # A prompt whose compressed span would end inside the shared head has nothing of its own to store.
+    # A prompt whose compressed segment would end inside the shared head has nothing of its own to store.
     short = harness.prefill(system[:30] + tokens(10, WINDOW))
     assert len(heads[0].children) == 3 and len(harness.compressed_nodes()) == 4
     harness.finish(short)
@@ -82,7 +82,7 @@ def test_conversations_sharing_a_prefix_split_the_node_and_each_hangs_its_own(ha
     harness.assert_cells_hold_their_entries()
 
 
-def test_requests_racing_for_the_same_span_store_it_once():
+def test_requests_racing_for_the_same_segment_store_it_once():
     harness = TreeHarness()
     prompt = tokens(11, 90, first=11)
     racers = [harness.prefill(prompt, checkpoint=False) for _ in range(2)]  # both scored it
@@ -156,7 +156,7 @@ def test_a_compression_needs_no_free_memory():
     harness = TreeHarness(pool_slots=110)
     req = harness.prefill(tokens(70, 108, first=70), checkpoint=False)  # the pool is now full
     assert harness.allocator.available_size() == 2
-    harness.checkpoint(req)  # its cells come from the span's own slots
+    harness.checkpoint(req)  # its cells come from the segment's own slots
     harness.assert_ledger()
     assert len(harness.compressed_nodes()) == 1 and harness.allocator.available_size() > 60
     harness.finish(req)
@@ -301,7 +301,7 @@ def test_block_scope_compresses_while_prefilling_in_chunks():
     harness.assert_ledger()
 
 
-def test_request_scope_holds_a_chunked_span_until_its_last_chunk():
+def test_request_scope_holds_a_chunked_segment_until_its_last_chunk():
     harness = TreeHarness(pool_slots=400)
     prompt = tokens(120, 150, first=120)
     req = harness.begin_chunked(prompt, 64)

@@ -28,7 +28,7 @@ FULL = Node((2,) * 20, compressed=True)
 DENSE = Node((3,) * 5)
 
 
-def test_a_span_below_nothing_is_compressed_below_the_anchor():
+def test_a_segment_below_nothing_is_compressed_below_the_anchor():
     decision = decide(Walk((), 0), end=30, anchor=ROOT)
     assert decision == decide(Walk((), 0), 30, ROOT)
     assert (decision.outcome, decision.parent, decision.own_start, decision.split_node) == (Outcome.COMPRESS, ROOT, 0, None)
@@ -45,16 +45,16 @@ def test_diverging_inside_a_compressed_node_splits_it_there():
     assert (decision.split_node, decision.split_offset, decision.own_start) == (FULL, 7, 17)
 
 
-def test_the_same_span_compressed_first_by_another_request_is_a_lost_race():
+def test_the_same_segment_compressed_first_by_another_request_is_a_lost_race():
     assert decide(Walk((FULL,), 20), end=20, anchor=ROOT).outcome is Outcome.LOST_RACE
-    # Part of it taken (a node a match may end at, or a dense node the span diverges inside): stays dense.
+    # Part of it taken (a node a match may end at, or a dense node the segment diverges inside): stays dense.
     assert decide(Walk((FULL,), 20), end=30, anchor=ROOT).outcome is Outcome.TAKEN
     assert decide(Walk((), 0, DENSE, 3), end=30, anchor=ROOT).outcome is Outcome.TAKEN
 
 
-def test_a_span_that_compressed_nodes_already_hold_is_left_alone():
+def test_a_segment_that_compressed_nodes_already_hold_is_left_alone():
     assert decide(Walk((HEAD,), 10), end=10, anchor=ROOT).outcome is Outcome.SHARED
-    # Ending inside a compressed node it shares: nothing of the span is the request's own (no empty node).
+    # Ending inside a compressed node it shares: nothing of the segment is the request's own (no empty node).
     assert decide(Walk((), 0, HEAD, 6), end=6, anchor=ROOT).outcome is Outcome.SHARED
 
 

@@ -75,7 +75,7 @@ def ledger(harness: TreeHarness) -> dict:
 
 def conversations(harness: TreeHarness, record) -> None:
     """The script every rank runs: conversations sharing a system prompt (splits), follow-up turns
-    (reuse), two requests racing for one span, a pool too small for all of them (eviction, moves), a
+    (reuse), two requests racing for one segment, a pool too small for all of them (eviction, moves), a
     prefill needing most of the pool."""
     system = tokens(1, SYSTEM, first=1)
     first_turns = []

@@ -18,7 +18,7 @@ SmolLM2-shaped model (SmolLM2-135M's config and tokenizer from the kit, random w
     backend's dense path and its ``stock`` graphs); ``snapkv`` decodes the same tokens with graphs as
     eager (the compressed path: the ``segments`` graphs against the eager backend, same kept cells);
     ``/kvevict/stats`` counts compressed requests, graph replays, and no eager fallback;
-(c) syncs: host-synchronising calls per compressed decode step (``engine/sync_probe.py``) vs stock;
+(c) syncs: host-synchronising calls per compressed decode step (``engine/adapter/sync_probe.py``) vs stock;
 (d) ITL: decode inter-token latency, ``snapkv`` vs stock, batch 1 and 8;
 (e) kernels: the kernels' GPU tests (docs/gpu.md, section 2);
 and issue 38's per-step decode benchmark where ``benchmarks.decode_step`` exists.

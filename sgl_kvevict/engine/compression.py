@@ -1,6 +1,6 @@
-"""One span's compression in flight, and the statistics a forward computes for it (scoring capture).
+"""One segment's compression in flight, and the statistics a forward computes for it (scoring capture).
 
-A ``SpanCompression`` lives on its request's record from the forward that submits it until the tree
+A ``SegmentCompression`` lives on its request's record from the forward that submits it until the tree
 stores its plan (``CompressionCoordinator``). Its ``stage``:
 
 * ``PREFILLING``: its end is not prefilled yet (a chunked prefill feeds it forward by forward: a
@@ -10,19 +10,19 @@ stores its plan (``CompressionCoordinator``). Its ``stage``:
 * ``READY``: every layer was observed (or the plan needs no statistics); ``plan()`` may run.
 
 Scoring capture (``ScoringCapture.run``): after a layer's attention, a ``ScoringJob``'s queries
-(the span's last ``w`` post-RoPE query rows, or a reconstruction pass's queries) attend over the
-span's context as it stands: keys of ``[0, end)`` outside compressed spans, read from their dense
-slots, plus the kept cells of spans reused compressed (a softmax per KV head over its own cells and
-the dense keys). Spans of the same forward, earlier blocks included, are still dense when scored. The
+(the segment's last ``w`` post-RoPE query rows, or a reconstruction pass's queries) attend over the
+segment's context as it stands: keys of ``[0, end)`` outside compressed segments, read from their dense
+slots, plus the kept cells of segments reused compressed (a softmax per KV head over its own cells and
+the dense keys). Segments of the same forward, earlier blocks included, are still dense when scored. The
 statistics come from ``kernels.window_stats_paged``, which reads the pool in place and never writes
 the ``[H_q, w, L]`` attention matrix; the reference engine's schedules mirror exactly these semantics.
-A learned scorer gets the layer's attention-input hidden states of the span instead
+A learned scorer gets the layer's attention-input hidden states of the segment instead
 (``engine.adapter.hidden_states``, ``HiddenRowsJob``).
 
-Chunked prefill: a span may be prefilled by several forwards. A learned scorer gets each forward's rows
+Chunked prefill: a segment may be prefilled by several forwards. A learned scorer gets each forward's rows
 of it as they come (``HiddenRowsJob``; ``scoring.base.RowScorer`` scores pieces). A window that
 straddles two forwards keeps the queries of its first part (``QueryCarryJob``) until the forward that
-computes its end scores the span with all of them (``ScoringJob.carried``); that forward's keys are
+computes its end scores the segment with all of them (``ScoringJob.carried``); that forward's keys are
 the context as it stands then.
 """
 
@@ -52,9 +52,9 @@ def needs_reconstruction(request: StatsRequest) -> bool:
 
 
 @dataclass(eq=False)
-class SpanCompression:
-    """spec: the span ``[start, end)``; compressor: its policy state; window: the queries that score it
-    (``min(config window, span length)``); stage: see the module docstring. carried_queries: per layer,
+class SegmentCompression:
+    """spec: the segment ``[start, end)``; compressor: its policy state; window: the queries that score it
+    (``min(config window, segment length)``); stage: see the module docstring. carried_queries: per layer,
     ``[H_q, n, D]`` post-RoPE queries of the window's first ``n`` tokens, computed by an earlier forward
     of a chunked prefill (the window straddles a chunk boundary)."""
 
@@ -66,7 +66,7 @@ class SpanCompression:
     carried_queries: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
-    def submitted(cls, compressor: SegmentCompressor, window: int, stats_request: StatsRequest) -> "SpanCompression":
+    def submitted(cls, compressor: SegmentCompressor, window: int, stats_request: StatsRequest) -> "SegmentCompression":
         return cls(compressor.spec, compressor, min(window, compressor.spec.length), stats_request, Stage.PREFILLING)
 
     @property
@@ -79,7 +79,7 @@ class SpanCompression:
 
 
 class StatsSink(Protocol):
-    """What receives a job's statistics, layer by layer: a span's compressor, or a reconstruction pass's
+    """What receives a job's statistics, layer by layer: a segment's compressor, or a reconstruction pass's
     collector (``engine.reconstruction``)."""
 
     def observe(self, layer: int, stats: WindowStats) -> None: ...
@@ -122,9 +122,9 @@ def _rows(request: RequestSlice, positions: slice) -> slice:
 @dataclass(frozen=True)
 class ScoringJob:
     """Window statistics into ``sink``: the last ``window`` queries of ``request`` (the request cut at the
-    span end, ``RequestSlice.up_to``), the first of them from ``carried`` when an earlier forward computed
+    segment end, ``RequestSlice.up_to``), the first of them from ``carried`` when an earlier forward computed
     them. Its keys: ``dense_slots`` at ``dense_positions`` (device, every position of ``[0, end)`` outside
-    compressed spans) and, when the request reuses compressed spans, their cells (``request.view``)."""
+    compressed segments) and, when the request reuses compressed segments, their cells (``request.view``)."""
 
     request: RequestSlice
     sink: StatsSink
@@ -169,7 +169,7 @@ class ScoringJob:
 @dataclass(frozen=True)
 class HiddenRowsJob:
     """A learned scorer's piece: the attention-input hidden states of ``positions`` (this forward's part of
-    the span) into ``sink``."""
+    the segment) into ``sink``."""
 
     request: RequestSlice
     sink: StatsSink
@@ -185,7 +185,7 @@ class HiddenRowsJob:
 
 @dataclass(frozen=True)
 class QueryCarryJob:
-    """Keep the queries of ``positions`` (the start of a span's window, computed by this forward; the rest
+    """Keep the queries of ``positions`` (the start of a segment's window, computed by this forward; the rest
     of the window comes in a later forward) in ``carried``, per layer."""
 
     request: RequestSlice

@@ -10,12 +10,12 @@ request, every arrow one call (docs/design.md draws it):
    its ``RequestRecord`` with the eviction setup that serves it.
 2. **submit** — the attention backend's ``init_forward_metadata`` calls ``forward_begin``: each request
    of the forward with its compressed path (``engine.paths``), and, at a request's first
-   prefill forward, one ``SpanCompression`` per span its scope compresses.
+   prefill forward, one ``SegmentCompression`` per segment its scope compresses.
 3. **statistics** — after each layer's attention the backend calls ``attention_end``: the scoring
-   jobs of the forward observe that layer. KVzip spans instead queue reconstruction passes, which
+   jobs of the forward observe that layer. KVzip segments instead queue reconstruction passes, which
    ``between_batches`` runs one piece at a time after each scheduler batch (``engine.reconstruction``).
-4. **plan** — the tree's ``checkpoint`` calls ``handover``: the plans of the request's spans that are
-   ready, in position order, and where its still-pending spans begin (the tree inserts nothing from
+4. **plan** — the tree's ``checkpoint`` calls ``handover``: the plans of the request's segments that are
+   ready, in position order, and where its still-pending segments begin (the tree inserts nothing from
    there). When a request's passes finish after its prefill, ``between_batches`` returns it and the
    adapter's after-batch hook checkpoints it at once; at the request's final checkpoint its remaining
    passes run to the end first.
@@ -43,7 +43,7 @@ from sgl_kvevict.engine.compression import (
     QueryCarryJob,
     ScoringCapture,
     ScoringJob,
-    SpanCompression,
+    SegmentCompression,
     Stage,
 )
 from sgl_kvevict.engine.paths import PathViews
@@ -68,7 +68,7 @@ PlanListener = Callable[[str, CompressionPlan, Optional[int]], None]
 
 @dataclass(frozen=True)
 class ReadyPlan:
-    """A span's plan for the tree: store the entries of ``[spec.start, node_end)`` as one compressed node
+    """A segment's plan for the tree: store the entries of ``[spec.start, node_end)`` as one compressed node
     (request scope leaves the window after ``node_end`` dense)."""
 
     spec: SegmentSpec
@@ -80,14 +80,14 @@ class ReadyPlan:
 @dataclass(frozen=True)
 class Handover:
     """What a checkpoint may store: ``ready`` plans in position order; ``hold_from``: where the request's
-    first span still in flight begins (None: none is), so nothing from there on enters the tree yet."""
+    first segment still in flight begins (None: none is), so nothing from there on enters the tree yet."""
 
     ready: tuple[ReadyPlan, ...] = ()
     hold_from: Optional[int] = None
 
 
 class CompressionCoordinator:
-    """setups: the configurations that serve requests; scope: which spans are compressed; shape: the
+    """setups: the configurations that serve requests; scope: which segments are compressed; shape: the
     model's (this rank's heads); capture: computes scoring statistics; stats: the engine's counters;
     paths: the compressed paths requests see; reconstructor: KVzip passes (None when no setup can ask for
     them); chunk_size: SGLang's chunked-prefill size (None: prompts are prefilled in one forward); ranks:
@@ -142,7 +142,7 @@ class CompressionCoordinator:
     # ---- 2. submit -----------------------------------------------------------------------------
 
     def forward_begin(self, forward_batch, req_to_token: torch.Tensor) -> ForwardRequests:
-        """The forward's requests as the engine sees them; submits and schedules the scoring of spans."""
+        """The forward's requests as the engine sees them; submits and schedules the scoring of segments."""
         piece = None if self.reconstructor is None else self.reconstructor.piece_in_flight
         if piece is not None and list(forward_batch.rids) == [piece.rid]:
             self._jobs = [piece.job]
@@ -183,11 +183,11 @@ class CompressionCoordinator:
                 return []  # the extend starts inside tree-owned tokens: nothing of it is the request's own
             shape = self.shape
             record.compressions = [
-                SpanCompression.submitted(
+                SegmentCompression.submitted(
                     setup.policy.start(SegmentSpec(a, b, shape.num_layers, shape.num_kv_heads, shape.num_q_heads)),
                     setup.config.window, setup.stats_request,
                 )
-                for a, b in self.scope.compressible_spans(start, prompt_end, setup.config.window)
+                for a, b in self.scope.compressible_segments(start, prompt_end, setup.config.window)
             ]  # fmt: skip
         record.prefill_forwards += 1
         record.prefilled = end == prompt_end
@@ -208,20 +208,20 @@ class CompressionCoordinator:
                 compression.stage = Stage.READY  # the forward observes every layer before any checkpoint
         return jobs
 
-    def _submit_reconstruction(self, req, compression: SpanCompression) -> None:
+    def _submit_reconstruction(self, req, compression: SegmentCompression) -> None:
         try:
             self.reconstructor.submit(req, compression)
         except NoRoomForPasses:
             self.stats.count("reconstructions_skipped")
-            request_record(req).compressions.remove(compression)  # the span stays dense
+            request_record(req).compressions.remove(compression)  # the segment stays dense
             return
         compression.stage = Stage.RECONSTRUCTING
 
     @staticmethod
-    def _statistics_jobs(compression: SpanCompression, request: RequestSlice, req_to_token) -> list[ForwardJob]:
-        """What this forward (``request``'s queries) computes for a span it overlaps."""
+    def _statistics_jobs(compression: SegmentCompression, request: RequestSlice, req_to_token) -> list[ForwardJob]:
+        """What this forward (``request``'s queries) computes for a segment it overlaps."""
         spec, start, end = compression.spec, request.first_query_position, request.seq_len
-        if compression.stats_request.hidden_states:  # every forward over the span hands its rows on
+        if compression.stats_request.hidden_states:  # every forward over the segment hands its rows on
             rows = slice(max(spec.start, start), min(spec.end, end))
             return [HiddenRowsJob(request, compression.compressor, compression.window, rows)] if rows.start < rows.stop else []
         if spec.end <= end:
@@ -253,14 +253,14 @@ class CompressionCoordinator:
         return None
 
     def _run_piece(self, work: ReconstructionWork) -> bool:
-        """One piece of ``work``; True when the work ended (its span is ready, or stays dense for want of
+        """One piece of ``work``; True when the work ended (its segment is ready, or stays dense for want of
         room)."""
         try:
             if not self.reconstructor.step(work):
                 return False
         except NoRoomForReconstruction:
             self.stats.count("reconstructions_skipped")
-            request_record(work.req).compressions.remove(work.compression)  # the span stays dense
+            request_record(work.req).compressions.remove(work.compression)  # the segment stays dense
             return True
         compression = work.compression
         for layer in sorted(work.collector.per_layer):
@@ -274,21 +274,21 @@ class CompressionCoordinator:
         """Under SGLang's overlap schedule: why ``last_batch``'s results must be processed (its checkpoints
         run) before the next batch is formed, or "" when they need not. ``SETTLED_FOR_KVZIP``: KVzip work is
         queued (a reconstruction pass is a forward of its own, run between batches); else, when a request
-        of it has a span ready to store, ``SETTLED_FOR_BLOCK`` in block scope, ``SETTLED_FOR_PREFILL`` in
-        request scope (its prompt's span). Formed first, the next batch would decode those requests over
+        of it has a segment ready to store, ``SETTLED_FOR_BLOCK`` in block scope, ``SETTLED_FOR_PREFILL`` in
+        request scope (its prompt's segment). Formed first, the next batch would decode those requests over
         their whole dense prompts (answers differ from the serial schedule's, the dense slots stay taken
         one more step). Every other batch overlaps as in stock SGLang."""
         if self.reconstructor is not None and self.reconstructor.queue:
             return SETTLED_FOR_KVZIP
-        if any(_has_ready_span(req) for req in last_batch.reqs):
+        if any(_has_ready_segment(req) for req in last_batch.reqs):
             return SETTLED_FOR_BLOCK if isinstance(self.scope, BlockScope) else SETTLED_FOR_PREFILL
         return ""
 
     # ---- 4. plan -------------------------------------------------------------------------------
 
     def handover(self, req, final: bool) -> Handover:
-        """The request's ready plans, in position order, up to its first span still in flight. ``final``:
-        the request finished; its passes run to the end now and spans still unscored stay dense."""
+        """The request's ready plans, in position order, up to its first segment still in flight. ``final``:
+        the request finished; its passes run to the end now and segments still unscored stay dense."""
         record = request_record(req)
         if record is None or not record.compressions:
             return Handover()
@@ -310,7 +310,7 @@ class CompressionCoordinator:
             while not self._run_piece(work):
                 pass
 
-    def _ready_plan(self, req, compression: SpanCompression) -> ReadyPlan:
+    def _ready_plan(self, req, compression: SegmentCompression) -> ReadyPlan:
         plan, rank_counts = self.ranks.plan(compression.compressor)
         if self.plan_listener is not None:
             scope = self.scope
@@ -345,6 +345,6 @@ class CompressionCoordinator:
         }
 
 
-def _has_ready_span(req) -> bool:
+def _has_ready_segment(req) -> bool:
     record = request_record(req)
     return record is not None and any(c.stage is Stage.READY for c in record.compressions)

@@ -140,7 +140,7 @@ class DecodeGraphState:
 
     def check(self, forward: ForwardRequests) -> str:
         """``FITS``, or why the decode batch ``forward`` is beyond the capacity (host ints only). Read from
-        bounds every tensor-parallel rank shares (a rank's cells are at most the cells its spans reserve,
+        bounds every tensor-parallel rank shares (a rank's cells are at most the cells its segments reserve,
         a sequence's at most its compressed tokens), so every rank replays or every rank runs eagerly:
         their collectives must match."""
         capacity = self.capacity

@@ -1,8 +1,8 @@
 """KVzip's reconstruction passes as work of their own, one forward per piece, between batches.
 
-``scoring.kvzip`` has the contract: after the forward that prefills a span ``[start, end)``, per chunk
-of the span, an extra forward feeds the chunk's ids (repeat instruction, the chat template's
-assistant opening, the span's tokens again) at logical positions ``end, end + 1, ...``; its queries
+``scoring.kvzip`` has the contract: after the forward that prefills a segment ``[start, end)``, per chunk
+of the segment, an extra forward feeds the chunk's ids (repeat instruction, the chat template's
+assistant opening, the segment's tokens again) at logical positions ``end, end + 1, ...``; its queries
 see the request's keys ``[0, end)`` as they are (dense slots, and the cells of compressed nodes on its
 path) and the chunk's own keys, causally; its statistics are the chunk queries' window statistics over
 those keys, cropped to ``[0, end)``, merged over chunks, and observed once per layer.
@@ -11,7 +11,7 @@ Here a chunk's pass is fed in *pieces* of at most ``piece_tokens`` tokens, one f
 ``Reconstructor.step`` runs one piece between two scheduler batches: a running request's decode waits
 at most one piece, not a whole pass (SGLang's chunked prefill bounds a prompt's prefill the same
 way). The pieces of a chunk share one temporary ``req_to_token`` row: positions ``[0, end)`` copied
-from the request's row before every piece (the request's other spans may be stored between two
+from the request's row before every piece (the request's other segments may be stored between two
 pieces), the chunk's tokens at ``[end, end + m)`` in slots taken from SGLang's allocator (the tree
 evicts for them if it must). A piece's queries attend over ``[0, end)`` plus the chunk's tokens before
 them, exactly as in one forward, and the statistics of a chunk's pieces merge as those of its chunks
@@ -19,7 +19,7 @@ do (a max stays a max, sums add). Row and slots go back when the chunk is done, 
 ends: nothing of a pass is inserted in the tree, and the request's own row, output and sampled tokens
 are untouched.
 
-A span ending too close to the model's context length for its passes (``scoring.kvzip.NoRoomForPasses``)
+A segment ending too close to the model's context length for its passes (``scoring.kvzip.NoRoomForPasses``)
 is refused at ``submit`` and stays dense.
 
 A piece's forward is an ordinary EXTEND batch of one pseudo-request: ``PieceForward`` says what it
@@ -37,7 +37,7 @@ from typing import Callable, Optional, Protocol
 import torch
 
 from sgl_kvevict.engine.batch import RequestSlice
-from sgl_kvevict.engine.compression import ScoringJob, SpanCompression
+from sgl_kvevict.engine.compression import ScoringJob, SegmentCompression
 from sgl_kvevict.engine.paths import PathViews
 from sgl_kvevict.scoring.kvzip import ReconstructionChunk, ReconstructionPrompt, crop_columns, merge_chunk_stats, reconstruction_chunks
 from sgl_kvevict.scoring.window import WindowStats
@@ -75,12 +75,12 @@ class PieceForward:
 
 class NoRoomForReconstruction(Exception):
     """The pool (or the request table) has no room for a piece even after evicting the tree: every other
-    slot is held by running requests. The span then stays dense."""
+    slot is held by running requests. The segment then stays dense."""
 
 
 @dataclass
 class ChunkStats:
-    """One span's statistics over its passes so far, cropped to the context ``[0, end)`` and merged
+    """One segment's statistics over its passes so far, cropped to the context ``[0, end)`` and merged
     over pieces and chunks."""
 
     end: int
@@ -92,11 +92,11 @@ class ChunkStats:
 
 @dataclass(eq=False)
 class ReconstructionWork:
-    """The passes of one span of ``req``: ``chunks`` in order; ``fed`` tokens of chunk ``chunk_index`` done,
+    """The passes of one segment of ``req``: ``chunks`` in order; ``fed`` tokens of chunk ``chunk_index`` done,
     in temporary row ``row`` with the slots ``slots`` (None between chunks)."""
 
     req: object
-    compression: SpanCompression
+    compression: SegmentCompression
     chunks: list[ReconstructionChunk]
     collector: ChunkStats
     chunk_index: int = 0
@@ -154,8 +154,8 @@ class Reconstructor:
         self.piece_in_flight: Optional[PieceInFlight] = None
         self._rids = itertools.count()
 
-    def submit(self, req, compression: SpanCompression) -> None:
-        """Queue the passes of ``compression``'s span. Raises ``NoRoomForPasses`` (nothing queued)."""
+    def submit(self, req, compression: SegmentCompression) -> None:
+        """Queue the passes of ``compression``'s segment. Raises ``NoRoomForPasses`` (nothing queued)."""
         spec = compression.spec
         ids = req.full_untruncated_fill_ids[spec.start : spec.end]
         chunks = reconstruction_chunks(ids, spec.start, self.prompt, self.position_limit)

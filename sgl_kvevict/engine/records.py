@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from sgl_kvevict.engine.segments import CompressedSegment, PathView
 
 if TYPE_CHECKING:
-    from sgl_kvevict.engine.compression import SpanCompression
+    from sgl_kvevict.engine.compression import SegmentCompression
     from sgl_kvevict.engine.setups import EvictionSetup
 
 RECORD_ATTR = "kvevict"
@@ -56,19 +56,19 @@ class NodeRecord:
 class RequestRecord:
     """One request the engine saw (``CompressionCoordinator.on_request_begin``).
 
-    setup: the eviction configuration serving it (None: it stays dense). submitted: its spans were
+    setup: the eviction configuration serving it (None: it stays dense). submitted: its segments were
     submitted (at its first prefill forward). prefill_forwards: forwards its prompt took so far (more
-    than one under chunked prefill). prefilled: the forward holding its prompt's last token ran. compressions: its spans in flight, in position order, from the forward that submits them
+    than one under chunked prefill). prefilled: the forward holding its prompt's last token ran. compressions: its segments in flight, in position order, from the forward that submits them
     until the tree stores them. Tree fields: use_counted: the nodes its match passed through counted
     this request's use (at its first checkpoint: SGLang may match a waiting request several times);
-    stored_any: the tree stored one of its spans compressed.
+    stored_any: the tree stored one of its segments compressed.
     """
 
     setup: Optional["EvictionSetup"]
     submitted: bool = False
     prefill_forwards: int = 0
     prefilled: bool = False
-    compressions: list["SpanCompression"] = field(default_factory=list)
+    compressions: list["SegmentCompression"] = field(default_factory=list)
     use_counted: bool = False
     stored_any: bool = False
 

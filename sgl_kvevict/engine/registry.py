@@ -20,8 +20,8 @@ from sgl_kvevict.engine.setups import Setups
 from sgl_kvevict.engine.stats import EngineStats
 
 
-class SpanStore(Protocol):
-    """What the adapter's hooks ask of the tree that stores compressed spans."""
+class SegmentStore(Protocol):
+    """What the adapter's hooks ask of the tree that stores compressed segments."""
 
     def checkpoint(self, req, *, up_to: int) -> None:
         """Store the request's ready plans, then insert the rest of ``[0, up_to)`` densely."""
@@ -35,10 +35,10 @@ class SpanStore(Protocol):
 
 @dataclass(frozen=True)
 class Engine:
-    """One KV pool's compression engine: the tree that stores spans, the coordinator that decides them,
+    """One KV pool's compression engine: the tree that stores segments, the coordinator that decides them,
     the arena of compressed cells over ``space``, the setups that serve requests, the counters."""
 
-    tree: SpanStore
+    tree: SegmentStore
     coordinator: CompressionCoordinator
     arena: Arena
     space: CellSpace

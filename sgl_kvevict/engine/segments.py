@@ -1,17 +1,17 @@
-"""Compressed spans of the radix tree and what a request sees of them.
+"""Compressed segments of the radix tree and what a request sees of them.
 
-* ``CompressedSegment``: the content of one compressed radix node: the kept entries of a logical span
+* ``CompressedSegment``: the content of one compressed radix node: the kept entries of a logical segment
   ``[start, start + length)``, each a (layer, KV head, position) stored in one arena cell. Entries are
   one flat list, layer-major, then KV head, then position (the order of the plan's CSR), so a layer's
   entries are one slice and a (layer, head)'s one sub-slice. The arena owns the cells and may move
   them (``relocate``); the segment keeps a device copy of its cell ids for the kernels. Under tensor
   parallelism a segment *reserves* more cells than it has entries when another rank keeps more of
-  the span (``sharding.RankCounts``): every rank's tree then takes the same memory decisions. The
+  the segment (``sharding.RankCounts``): every rank's tree then takes the same memory decisions. The
   spare cells follow the entries in the cell list and are never read.
 * ``PathView``: everything compressed on a request's tree path (root to ``req.last_node``): the logical
-  spans (whose ``req_to_token`` entries are dummy slot 0) and, per layer and KV head, the cells of all
+  segments (whose ``req_to_token`` entries are dummy slot 0) and, per layer and KV head, the cells of all
   of them in path order, on the device. Attention treats them as one pseudo-sequence per (request, KV
-  head); every position outside the spans is dense.
+  head); every position outside the segments is dense.
 
 Pure torch: nothing here imports SGLang.
 """
@@ -30,11 +30,11 @@ UNASSIGNED = -1
 
 
 class CompressedSegment:
-    """Kept entries of the span ``[start, start + length)`` of one compressed radix node.
+    """Kept entries of the segment ``[start, start + length)`` of one compressed radix node.
 
     counts: int64 ``[L, H_kv]`` entries per (layer, KV head) (host).
     positions: int64 ``[n]`` logical position of each entry (host), entry order as in the module doc.
-    rank_counts: every rank's entries of the span by position (one rank without tensor parallelism).
+    rank_counts: every rank's entries of the segment by position (one rank without tensor parallelism).
     cells: int64 ``[num_cells]`` the arena cell of each entry, then the spare cells (host; the arena
         writes it through ``relocate``).
     owner_id: the arena's id of this segment.
@@ -52,7 +52,7 @@ class CompressedSegment:
 
     @classmethod
     def of_plan(cls, plan: CompressionPlan, rank_counts: RankCounts) -> "CompressedSegment":
-        """The entries of ``plan`` (already restricted to the node's span, as ``rank_counts``), cells not
+        """The entries of ``plan`` (already restricted to the node's segment, as ``rank_counts``), cells not
         yet assigned."""
         counts = torch.stack([layer.counts() for layer in plan.layers])
         positions = torch.cat([layer.kept_positions for layer in plan.layers])
@@ -151,17 +151,17 @@ class Split:
 class PathView:
     """The compressed part of one request's context.
 
-    spans: the ``(start, end)`` logical ranges of the compressed nodes on the path, ascending.
-    counts: int64 ``[L, H_kv]`` cells per (layer, KV head) over all spans (host).
+    ranges: the ``(start, end)`` logical ranges of the compressed nodes on the path, ascending.
+    counts: int64 ``[L, H_kv]`` cells per (layer, KV head) over all segments (host).
     layer_offsets: ``L + 1`` host ints: layer ``l``'s cells are ``cells[layer_offsets[l]:layer_offsets[l + 1]]``.
     cells, positions: int64 ``[n]`` on the KV device: cell ids and their logical positions, layer-major,
         then KV head, then path order (so positions ascend within a (layer, head)).
     head_indptr: int64 ``[L, H_kv + 1]`` on the KV device: each KV head's cells inside its layer's slice.
-    reserved_cells: the cells the spans hold, spare ones included: the same on every tensor-parallel rank
+    reserved_cells: the cells the segments hold, spare ones included: the same on every tensor-parallel rank
         (``cells`` are this rank's entries), so decisions read from it agree between ranks.
     """
 
-    spans: tuple[tuple[int, int], ...]
+    ranges: tuple[tuple[int, int], ...]
     counts: torch.Tensor
     layer_offsets: tuple[int, ...]
     cells: torch.Tensor
@@ -177,28 +177,28 @@ class PathView:
         cells = torch.cat([segment.device_cells(device) for segment in segments])[order.to(device)]
         positions = torch.cat([segment.positions for segment in segments])[order].to(device)
         counts = per_segment.sum(0).view_as(segments[0].counts)
-        spans = tuple((segment.start, segment.end) for segment in segments)
+        ranges = tuple((segment.start, segment.end) for segment in segments)
         reserved = sum(segment.num_cells for segment in segments)
-        return cls.of_entries(spans, counts, cells, positions, reserved)
+        return cls.of_entries(ranges, counts, cells, positions, reserved)
 
     @classmethod
     def of_entries(
-        cls, spans, counts: torch.Tensor, cells: torch.Tensor, positions: torch.Tensor, reserved_cells: int
+        cls, ranges, counts: torch.Tensor, cells: torch.Tensor, positions: torch.Tensor, reserved_cells: int
     ) -> "PathView":
         """The view of entries already in the view's order (``cells``, ``positions``), with the offsets
         derived from ``counts``."""
         layer_offsets = (0, *torch.cumsum(counts.sum(1), 0).tolist())
         head_indptr = torch.nn.functional.pad(torch.cumsum(counts, 1), (1, 0)).to(cells.device)
-        return cls(spans, counts, layer_offsets, cells, positions, head_indptr, reserved_cells)
+        return cls(ranges, counts, layer_offsets, cells, positions, head_indptr, reserved_cells)
 
     @property
     def compressed_tokens(self) -> int:
-        return sum(end - start for start, end in self.spans)
+        return sum(end - start for start, end in self.ranges)
 
     def dense_ranges(self, length: int) -> list[tuple[int, int]]:
-        """The ranges of ``[0, length)`` outside every compressed span, ascending (host ints)."""
+        """The ranges of ``[0, length)`` outside every compressed segment, ascending (host ints)."""
         ranges, cursor = [], 0
-        for start, end in self.spans:
+        for start, end in self.ranges:
             if start >= length:
                 break
             if start > cursor:

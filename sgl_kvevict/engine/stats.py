@@ -32,16 +32,16 @@ class EngineStats:
     Running totals: ``requests_compressed``; ``reuse_hits`` (requests whose match reused compressed
     nodes made by other requests) and ``reused_tokens``; ``shared_node_hits`` ((request, node) pairs of
     such reuse); ``compressed_nodes_created`` (a split's head counts as a new node);
-    ``compression_races_lost`` (spans a request scored but found compressed by a concurrent request
+    ``compression_races_lost`` (segments a request scored but found compressed by a concurrent request
     at its checkpoint: its plan is dropped before any cell is taken); ``chunked_prefills`` (requests
     whose prompt took more than one forward); ``chunked_prefills_aborted`` (requests released after
     some but not all of their prompt's forwards: a client abort between chunks);
-    ``reconstructions_skipped`` (spans left dense because running requests held every slot a KVzip
-    pass needed, or because the span ends too close to the context length for its passes); ``overlap_waits`` (under the overlap schedule, batches formed only after the previous
-    batch's results were processed, because its checkpoints stored compressed spans or KVzip work was
-    queued), split by why in ``overlap_waits_prefill`` (a request-scope prompt's span),
+    ``reconstructions_skipped`` (segments left dense because running requests held every slot a KVzip
+    pass needed, or because the segment ends too close to the context length for its passes); ``overlap_waits`` (under the overlap schedule, batches formed only after the previous
+    batch's results were processed, because its checkpoints stored compressed segments or KVzip work was
+    queued), split by why in ``overlap_waits_prefill`` (a request-scope prompt's segment),
     ``overlap_waits_block`` (a block-scope block) and ``overlap_waits_kvzip``; ``splits_without_room``
-    (spans left dense because the compressed node they hang inside could not be split: under tensor
+    (segments left dense because the compressed node they hang inside could not be split: under tensor
     parallelism a split may reserve more cells, and SGLang had no slot for them); ``graph_decodes`` (decode
     batches with compressed requests replayed in a CUDA graph, the ``segments`` graph) and
     ``decode_graph_fallbacks`` (such batches run eagerly because their cells exceed that graph's

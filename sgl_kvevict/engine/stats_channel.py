@@ -19,8 +19,8 @@ address (a socket file in a private temporary directory it removes at shutdown) 
   takes the scheduler process's GIL from the scheduler thread, and unthrottled (about 240 a second)
   they doubled decode's inter-token latency p99 (docs/deployment.md#signals-and-faults).
 
-The provider returns a JSON-serialisable dict (the factory's ``snapshot``; the README lists every
-field). The ones monitoring needs most:
+The provider returns a JSON-serialisable dict (the factory's ``snapshot``; docs/monitoring.md lists
+every field). The ones monitoring needs most:
 
     policy, budget, score, scope  the server's configuration (budget null for policies that decide it)
     compressed_nodes         compressed radix-tree nodes currently cached

@@ -1,13 +1,13 @@
 """The exchanges between tensor-parallel ranks that keep their compression identical to one rank's.
 
 Every rank's scheduler runs the same steps on the same requests (SGLang broadcasts them from rank 0),
-so every rank reaches a span's plan at the same point; the plan is made there with two all-gathers
+so every rank reaches a segment's plan at the same point; the plan is made there with two all-gathers
 on SGLang's TP group (its CPU group, gloo, so no device stream is involved: a tensor on the GPU, the
 scores, is copied to the host for the exchange and the gathered ones back, ``process_group_gather``):
 
 1. the shared state of policies that weigh heads against each other (``sharding.plan_on_rank``):
    ``[L, H_local, n]`` fp32 scores (``[L, H_local, context]`` for DBudgetKV), nothing for the others;
-2. every rank's kept entries per position of the span (int32 ``[length]``), from which each rank's
+2. every rank's kept entries per position of the segment (int32 ``[length]``), from which each rank's
    tree reserves the same cells for it (``sharding.RankCounts``).
 
 ``bytes_sent`` counts what this rank contributed to those gathers (an all-gather of ``b`` bytes per rank
@@ -70,7 +70,7 @@ class RankGroup:
         return self._gather(tensor)
 
     def plan(self, compressor: SegmentCompressor) -> tuple[CompressionPlan, RankCounts]:
-        """This rank's plan of its heads and every rank's entries of the span."""
+        """This rank's plan of its heads and every rank's entries of the segment."""
         plan = plan_on_rank(compressor, self.shard, self.all_gather)
         per_position = position_counts(plan).to(torch.int32)
         counts = torch.stack(self.all_gather(per_position))

@@ -1,4 +1,4 @@
-"""What a checkpoint does with a scored span: the tree's decisions, separated from their effects.
+"""What a checkpoint does with a scored segment: the tree's decisions, separated from their effects.
 
 ``decide_compression`` is a pure function of a read-only walk of the tree (``Walk``) and of two facts
 per node (compressed or dense; may a match end at it); ``CompressedRadixCache._compress`` carries the
@@ -6,18 +6,18 @@ decision out. Tests drive this module with plain objects, no SGLang.
 
 The rules (``engine.adapter.radix_cache`` explains the invariants they keep):
 
-* The request's span ``[start, end)`` hangs below its matched node. Walking the span's tokens down
+* The request's segment ``[start, end)`` hangs below its matched node. Walking the segment's tokens down
   from there, the request may pass only through *split heads* (compressed nodes a match may pass
   through but not end at): their positions are shared with another conversation, which compressed
   them first.
 * If the walk passes a node a match may end at, or diverges inside a dense node, another request put
-  (part of) this span in the tree since the match: the span stays dense and the request adopts
-  theirs (a *lost race* when the very same span is there compressed).
+  (part of) this segment in the tree since the match: the segment stays dense and the request adopts
+  theirs (a *lost race* when the very same segment is there compressed).
 * If the walk diverges inside a compressed node, that node is split at the divergence; the head keeps
   the shared positions (the first compressor's selection), and the request's own node, its plan
   restricted to ``[divergence, end)``, hangs below the head. This holds in request and block scope:
   documents that share a system prompt all get their own compressed node.
-* If split heads cover the whole span, or it ends inside a compressed node it shares, nothing of it
+* If split heads cover the whole segment, or it ends inside a compressed node it shares, nothing of it
   is the request's own: it stays as it is.
 """
 
@@ -45,9 +45,9 @@ class Walk:
 
 class Outcome(enum.Enum):
     COMPRESS = "compress"  # store the request's own part as a new compressed node
-    LOST_RACE = "lost race"  # the very same span is already compressed: adopt it
-    TAKEN = "taken"  # another request inserted part of the span meanwhile: stay dense, adopt theirs
-    SHARED = "shared"  # split heads already hold the whole span: nothing of it is the request's own
+    LOST_RACE = "lost race"  # the very same segment is already compressed: adopt it
+    TAKEN = "taken"  # another request inserted part of the segment meanwhile: stay dense, adopt theirs
+    SHARED = "shared"  # split heads already hold the whole segment: nothing of it is the request's own
 
 
 @dataclass(frozen=True)
@@ -70,15 +70,15 @@ def decide_compression(
     is_compressed: Callable[[Any], bool],
     may_end_at: Callable[[Any], bool],
 ) -> CompressionDecision:
-    """The decision for the span ``[.., end)`` walked from ``anchor`` (the request's matched node)."""
+    """The decision for the segment ``[.., end)`` walked from ``anchor`` (the request's matched node)."""
     if any(may_end_at(node) for node in walk.passed):
-        same_span = walk.covered == end and walk.partial is None and is_compressed(walk.passed[-1])
-        return CompressionDecision(Outcome.LOST_RACE if same_span else Outcome.TAKEN)
+        same_segment = walk.covered == end and walk.partial is None and is_compressed(walk.passed[-1])
+        return CompressionDecision(Outcome.LOST_RACE if same_segment else Outcome.TAKEN)
     parent = walk.passed[-1] if walk.passed else anchor
     if walk.partial is not None and not is_compressed(walk.partial):
         return CompressionDecision(Outcome.TAKEN)
     own_start = walk.covered + walk.partial_matched
-    if own_start == end:  # the span ends where (or inside where) compressed nodes already hold it
+    if own_start == end:  # the segment ends where (or inside where) compressed nodes already hold it
         return CompressionDecision(Outcome.SHARED)
     if walk.partial is not None:
         return CompressionDecision(

@@ -30,10 +30,9 @@ from typing import Callable, ClassVar, Optional, TypeVar
 
 import torch
 
-from sgl_kvevict.common_settings import CommonSettings
+from sgl_kvevict.settings import CommonSettings, Settings
 from sgl_kvevict.plan import CompressionPlan
 from sgl_kvevict.scoring.window import StatsRequest, WindowStats
-from sgl_kvevict.settings import Settings
 
 
 @dataclass(frozen=True)

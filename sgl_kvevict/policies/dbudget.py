@@ -16,12 +16,11 @@ from typing import Optional
 import torch
 
 from sgl_kvevict.budget.dbudget import evicted_prefix_length, head_attention_mass
-from sgl_kvevict.common_settings import CommonSettings
+from sgl_kvevict.settings import CommonSettings, ConfigError, Settings, int_at_least, setting
 from sgl_kvevict.plan import CompressionPlan
 from sgl_kvevict.policies.base import Policy, PolicyDefaults, SegmentCompressor, SegmentSpec, register_policy
 from sgl_kvevict.policies.layout import SegmentLayout
 from sgl_kvevict.scoring.window import StatsRequest, WindowStats
-from sgl_kvevict.settings import ConfigError, Settings, int_at_least, setting
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from sgl_kvevict.common_settings import CommonSettings
+from sgl_kvevict.settings import CommonSettings
 from sgl_kvevict.plan import CompressionPlan, LayerPlan
 from sgl_kvevict.policies.base import SegmentSpec
 

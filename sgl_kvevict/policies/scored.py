@@ -27,12 +27,11 @@ from typing import Optional
 import torch
 
 from sgl_kvevict.budget.heads import kept_offsets, rank_candidates, uniform_head_counts
-from sgl_kvevict.common_settings import CommonSettings
+from sgl_kvevict.settings import CommonSettings, Settings
 from sgl_kvevict.plan import CompressionPlan
 from sgl_kvevict.policies.base import Policy, SegmentCompressor, SegmentSpec
 from sgl_kvevict.policies.layout import SegmentLayout
 from sgl_kvevict.scoring import RowScorer, Scorer, StatsRequest, WindowStats, scorer_for
-from sgl_kvevict.settings import Settings
 
 
 class ScoredPolicy(Policy):

@@ -7,11 +7,10 @@ Scores are the last query's own (attention, OBCache): TOVA is defined by that qu
 
 from __future__ import annotations
 
-from sgl_kvevict.common_settings import CommonSettings
+from sgl_kvevict.settings import CommonSettings, ConfigError, Settings
 from sgl_kvevict.policies.base import PolicyDefaults, register_policy
 from sgl_kvevict.policies.scored import ScoredPolicy
 from sgl_kvevict.scoring import OBC_SCORES, WINDOW_SCORES, LastQueryScorer, Scorer, scorer_for
-from sgl_kvevict.settings import ConfigError, Settings
 
 
 @register_policy("tova")

@@ -5,7 +5,7 @@ keeps the selection of the request that stored it (the stored plan ``restricted`
 the request's own part keeps its own (its plan ``restricted`` to the rest), the rule the SGLang tree
 applies when it splits the node (docs/design.md#scopes-and-the-split-rule). The
 reference engine replays such a composed selection with ``ReplayedPlans``: a policy whose compressor
-for a segment returns the plan given for exactly that span, scoring nothing.
+for a segment returns the plan given for exactly that segment, scoring nothing.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class _Replayed(SegmentCompressor):
 
 
 class ReplayedPlans(Policy):
-    """Compress each segment ``[start, end)`` to the given plan of that span.
+    """Compress each segment ``[start, end)`` to the given plan of that segment.
 
     config: the configuration whose window the plans were made with (the reference keeps it dense
     exactly as for the policy that made them).

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from sgl_kvevict.common_settings import CommonSettings
+from sgl_kvevict.settings import CommonSettings, Settings
 from sgl_kvevict.scoring.attention import LastQueryScorer, WindowAttentionScorer
 from sgl_kvevict.scoring.base import QueryHeadScorer, Reduction, RowScorer, Scorer
 from sgl_kvevict.scoring.kvzip import KVzipScorer
@@ -24,7 +24,6 @@ from sgl_kvevict.scoring.lava import LavaScorer
 from sgl_kvevict.scoring.learned import LEARNED_SCORE, LearnedKnobs, LearnedScorer, resolve_learned_weights
 from sgl_kvevict.scoring.obcache import OBCacheScorer
 from sgl_kvevict.scoring.window import RECONSTRUCTION_QUERIES, StatsRequest, WindowStats, window_stats
-from sgl_kvevict.settings import Settings
 
 
 @dataclass(frozen=True)

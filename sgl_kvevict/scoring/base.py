@@ -13,10 +13,9 @@ from typing import ClassVar
 
 import torch
 
-from sgl_kvevict.common_settings import CommonSettings
+from sgl_kvevict.settings import CommonSettings, Settings
 from sgl_kvevict.scoring.reduce import pool_positions, reduce_gqa
 from sgl_kvevict.scoring.window import StatsRequest, WindowStats
-from sgl_kvevict.settings import Settings
 
 
 @dataclass(frozen=True)

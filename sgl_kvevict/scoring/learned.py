@@ -39,11 +39,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from sgl_kvevict.common_settings import CommonSettings
+from sgl_kvevict.settings import CommonSettings, ConfigError, Settings, setting
 from sgl_kvevict.scoring.base import Reduction, RowScorer
 from sgl_kvevict.scoring.kvzap_checkpoint import KVZAP_MODEL_TYPE, KVZAP_WEIGHTS_FILE, read_kvzap_checkpoint
 from sgl_kvevict.scoring.window import StatsRequest, WindowStats
-from sgl_kvevict.settings import ConfigError, Settings, setting
 
 LEARNED_SCORE = "learned"
 BUNDLED_WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from sgl_kvevict.common_settings import CommonSettings
+from sgl_kvevict.settings import CommonSettings, Settings
 from sgl_kvevict.scoring.base import QueryHeadScorer, Reduction
 from sgl_kvevict.scoring.window import StatsRequest, WindowStats
-from sgl_kvevict.settings import Settings
 
 _FIELD_OF_SCORE = {"obc-value": "obc_value", "obc-key": "obc_key", "obc-joint": "obc_joint"}
 

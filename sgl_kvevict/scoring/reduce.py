@@ -23,7 +23,7 @@ def reduce_gqa(scores: torch.Tensor, num_kv_heads: int, how: str) -> torch.Tenso
 def pool_positions(scores: torch.Tensor, how: str, kernel: int) -> torch.Tensor:
     """Smooth ``[H, n]`` scores along positions with a centred window of odd ``kernel`` (stride 1).
 
-    SnapKV's max-pooling keeps the neighbours of a high-scoring token, so kept spans stay
+    SnapKV's max-pooling keeps the neighbours of a high-scoring token, so kept segments stay
     contiguous enough to carry meaning. ``how`` is ``max``, ``avg`` or ``none``.
     """
     if how == "none" or kernel == 1:

@@ -8,13 +8,13 @@ compressed requests, it is the stock backend, call for call.
 A plan/run reader of per-forward metadata it builds itself: ``init_forward_metadata`` asks the
 coordinator for the forward's requests (``forward_begin``) and builds the ``SegmentMetadata`` of the
 compressed ones; each layer runs on it, then tells the coordinator the layer is done
-(``attention_end``: the scoring capture of spans compressed after this forward,
+(``attention_end``: the scoring capture of segments compressed after this forward,
 ``engine.compression``).
 * **Segment attention** (extend and decode): for a request whose path holds compressed nodes, the
   output is the log-sum-exp merge of (a) attention over the cells of those nodes, one pseudo-sequence
   per (request, KV head) with the GQA group as its query heads (``kernels.segment_attention``, reading
   the cells in place in SGLang's pool), and (b) causal attention over the dense positions (everything
-  outside the compressed spans, new tokens included). RoPE is in the stored keys, so kept keys keep
+  outside the compressed segments, new tokens included). RoPE is in the stored keys, so kept keys keep
   their original positions and queries stay at logical positions.
 * **The torch backend's decode** needs no merge: one query per request sees every key, so each
   (request, KV head) is one sequence of its cells and its dense positions together (``DecodeKeys``,
@@ -102,7 +102,7 @@ class SegmentAttentionBackend:
 
     A forward without compressed requests is the stock backend's, call for call; with some, every
     request of the batch goes through ``_forward_with_segments`` (stock metadata would read the
-    placeholder slots of compressed spans). Subclasses provide ``_init_segment_metadata`` and
+    placeholder slots of compressed segments). Subclasses provide ``_init_segment_metadata`` and
     ``_forward_with_segments``; the stock base provides ``req_to_token_pool`` and ``token_to_kv_pool``.
     """
 

@@ -12,8 +12,9 @@ entry points read ``CONTACTS``:
 The debug probe (it acts only with its own variable set) and the stats route are made for stock
 SGLang too, so stock servers are measured and polled the same way.
 
-A handler is named ``module:attribute`` inside this package and imported only when its contact is
-made: everything heavy loads in the processes that need it. A ``configured`` handler is a factory
+A handler is named ``module:attribute`` inside this package and imported when its contact is made,
+except a backend factory's, imported when SGLang first calls it (the FlashInfer backend's module
+needs CUDA): everything heavy loads only in the processes that need it. A ``configured`` handler is a factory
 called with the server's ``ServingConfig`` (read once, at registration) that returns what is
 registered. docs/design.md's "Registration" table is generated from ``CONTACTS``
 (``python -m sgl_kvevict.engine.adapter.contacts --write docs/design.md``) and checked by a test.
@@ -22,6 +23,7 @@ registered. docs/design.md's "Registration" table is generated from ``CONTACTS``
 from __future__ import annotations
 
 import enum
+import functools
 import importlib
 import sys
 from dataclasses import dataclass
@@ -66,6 +68,17 @@ class Contact:
         handler = getattr(importlib.import_module(f"{__package__}.{module_name}"), attribute)
         return handler(serving) if self.configured else handler
 
+    def registered(self, serving: ServingConfig):
+        """What registration hands SGLang: the handler, or for a backend factory one that resolves it at
+        its first call."""
+        if self.kind not in _FACTORY_KINDS:
+            return self.resolve(serving)
+        return functools.partial(_call_resolved, self, serving)
+
+
+def _call_resolved(contact: Contact, serving: ServingConfig, *args, **kwargs):
+    return contact.resolve(serving)(*args, **kwargs)
+
 
 _SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 _DECODE_GRAPH_RUNNER = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner"
@@ -85,7 +98,7 @@ CONTACTS: tuple[Contact, ...] = (
     Contact(S, Kind.AFTER, f"{_SCHEDULER}.process_batch_result", "scheduler_hooks:after_batch",
             "one piece of queued KVzip reconstruction between batches; a finished request's plans stored"),
     Contact(S, Kind.AROUND, f"{_SCHEDULER}.get_next_batch_to_run", "scheduler_hooks:settle_before_next_batch",
-            "overlap schedule: a batch whose checkpoints store compressed spans is processed before the next forms"),
+            "overlap schedule: a batch whose checkpoints store compressed segments is processed before the next forms"),
     Contact(S, Kind.AFTER, "sglang.srt.managers.tp_worker.TpModelWorker.get_worker_info",
             "admission:length_limits", "the longest prompt accepted: what the pool holds once compressed", configured=True),
     Contact(S, Kind.AROUND, "sglang.srt.managers.schedule_policy.PrefillAdder._check_prefill_budget",
@@ -104,6 +117,7 @@ CONTACTS: tuple[Contact, ...] = (
             "http:check_generate_request", "every other route refuses them too (HTTP 400)", configured=True),
 )  # fmt: skip
 _HOOK_KINDS = (Kind.AFTER, Kind.AROUND, Kind.BEFORE)
+_FACTORY_KINDS = (Kind.ATTENTION_BACKEND, Kind.RADIX_CACHE_BACKEND)
 # Made for stock SGLang too (no policy): the probe measures stock servers, the route says there is no policy.
 _ALWAYS = (Kind.PROBE, Kind.ROUTE)
 
@@ -130,7 +144,7 @@ def _make(serving: ServingConfig, process: Process, app) -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     for contact in contacts:
-        handler = contact.resolve(serving)
+        handler = contact.registered(serving)
         if contact.kind in _HOOK_KINDS:
             HookRegistry.register(contact.target, handler, HookType[contact.kind.name])
         elif contact.kind is Kind.ATTENTION_BACKEND:

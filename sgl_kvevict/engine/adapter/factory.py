@@ -208,7 +208,7 @@ def create_compressed_radix_cache(ctx: TreeCacheBuildContext, serving: ServingCo
     hidden_states = HiddenStateCapture(runner.model) if request.hidden_states or serving.per_request else None
     reconstruction = None
     if needs_reconstruction(request) or serving.per_request:
-        # Passes run at positions after their span: rotary tables and req_to_token rows end here.
+        # Passes run at positions after their segment: rotary tables and req_to_token rows end here.
         position_limit = min(runner.model_config.context_len, runner.req_to_token_pool.req_to_token.shape[1])
         reconstruction = Reconstruction(
             piece_forward(runner), _reconstruction_prompt(model_dir), _piece_tokens(), position_limit

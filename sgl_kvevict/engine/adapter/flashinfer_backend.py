@@ -11,9 +11,9 @@ forward with compressed requests (``SegmentAttentionBackend`` dispatch, shared w
 runs every request of the batch as
 
 * **dense part**, FlashInfer: the stock paged prefill wrapper (``prefill_wrappers_paged[0]``),
-  re-planned over each request's *dense* positions only (everything outside its compressed spans,
+  re-planned over each request's *dense* positions only (everything outside its compressed segments,
   this forward's tokens included) with ``causal=True``, page size 1, ``return_lse=True``. The
-  compressed spans all precede the new tokens, so FlashInfer's bottom-right causal alignment over
+  compressed segments all precede the new tokens, so FlashInfer's bottom-right causal alignment over
   the compacted position list is exactly "query at position p sees dense keys at positions <= p".
   The same wrapper serves decode (one query per request): its prefill kernels pack the GQA group
   into the query tile, like the decode wrapper's tensor-core mode, and have no group-size limits.

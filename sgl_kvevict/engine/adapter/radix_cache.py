@@ -1,19 +1,19 @@
 """CompressedRadixCache: SGLang's pure-Python ``RadixCache`` with compressed nodes in one KV pool.
 
-After a request's prefill, the tree's ``checkpoint`` turns each span the request's forward scored
-(``Scope.compressible_spans``) into a *compressed node*: the plan's kept entries are copied into arena
+After a request's prefill, the tree's ``checkpoint`` turns each segment the request's forward scored
+(``Scope.compressible_segments``) into a *compressed node*: the plan's kept entries are copied into arena
 cells (``engine.arena``: cells of slots borrowed from SGLang's own pool, so dense and compressed KV
-share one memory), the span's dense slots go back to SGLang, and the node hangs below the request's
-path. In request scope the span's last ``window`` tokens (and later the output) stay an ordinary dense
+share one memory), the segment's dense slots go back to SGLang, and the node hangs below the request's
+path. In request scope the segment's last ``window`` tokens (and later the output) stay an ordinary dense
 node inserted by the stock path; a block keeps its window. The request's ``req_to_token`` row then
-holds dummy slot 0 over the compressed span; attention reads those positions from the cells.
+holds dummy slot 0 over the compressed segment; attention reads those positions from the cells.
 
-A compressed node keeps SGLang's logical bookkeeping intact: its key is the span's tokens and its
+A compressed node keeps SGLang's logical bookkeeping intact: its key is the segment's tokens and its
 ``value`` is dummy slot 0 at every position (``len(value) == len(key)``, so prefix lengths, row
 re-pointing and ``prefix_device_indices`` work unchanged). Its data is the ``CompressedSegment`` of its
 ``NodeRecord`` (``engine.records``).
 
-**Shared prefixes** (``engine.tree_decisions``). A request's span starts where its match ended, so the
+**Shared prefixes** (``engine.tree_decisions``). A request's segment starts where its match ended, so the
 first conversation's node also covers what later conversations share with it (a system prompt) and
 they diverge inside it. At such a request's checkpoint the node is *split* at the divergence (its
 cells partitioned by position, nothing copied) into a head and a tail; the request's own node, its
@@ -23,7 +23,7 @@ selection (chosen with that conversation's observation window); a later request 
 head finds it whole and hangs its own node there too. The same rule holds for blocks.
 
 **Memory** (one pool). A compression never needs free memory: its cells come from holes in borrowed
-slots, then from the span's own dense slots (adopted before they are freed), then from SGLang's
+slots, then from the segment's own dense slots (adopted before they are freed), then from SGLang's
 allocator. ``evict`` (SGLang asks for ``n`` free slots) first gives back slots the arena can empty by
 moving cells, then evicts leaves in one order for both kinds (``engine.eviction``: GreedyDual-Size-
 Frequency) until enough slots can be given back. SGLang's ledger stays exact: ``evictable_size`` and
@@ -35,7 +35,7 @@ Invariants and the methods that keep them:
 
 * **Slot 0 is never freed.** Stock code frees tree values only in ``evict`` (overridden: a compressed
   leaf frees its cells, not its value) and frees a request's row only from ``cache_protected_len`` on;
-  compressed spans always lie below ``cache_protected_len`` because only ``_compress`` creates them and
+  compressed segments always lie below ``cache_protected_len`` because only ``_compress`` creates them and
   it moves ``cache_protected_len`` past them in the same step.
 * **Compressed content is matched atomically.** A node's content was selected with the observation
   window that followed it, so a request diverging inside one must not reuse part of it: a match passes
@@ -48,7 +48,7 @@ Invariants and the methods that keep them:
 
 **A store, driven by the coordinator** (``engine.coordinator``): the tree decides nothing about what to
 compress. ``checkpoint`` asks the coordinator for the request's ready plans (``handover``), stores them
-in position order, then inserts the rest of the request densely, never past a span still in flight
+in position order, then inserts the rest of the request densely, never past a segment still in flight
 (its tokens stay the request's own until their plan is stored). ``match_prefix`` and ``on_release``
 tell the coordinator a request began and ended; what the coordinator and the attention backends read
 of a request's compressed path is its ``PathView`` (``engine.paths``).
@@ -307,7 +307,7 @@ class CompressedRadixCache(RadixCache):
         The stock method asserts that the tree now holds the whole key; here an insert stops at a
         compressed node the key diverges inside, so the request adopts the tree's path up to where it
         stops and keeps the rest of its row as its own (freed with the row, as any uncached tail). It
-        also stops where the request's first span still in flight begins.
+        also stops where the request's first segment still in flight begins.
         """
         if self.disable:
             return
@@ -374,7 +374,7 @@ class CompressedRadixCache(RadixCache):
         req.last_node = node
 
     def _compress(self, req, ready: ReadyPlan) -> Optional[TreeNode]:
-        """Turn the request's span into a compressed node below its path and adopt it; None when the span
+        """Turn the request's segment into a compressed node below its path and adopt it; None when the segment
         stays dense (``engine.tree_decisions``)."""
         spec = ready.spec
         if spec.start > req.kv.cache_protected_len:
@@ -383,7 +383,7 @@ class CompressedRadixCache(RadixCache):
         if spec.start != start or len(self.path_device_indices(req.last_node)) != start:
             return None  # the row changed since the forward scored it (e.g. retraction), or the insert stopped short
         if ready.rank_counts.restricted(start, end).keeps_everything():
-            return None  # nothing evicted: the policy kept the span whole (on every rank)
+            return None  # nothing evicted: the policy kept the segment whole (on every rank)
         key = RadixKey(req.full_untruncated_fill_ids[:end], req.extra_key, cache_salt=req.cache_salt)
         walk = self._walk(key, req.last_node, start)
         decision = decide_compression(walk, req.last_node, end, is_compressed, match_may_end)
@@ -425,17 +425,17 @@ class CompressedRadixCache(RadixCache):
         return spare
 
     def _store(self, req, own_plan, rank_counts: RankCounts, start: int, end: int) -> CompressedSegment:
-        """Copy the plan's entries from the request's dense slots into arena cells and free the span's
-        dense slots ``[start, end)``; the slots the arena needs are adopted from the span itself, so a
+        """Copy the plan's entries from the request's dense slots into arena cells and free the segment's
+        dense slots ``[start, end)``; the slots the arena needs are adopted from the segment itself, so a
         compression never waits for memory."""
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
-        span_slots = row[start:end].to(torch.int64)
+        segment_slots = row[start:end].to(torch.int64)
         arena, space = self.arena, self.arena.space
         segment = CompressedSegment.of_plan(own_plan, rank_counts)
         segment.owner_id = arena.register(segment)
         sources = space.entry_rows(segment.layer_ids(), row[segment.positions.to(row.device)].cpu(), segment.head_ids())
-        adopted = arena.alloc(segment, segment.num_cells, adoptable=span_slots.cpu())
-        assert adopted is not None, "the span's own slots always hold its reserved cells"
+        adopted = arena.alloc(segment, segment.num_cells, adoptable=segment_slots.cpu())
+        assert adopted is not None, "the segment's own slots always hold its reserved cells"
         # A source in an adopted slot may be overwritten by another entry's copy: read those first.
         at_risk = torch.isin(space.slot_of(sources), adopted)
         saved_k, saved_v = space.k_rows[sources[at_risk].to(space.device)], space.v_rows[sources[at_risk].to(space.device)]
@@ -443,7 +443,7 @@ class CompressedRadixCache(RadixCache):
         space.copy(sources[~at_risk], entry_cells[~at_risk])
         targets = entry_cells[at_risk].to(space.device)
         space.k_rows[targets], space.v_rows[targets] = saved_k, saved_v
-        freed = span_slots[~torch.isin(span_slots, adopted.to(span_slots.device))]
+        freed = segment_slots[~torch.isin(segment_slots, adopted.to(segment_slots.device))]
         self.token_to_kv_pool_allocator.free(freed)
         self.stats.node_added(segment)
         return segment

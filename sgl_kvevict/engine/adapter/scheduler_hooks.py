@@ -30,7 +30,7 @@ def after_batch(_result, scheduler, *args, **kwargs) -> None:
 
 def settle_before_next_batch(original, scheduler, *args, **kwargs):
     """SGLang's overlap loop forms batch N + 1 before it processes batch N's results. When N's checkpoints
-    store compressed spans (or KVzip work is queued), process them first, as the serial loop does: N + 1
+    store compressed segments (or KVzip work is queued), process them first, as the serial loop does: N + 1
     then decodes those requests over their compressed prefixes and leaves out the ones N finished.
     Processing them at launch instead (SGLang's ``is_disable_overlap_for_batch`` route) would release
     requests N + 1 still holds: its decode would write into slots a checkpoint may have just lent to
