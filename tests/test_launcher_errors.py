@@ -20,12 +20,20 @@ def run_launcher(*args: str) -> tuple[int, str, float]:
     return result.returncode, result.stdout + result.stderr, time.monotonic() - start
 
 
-def test_unknown_policy_is_refused_with_the_valid_names(tiny_llama_dir):
-    code, output, elapsed = run_launcher("--model", str(tiny_llama_dir), "--kv-evict-policy", "nonsense")
-    assert code != 0
+def fast_refusal(*args: str, exit_code: int | None = None) -> tuple[str, str]:
+    """Runs the launcher with ``args``, which it must refuse before any model is loaded: a non-zero exit
+    (``exit_code`` where given) within ``FAST_EXIT_SECONDS`` and one error line. Returns that line and
+    the whole output."""
+    code, output, elapsed = run_launcher(*args)
+    assert code != 0 if exit_code is None else code == exit_code
     [line] = error_lines(output)
-    assert "nonsense" in line and "valid: none, ada-pyramidkv" in line
     assert elapsed < FAST_EXIT_SECONDS and "Load weight" not in output
+    return line, output
+
+
+def test_unknown_policy_is_refused_with_the_valid_names(tiny_llama_dir):
+    line, _ = fast_refusal("--model", str(tiny_llama_dir), "--kv-evict-policy", "nonsense")
+    assert "nonsense" in line and "valid: none, ada-pyramidkv" in line
 
 
 @pytest.mark.parametrize(
@@ -50,20 +58,16 @@ def test_unknown_policy_is_refused_with_the_valid_names(tiny_llama_dir):
     ],
 )
 def test_refused_combinations_exit_before_sglang_starts(tiny_llama_dir, args, message):
-    code, output, elapsed = run_launcher("--model", str(tiny_llama_dir), "--port", str(free_port()), *args)
-    assert code == 2
-    [line] = error_lines(output)
+    line, _ = fast_refusal("--model", str(tiny_llama_dir), "--port", str(free_port()), *args, exit_code=2)
     assert message in line
-    assert elapsed < FAST_EXIT_SECONDS and "Load weight" not in output
 
 
 def test_sglangs_metadata_glue_graph_in_the_environment_is_refused(tiny_llama_dir, monkeypatch):
     monkeypatch.setenv("SGLANG_ENABLE_METADATA_GLUE_GRAPH", "1")  # the launcher's process inherits it
-    code, output, elapsed = run_launcher("--model", str(tiny_llama_dir), "--port", str(free_port()), "--kv-evict-policy", "lava")
-    assert code == 2
-    [line] = error_lines(output)
+    line, _ = fast_refusal(
+        "--model", str(tiny_llama_dir), "--port", str(free_port()), "--kv-evict-policy", "lava", exit_code=2
+    )
     assert "SGLANG_ENABLE_METADATA_GLUE_GRAPH=1 cannot be used with a --kv-evict-policy" in line
-    assert elapsed < FAST_EXIT_SECONDS and "Load weight" not in output
 
 
 def test_missing_model_path_is_refused(tmp_path):
@@ -86,11 +90,8 @@ def test_port_in_use_is_refused(tiny_llama_dir):
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", port))
         holder.listen()
-        code, output, elapsed = run_launcher("--model", str(tiny_llama_dir), "--port", str(port))
-    assert code != 0
-    [line] = error_lines(output)
+        line, _ = fast_refusal("--model", str(tiny_llama_dir), "--port", str(port))
     assert str(port) in line and "in use" in line
-    assert elapsed < FAST_EXIT_SECONDS and "Load weight" not in output
 
 
 @pytest.mark.parametrize("flag", ["--model-path", "--port=0", "--host"])
@@ -109,13 +110,10 @@ def test_bad_sglang_flag_fails_startup_with_a_reason(tiny_llama_dir):
 
 
 def test_an_attention_backend_the_engine_does_not_wrap_is_refused_with_a_policy(tiny_llama_dir):
-    code, output, elapsed = run_launcher(
+    line, _ = fast_refusal(
         "--model", str(tiny_llama_dir), "--kv-evict-policy", "snapkv", "--attention-backend", "flex_attention"
     )
-    assert code != 0
-    [line] = error_lines(output)
     assert "--attention-backend flex_attention" in line and "torch_native" in line
-    assert elapsed < FAST_EXIT_SECONDS and "Load weight" not in output
 
 
 @pytest.mark.parametrize(
@@ -127,11 +125,8 @@ def test_an_attention_backend_the_engine_does_not_wrap_is_refused_with_a_policy(
     ],
 )
 def test_scale_out_without_room_is_refused_before_any_worker_starts(tiny_llama_dir, args, message):
-    code, output, elapsed = run_launcher("--model", str(tiny_llama_dir), "--port", str(free_port()), *args)
-    assert code == 2
-    [line] = error_lines(output)
-    assert message in line
-    assert elapsed < FAST_EXIT_SECONDS and "Load weight" not in output and "worker 0" not in output
+    line, output = fast_refusal("--model", str(tiny_llama_dir), "--port", str(free_port()), *args, exit_code=2)
+    assert message in line and "worker 0" not in output
 
 
 def test_a_missing_router_is_refused_before_the_model_resolves(monkeypatch, tmp_path, capsys):

@@ -99,6 +99,13 @@ def test_requests_racing_for_the_same_segment_store_it_once():
     harness.assert_ledger()
 
 
+def block_tree_after(prompt: list[int]) -> TreeHarness:
+    """A tree in 32-token blocks (1200 slots) that has served ``prompt`` once: prefilled and finished."""
+    harness = TreeHarness(pool_slots=1200, scope=BlockScope(32))
+    harness.finish(harness.prefill(prompt))
+    return harness
+
+
 def test_block_scope_compresses_every_document_after_a_shared_system_prompt():
     harness = TreeHarness(pool_slots=1200, scope=BlockScope(32))
     system = tokens(20, 20, first=20)
@@ -121,9 +128,8 @@ def test_block_scope_compresses_every_document_after_a_shared_system_prompt():
 
 
 def test_block_scope_a_document_that_extends_another_reuses_its_blocks():
-    harness = TreeHarness(pool_slots=1200, scope=BlockScope(32))
     short = tokens(40, 70, first=40)
-    harness.finish(harness.prefill(short))
+    harness = block_tree_after(short)
     longer = harness.prefill(short + tokens(41, 60))
     assert harness.last_match == 70  # the shorter document's two blocks and its dense tail
     harness.finish(longer)
@@ -136,9 +142,8 @@ def test_block_scope_a_document_that_extends_another_reuses_its_blocks():
 
 
 def test_a_conversation_branching_at_a_later_turn_keeps_its_shared_history():
-    harness = TreeHarness(pool_slots=1200, scope=BlockScope(32))
     history = tokens(50, 100, first=50)
-    harness.finish(harness.prefill(history))
+    harness = block_tree_after(history)
     branches = [history + tokens(51 + i, 70) for i in range(2)]
     for branch in branches:
         req = harness.prefill(branch)
