@@ -25,13 +25,14 @@ import torch
 from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.sampling.sampling_params import SamplingParams
 
 from sgl_kvevict.config import EvictionConfig
-from sgl_kvevict.engine.adapter.factory import EnginePools, build_engine
+from sgl_kvevict.engine.adapter.factory import build_engine
 from sgl_kvevict.engine.adapter.pool import install_contiguous_kv_buffers
 from sgl_kvevict.engine.eviction import CompressedTreeOrder
 from sgl_kvevict.engine.records import node_record
@@ -131,8 +132,10 @@ class TreeHarness:
         config = EvictionConfig(policy="snapkv", window=WINDOW)
         policy = RulePolicy(config.common, rule)
         setups = Setups(EvictionSetup(config, policy, policy.stats_request()))
-        pools = EnginePools(self.req_to_token_pool, self.allocator)
-        self.engine = build_engine(setups, scope, self.shape, pools, ranks=ranks, order=order)
+        params = CacheInitParams(
+            disable=False, req_to_token_pool=self.req_to_token_pool, token_to_kv_pool_allocator=self.allocator, page_size=1
+        )
+        self.engine = build_engine(setups, scope, self.shape, params, ranks=ranks, order=order)
         self.tree, self.coordinator, self.arena = self.engine.tree, self.engine.coordinator, self.engine.arena
         self.space, self.stats = self.engine.space, self.engine.stats
         self.running: list[Req] = []

@@ -14,9 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.mem_cache.registry import TreeCacheBuildContext
 from sglang.srt.model_executor.cuda_graph_config import Backend
 from sglang.srt.runtime_context import (
@@ -106,19 +104,6 @@ def unsupported_features(ctx: TreeCacheBuildContext, attn_backend) -> list[str]:
 
 
 @dataclass(frozen=True)
-class EnginePools:
-    """SGLang's pools the engine works in: the request table and the KV allocator (whose pool holds the
-    cells: ``allocator.get_kvcache()``)."""
-
-    req_to_token: ReqToTokenPool
-    allocator: BaseTokenToKVPoolAllocator
-
-    @property
-    def kv(self):
-        return self.allocator.get_kvcache()
-
-
-@dataclass(frozen=True)
 class ModelParts:
     """What the model gives the engine where its setups need it: the attention inputs of every layer
     (learned scores), and KVzip's reconstruction passes (``Reconstruction``). None: not needed."""
@@ -141,7 +126,7 @@ def build_engine(
     setups: Setups,
     scope: Scope,
     shape: ModelShape,
-    pools: EnginePools,
+    pools: CacheInitParams,
     *,
     model: ModelParts = ModelParts(),
     chunk_size: Optional[int] = None,
@@ -149,21 +134,24 @@ def build_engine(
     order: Optional[CompressedTreeOrder] = None,
     plan_listener: Optional[PlanListener] = None,
 ) -> Engine:
-    """The engine over ``pools``, wired once, in dependency order, and registered for its KV pool
-    (``engine.registry``): the attention backends and hooks find it there. Production (``radix_cache_
-    factory``) and the tests' ``TreeHarness`` both build it here."""
-    kv_pool = pools.kv
+    """The engine over the pools of SGLang's ``CacheInitParams`` (the request table, the KV allocator and
+    its pool; the tree keeps the rest of SGLang's settings: metrics, KV events), wired once, in
+    dependency order, and registered for its KV pool (``engine.registry``): the attention backends and
+    hooks find it there. Production (``radix_cache_factory``) and the tests' ``TreeHarness`` both build
+    it here."""
+    allocator = pools.token_to_kv_pool_allocator
+    kv_pool = allocator.get_kvcache()
     try:
         space = cell_space_of(kv_pool)
     except UnsupportedKVPool as error:
         raise UnsupportedSetup(f"KV eviction cannot store compressed KV in this KV pool: {error}") from None
-    arena = Arena(space, slot_source(pools.allocator, space))
+    arena = Arena(space, slot_source(allocator, space))
     paths = PathViews(arena, kv_pool.device)
     stats = EngineStats()
     reconstructor = None
     if model.reconstruction is not None:
         parts = model.reconstruction
-        slots = SchedulerSlots(pools.req_to_token, pools.allocator)
+        slots = SchedulerSlots(pools.req_to_token_pool, allocator)
         reconstructor = Reconstructor(
             slots, parts.run_forward, paths, parts.prompt, parts.piece_tokens, parts.position_limit
         )  # fmt: skip
@@ -171,10 +159,7 @@ def build_engine(
     coordinator = CompressionCoordinator(
         setups, scope, shape, capture, stats, paths, reconstructor, chunk_size, ranks, plan_listener
     )  # fmt: skip
-    params = CacheInitParams(
-        disable=False, req_to_token_pool=pools.req_to_token, token_to_kv_pool_allocator=pools.allocator, page_size=1
-    )
-    tree = CompressedRadixCache(params, coordinator, arena, stats, order)
+    tree = CompressedRadixCache(pools, coordinator, arena, stats, order)
     engine = Engine(tree, coordinator, arena, space, setups, stats)
     register_engine(kv_pool, engine)
     return engine
@@ -213,15 +198,14 @@ def create_compressed_radix_cache(ctx: TreeCacheBuildContext, serving: ServingCo
         reconstruction = Reconstruction(
             piece_forward(runner), _reconstruction_prompt(model_dir), _piece_tokens(), position_limit
         )  # fmt: skip
-    pools = EnginePools(ctx.params.req_to_token_pool, ctx.params.token_to_kv_pool_allocator)
     engine = build_engine(
-        setups, serving.scope, shape, pools, model=ModelParts(hidden_states, reconstruction), chunk_size=chunk_size(),
+        setups, serving.scope, shape, ctx.params, model=ModelParts(hidden_states, reconstruction), chunk_size=chunk_size(),
         ranks=ranks, plan_listener=PlanDump.from_env(ranks.shard),
     )  # fmt: skip
     tree = engine.tree
     logger.info(
         "sgl-kvevict: %s; %d KV slots shared by dense and compressed KV (%d cells per slot)%s",
-        serving.describe(), pools.allocator.size, engine.space.cells_per_slot, _describe_rank(ranks),
+        serving.describe(), ctx.params.token_to_kv_pool_allocator.size, engine.space.cells_per_slot, _describe_rank(ranks),
     )  # fmt: skip
     if ranks.shard.rank != 0:
         return tree  # every rank's memory is rank 0's (engine.tensor_parallel): rank 0 reports
