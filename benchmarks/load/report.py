@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import shlex
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from benchmarks.cli import write_atomically
+from benchmarks.cli import command_line, write_atomically
 from benchmarks.intervals import wilson
 from benchmarks.load.driver import RunResult
 from benchmarks.load.metrics import RunMetrics
@@ -64,8 +63,8 @@ def write_report(out: Path, name: str, report: dict, text: str, log) -> None:
 def run_meta(module: str, argv: Optional[Sequence[str]], **fields) -> dict:
     """What a result file records of its run: ``fields``, the command as typed (``argv``, None: this
     process's) and the machine."""
-    command = ["python", "-m", f"benchmarks.{module}", *(sys.argv[1:] if argv is None else argv)]
-    return {**fields, "command": shlex.join(command), "environment": environment()}
+    command = command_line(module, sys.argv[1:] if argv is None else argv)
+    return {**fields, "command": command, "environment": environment()}
 
 
 def runs_writer(
@@ -419,6 +418,16 @@ def save_figure(plt, fig, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def heading(title: str, meta: dict) -> list[str]:
+    """A report's first lines: ``# title`` and the command that wrote it."""
+    return [f"# {title}", "", f"`{meta['command']}`", ""]
+
+
+def provenance_heading(title: str, meta: dict) -> list[str]:
+    """``# title`` and the ``provenance_line``."""
+    return [f"# {title}", "", provenance_line(meta), ""]
 
 
 def provenance_line(meta: dict) -> str:
