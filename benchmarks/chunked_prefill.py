@@ -36,7 +36,7 @@ from benchmarks.cli import add_output_args, add_server_args, add_resume_arg, as_
 from benchmarks.load.client import stream_completion
 from benchmarks.load.metrics import percentile
 from benchmarks.load.report import _pyplot, provenance_heading, run_meta, runs_writer, save_figure, titled_with_legend
-from benchmarks.load.servers import ServerError, ServerVariant, launched_server, server_variants
+from benchmarks.load.servers import ServerError, ServerVariant, run_on_server, server_variants
 
 # A gap between streamed tokens this long is a stall (decode alone takes ~0.1-0.2 s here).
 STALL_SECONDS = 1.0
@@ -134,12 +134,11 @@ def run(
                 log(f"{label}: kept from the checkpoint")
                 runs.append(kept[variant.label, chunk])
                 continue
-            log(f"{label}: starting")
-            with launched_server(config.model, variant, config.pool_tokens, log_dir, extra=extra) as server:
-                figures = asyncio.run(measure(server.base_url, config, seed=len(runs) * 10))
-            runs.append({"server": variant.label, "vanilla": variant.is_vanilla, "chunk_size": chunk, **figures})
-            log(f"{label}: TTFT {figures['ttft_median']:.2f} s, ITL p99 {figures['itl_p99']:.3f} s, "
-                f"max {figures['itl_max']:.2f} s")  # fmt: skip
+            runs.append(run_on_server(
+                config.model, variant, config.pool_tokens, log_dir, extra, label,
+                lambda url: asyncio.run(measure(url, config, seed=len(runs) * 10)), {"chunk_size": chunk},
+                lambda f: f"TTFT {f['ttft_median']:.2f} s, ITL p99 {f['itl_p99']:.3f} s, max {f['itl_max']:.2f} s", log,
+            ))  # fmt: skip
             on_done(runs)
     return runs
 

@@ -68,10 +68,14 @@ def write_atomically(path: Path, text: str) -> None:
     os.replace(partial, path)
 
 
-def parse_command_line(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]]) -> tuple[list[str], argparse.Namespace]:
-    """``argv`` (None: this process's arguments) as a list, and ``parser``'s reading of it."""
+def parse_command_line(
+    build_parser: Callable[[], argparse.ArgumentParser], argv: Optional[Sequence[str]]
+) -> tuple[argparse.ArgumentParser, list[str], argparse.Namespace]:
+    """The benchmark's parser (for its usage errors), ``argv`` as a list (None: this process's
+    arguments) and the parser's reading of it."""
+    parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    return argv, parser.parse_args(argv)
+    return parser, argv, parser.parse_args(argv)
 
 
 def command_line(module: str, argv: Sequence[str]) -> str:

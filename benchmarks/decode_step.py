@@ -439,8 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 @exits_on(MeasurementError, code=2)
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = build_parser()
-    argv, args = parse_command_line(parser, argv)
+    parser, argv, args = parse_command_line(build_parser, argv)
     if args.quick:
         parser.set_defaults(**QUICK)
         args = parser.parse_args(argv)

@@ -364,8 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 @exits_on(ServerError, MeasurementError, code=2)
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = build_parser()
-    argv, args = parse_command_line(parser, argv)
+    parser, argv, args = parse_command_line(build_parser, argv)
     try:
         config = OverheadConfig(
             model=args.model, policy=args.policy, budget=args.budget, pool_tokens=args.pool_tokens,

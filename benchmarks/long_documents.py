@@ -406,8 +406,7 @@ def _resumed(args: argparse.Namespace, config: LongDocumentsConfig) -> dict[str,
 
 @exits_on(ServerError, code=2)
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = build_parser()
-    argv, args = parse_command_line(parser, argv)
+    parser, argv, args = parse_command_line(build_parser, argv)
     try:
         config = parse_config(args)
         for server in config.servers:  # the launcher's own refusal, before minutes of stock's documents

@@ -35,7 +35,7 @@ import aiohttp
 from benchmarks.cli import add_output_args, add_server_args, benchmark_parser, exits_on, log_folder
 from benchmarks.load.client import StatsSampler
 from benchmarks.load.report import _pyplot, provenance_heading, run_meta, runs_writer, save_figure, titled_with_legend
-from benchmarks.load.servers import ServerError, ServerVariant, launched_server, server_variants
+from benchmarks.load.servers import ServerError, ServerVariant, run_on_server, server_variants
 
 # SGLang's tokenizer refusals of a prompt over the context and over the pool's limit (0.5.23).
 CONTEXT_MESSAGE = re.compile(r"context length \((\d+) tokens\)")
@@ -104,12 +104,12 @@ def run(variants: Sequence[ServerVariant], config: LongestConfig, log_dir: Path,
     runs: list[dict] = []
     for pool in config.pool_sizes:
         for variant in variants:
-            log(f"{variant.label}, pool {pool}: starting")
-            with launched_server(config.model, variant, pool, log_dir, extra=config.launcher_extra) as server:
-                figures = asyncio.run(measure(server.base_url, config, seed=len(runs) * 10))
-            runs.append({"server": variant.label, "vanilla": variant.is_vanilla, "pool_tokens": pool, **figures})
-            log(f"{variant.label}, pool {pool}: longest prompt {figures['limit']}, "
-                f"{'served' if figures['served'] else 'NOT served'} in {figures['served_seconds']:.1f} s")  # fmt: skip
+            runs.append(run_on_server(
+                config.model, variant, pool, log_dir, config.launcher_extra, f"{variant.label}, pool {pool}",
+                lambda url: asyncio.run(measure(url, config, seed=len(runs) * 10)), {"pool_tokens": pool},
+                lambda f: f"longest prompt {f['limit']}, {'served' if f['served'] else 'NOT served'} in {f['served_seconds']:.1f} s",
+                log,
+            ))  # fmt: skip
             on_done(runs)
     return runs
 

@@ -430,8 +430,7 @@ def _write_soak(args: argparse.Namespace, meta: dict, runs: list[tuple[str, Soak
 
 @exits_on(ServerError, code=2)
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = build_parser()
-    argv, args = parse_command_line(parser, argv)
+    parser, argv, args = parse_command_line(build_parser, argv)
     handler = {"compare": run_compare, "sweep": run_sweep, "run": run_single, "soak": run_soak_command}[args.command]
     try:
         return handler(args, argv)

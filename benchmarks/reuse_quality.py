@@ -344,8 +344,7 @@ def _resumed(args: argparse.Namespace, config: ReuseConfig) -> list[dict]:
 
 @exits_on(ServerError, code=2)
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = build_parser()
-    argv, args = parse_command_line(parser, argv)
+    parser, argv, args = parse_command_line(build_parser, argv)
     try:
         config = ReuseConfig(
             model=args.model,

@@ -340,8 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = build_parser()
-    argv, args = parse_command_line(parser, argv)
+    parser, argv, args = parse_command_line(build_parser, argv)
     try:
         workload = Workload(
             groups=args.groups, prompts_per_group=args.prompts_per_group, turns=args.turns,

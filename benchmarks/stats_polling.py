@@ -235,8 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 @exits_on(ServerError, MeasurementError, code=1)
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = build_parser()
-    argv, args = parse_command_line(parser, argv)
+    parser, argv, args = parse_command_line(build_parser, argv)
     try:
         config = PollingConfig(args.model, args.policy, args.budget, args.pool_tokens, args.tokens, args.rounds)
     except ValueError as error:

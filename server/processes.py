@@ -152,12 +152,12 @@ class ChildGroup:
     def exit_code(self) -> Optional[int]:
         return self.process.poll()
 
-    def log(self) -> str:
-        """The log file so far (empty without one)."""
+    def output(self) -> str:
+        """Its log file so far (empty without one)."""
         return "" if self.log_path is None else self.log_path.read_text(errors="replace")
 
     def log_tail(self, chars: int = 3000) -> str:
-        return self.log()[-chars:]
+        return self.output()[-chars:]
 
     def where_log_is(self) -> str:
         return "its log is above" if self.log_path is None else f"log: {self.log_path}"
@@ -258,7 +258,7 @@ def serving_launcher(
     gone ``stop_timeout`` seconds later: LeftBehind (after killing them) if one is not."""
     child = ChildGroup("the launcher", launcher_command(*args), log_path=log_path)
     try:
-        wait_until_ready(child, lambda: SERVING_LINE in child.log(), startup_timeout)
+        wait_until_ready(child, lambda: SERVING_LINE in child.output(), startup_timeout)
         # Everything SGLang started is up by now; remembered so that the stop can prove it all exited.
         child.remember_descendants()
         yield child

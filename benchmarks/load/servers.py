@@ -171,7 +171,7 @@ class LaunchedServer:
         return self.child.log_tail(chars)
 
     def leak_warnings(self) -> list[str]:
-        return [line for line in self.child.log().splitlines() if LEAK_LOG_PATTERN.search(line)]
+        return [line for line in self.child.output().splitlines() if LEAK_LOG_PATTERN.search(line)]
 
     def is_running(self) -> bool:
         return self.child.exit_code() is None
@@ -224,6 +224,19 @@ def launched_server(
             raise ServerError(f"processes left behind by the server on port {port}: {left.pids}") from None
         finally:
             _wait_until_port_free(port)
+
+
+def run_on_server(
+    model: str, variant: ServerVariant, pool_tokens: int, log_dir: Path, extra: tuple[str, ...], label: str,
+    measure: Callable[[str], dict], fields: dict, describe: Callable[[dict], str], log: Callable[[str], None],
+) -> dict:  # fmt: skip
+    """A fresh server for ``variant`` (``label`` in the log), ``measure(base_url)`` on it, then stopped;
+    the run: the variant, ``fields`` and the figures (``describe`` says them in the log)."""
+    log(f"{label}: starting")
+    with launched_server(model, variant, pool_tokens, log_dir, extra=extra) as server:
+        figures = measure(server.base_url)
+    log(f"{label}: {describe(figures)}")
+    return {"server": variant.label, "vanilla": variant.is_vanilla, **fields, **figures}
 
 
 @contextlib.contextmanager
