@@ -61,6 +61,21 @@ def log_folder(log_dir: Optional[Path], benchmark: str) -> Path:
     return folder
 
 
+def write_result_files(
+    out: Path, name: str, payload: dict, text: str, plot: Optional[Callable[[Path], None]] = None
+) -> list[Path]:
+    """``<name>.json`` (``payload``) and ``<name>.md`` (``text``) into ``out``, each atomically, then with
+    ``plot`` the figure ``<name>.png``; the paths written."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / f"{name}.json", out / f"{name}.md"]
+    write_atomically(paths[0], json.dumps(payload, indent=1) + "\n")
+    write_atomically(paths[1], text)
+    if plot is not None:
+        paths.append(out / f"{name}.png")
+        plot(paths[2])
+    return paths
+
+
 def write_atomically(path: Path, text: str) -> None:
     """A run killed mid-write must leave the previous checkpoint, not half a file."""
     partial = path.with_name(path.name + ".partial")

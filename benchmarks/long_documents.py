@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import shlex
 import statistics
 import sys
@@ -40,7 +39,7 @@ from typing import Callable, Optional, Sequence
 import aiohttp
 
 from benchmarks.cli import add_output_args, add_resume_arg, as_json, benchmark_parser, checkpoint, checkpoint_path, command_line
-from benchmarks.cli import exits_on, log_folder, other_configuration, parse_command_line, progress, run_each, write_atomically
+from benchmarks.cli import exits_on, log_folder, other_configuration, parse_command_line, progress, run_each, write_result_files
 from benchmarks.intervals import Proportion, wilson
 from benchmarks.load.client import STATS_PATH, get_json
 from benchmarks.load.conversations import model_token_counter
@@ -344,13 +343,7 @@ def plot(payload: dict, path: Path) -> None:
 
 def write_outputs(servers: list[dict], meta: dict, out: Path) -> list[Path]:
     payload = {"environment": environment(), "meta": meta, "servers": with_ratios(servers)}
-    out.mkdir(parents=True, exist_ok=True)
-    name = meta["name"]
-    paths = [out / f"{name}.json", out / f"{name}.md", out / f"{name}.png"]
-    write_atomically(paths[0], json.dumps(payload, indent=1) + "\n")
-    write_atomically(paths[1], markdown(payload))
-    plot(payload, paths[2])
-    return paths
+    return write_result_files(out, meta["name"], payload, markdown(payload), lambda path: plot(payload, path))
 
 
 # ---- command line ----------------------------------------------------------------------------------

@@ -10,13 +10,12 @@ of the same sample), the score's extra work and planning.
 
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from benchmarks.cli import write_atomically
+from benchmarks.cli import write_result_files
 from benchmarks.intervals import Proportion, ordering, wilson
 
 FULL = "full"
@@ -175,12 +174,10 @@ def load_report(payload: dict) -> tuple[list[CellResult], dict]:
 
 
 def write_outputs(results: Sequence[CellResult], meta: dict, out_dir: Path) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
     cells = summaries(results)
     payload = {"meta": meta, "orderings": orderings(cells), "cells": [cell_to_json(s) for s in cells]}
-    write_atomically(out_dir / "quality.json", json.dumps(payload, indent=1) + "\n")
-    write_atomically(out_dir / "quality.md", markdown_report(cells, payload["orderings"], meta))
-    plot(cells, meta["grid"]["modes"], meta["grid"]["lengths"], out_dir / "quality.png")
+    text = markdown_report(cells, payload["orderings"], meta)
+    write_result_files(out_dir, "quality", payload, text, lambda path: plot(cells, meta["grid"]["modes"], meta["grid"]["lengths"], path))
 
 
 # ---- markdown --------------------------------------------------------------------------------------

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
@@ -42,7 +41,7 @@ from benchmarks.intervals import Proportion, wilson
 from benchmarks.load.client import STATS_PATH, StreamedReply, get_json, numeric_fields, stream_completion
 from benchmarks.load.conversations import model_token_counter
 from benchmarks.cli import add_output_args, add_resume_arg, add_server_args, as_json, benchmark_parser, checkpoint, checkpoint_path, command_line
-from benchmarks.cli import exits_on, log_folder, other_configuration, parse_command_line, progress, run_each, write_atomically
+from benchmarks.cli import exits_on, log_folder, other_configuration, parse_command_line, progress, run_each, write_result_files
 from benchmarks.load.report import environment, heading
 from benchmarks.load.servers import ServerError, ServerVariant, check_launcher_accepts, launched_server, server_variants
 from benchmarks.load.soak import flush_when_idle
@@ -300,11 +299,7 @@ def write_outputs(servers: list[dict], meta: dict, out: Path, name: str) -> list
     for server in servers:
         server["vs_stock"] = against_stock(server["summary"], stock) if stock and server["variant"]["policy"] != "none" else None
     payload = {"environment": environment(), "meta": meta, "servers": servers}
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [out / f"{name}.json", out / f"{name}.md"]
-    write_atomically(paths[0], json.dumps(payload, indent=1) + "\n")
-    write_atomically(paths[1], markdown(payload))
-    return paths
+    return write_result_files(out, name, payload, markdown(payload))
 
 
 def build_parser() -> argparse.ArgumentParser:

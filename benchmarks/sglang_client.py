@@ -35,7 +35,7 @@ from typing import Callable, Optional, Sequence
 import aiohttp
 
 from benchmarks.load.client import STATS_PATH, StatsSampler, get_json, stream_completion
-from benchmarks.cli import add_output_args, benchmark_parser, command_line, log_folder, parse_command_line, progress
+from benchmarks.cli import add_output_args, benchmark_parser, command_line, log_folder, parse_command_line, progress, write_result_files
 from benchmarks.load.report import _pyplot, environment, heading, save_figure
 from benchmarks.load.servers import (
     ServerError,
@@ -295,9 +295,7 @@ def run(
         outcome = runs[-1]["error"] or f"{runs[-1]['client']['output_throughput']:.2f} output tok/s"
         log(f"{variant.label}: {outcome}")
         report = {"meta": meta, "runs": runs, "ratios": ratios(runs)}
-        (out / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
-        (out / f"{name}.md").write_text(markdown(report))
-        plot(report, out / f"{name}.png")
+        write_result_files(out, name, report, markdown(report), lambda path: plot(report, path))
         log(f"wrote {out / name}.json, .md, .png; server and client logs in {log_dir}")
     return report
 
