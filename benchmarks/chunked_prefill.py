@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import sys
 import time
@@ -33,11 +32,11 @@ from typing import Optional, Sequence
 
 import aiohttp
 
-from benchmarks.cli import add_output_args, log_folder
+from benchmarks.cli import add_output_args, add_server_args, add_resume_arg, as_json, checkpoint_path, log_folder, other_configuration, read_checkpoint
 from benchmarks.load.client import stream_completion
 from benchmarks.load.metrics import percentile
-from benchmarks.load.report import _pyplot, provenance_line, run_meta, runs_writer, save_figure, titled_with_legend
-from benchmarks.load.servers import ServerError, ServerVariant, launched_server, server_variants
+from benchmarks.load.report import _pyplot, provenance_heading, run_meta, runs_writer, save_figure, titled_with_legend
+from benchmarks.load.servers import ServerError, ServerVariant, run_on_server, server_variants
 
 # A gap between streamed tokens this long is a stall (decode alone takes ~0.1-0.2 s here).
 STALL_SECONDS = 1.0
@@ -135,12 +134,11 @@ def run(
                 log(f"{label}: kept from the checkpoint")
                 runs.append(kept[variant.label, chunk])
                 continue
-            log(f"{label}: starting")
-            with launched_server(config.model, variant, config.pool_tokens, log_dir, extra=extra) as server:
-                figures = asyncio.run(measure(server.base_url, config, seed=len(runs) * 10))
-            runs.append({"server": variant.label, "vanilla": variant.is_vanilla, "chunk_size": chunk, **figures})
-            log(f"{label}: TTFT {figures['ttft_median']:.2f} s, ITL p99 {figures['itl_p99']:.3f} s, "
-                f"max {figures['itl_max']:.2f} s")  # fmt: skip
+            runs.append(run_on_server(
+                config.model, variant, config.pool_tokens, log_dir, extra, label,
+                lambda url: asyncio.run(measure(url, config, seed=len(runs) * 10)), {"chunk_size": chunk},
+                lambda f: f"TTFT {f['ttft_median']:.2f} s, ITL p99 {f['itl_p99']:.3f} s, max {f['itl_max']:.2f} s", log,
+            ))  # fmt: skip
             on_done(runs)
     return runs
 
@@ -162,10 +160,7 @@ def against_unchunked(runs: Sequence[dict]) -> list[dict]:
 def markdown(payload: dict) -> str:
     meta, runs = payload["meta"], payload["runs"]
     lines = [
-        "# Chunked prefill: TTFT of a long prompt, and decode while one arrives",
-        "",
-        provenance_line(meta),
-        "",
+        *provenance_heading("Chunked prefill: TTFT of a long prompt, and decode while one arrives", meta),
         f"TTFT: median of {meta['samples']} prompts of {meta['prompt_tokens']} tokens, one at a time. Decode: a "
         f"streamed request's gaps between tokens while a {meta['arrival_tokens']}-token prompt arrives after its "
         f"first {meta['arrive_after']} tokens ({meta['stream_tokens']} tokens in all). Pool {meta['pool_tokens']} "
@@ -211,11 +206,7 @@ def _fmt(ratio: Optional[float]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.chunked_prefill", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2", help="bundled model name or HF folder (default smollm2)")
-    parser.add_argument("--policies", default="topk:learned", help="comma-separated policy[:score] besides stock (default topk:learned)")
-    parser.add_argument("--budget", default="0.25", help="their budget (default 0.25)")
-    parser.add_argument("--scopes", default="request", help="comma-separated scopes of the policies (default request)")
-    parser.add_argument("--block-size", type=int, help="block size in block scope (default: the launcher's)")
+    add_server_args(parser, ("--policies", "topk:learned", "comma-separated policy[:score] besides stock"), "their budget", scopes="request")
     parser.add_argument("--chunk-sizes", default="-1,512,1024,2048", help="comma-separated --chunked-prefill-size values, -1: none; a list that starts with -1 needs the = form, --chunk-sizes=-1,512 (default -1,512,1024,2048)")
     parser.add_argument("--prompt-tokens", type=int, default=4096, help="TTFT prompt length (default 4096)")
     parser.add_argument("--samples", type=int, default=3, help="TTFT prompts per server (default 3)")
@@ -224,17 +215,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--arrive-after", type=int, default=20, help="its tokens out before the long prompt is sent (default 20)")
     parser.add_argument("--pool-tokens", type=int, default=16000, help="--max-total-tokens of every server (default 16000)")
     add_output_args(parser, "chunked_prefill", server_arg_for="every server")
-    parser.add_argument("--resume", action="store_true", help="keep the finished servers of --out/<name>.json")
+    add_resume_arg(parser)
     return parser
 
 
 def resumed_runs(path: Path, config: ChunkedConfig) -> list[dict]:
     """The runs of the report at ``path``, which must be of the same configuration."""
-    if not path.exists():
-        raise ValueError(f"--resume: {path} does not exist")
-    previous = json.loads(path.read_text())
-    if {name: previous["meta"].get(name) for name in asdict(config)} != json.loads(json.dumps(asdict(config))):
-        raise ValueError(f"--resume: {path} is of another configuration")
+    previous = read_checkpoint(path)
+    if {name: previous["meta"].get(name) for name in asdict(config)} != as_json(asdict(config)):
+        raise other_configuration(path)
     return previous["runs"]
 
 
@@ -246,7 +235,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             args.arrival_tokens, args.stream_tokens, args.arrive_after, args.pool_tokens, tuple(args.server_arg),
         )  # fmt: skip
         variants = server_variants(args.policies.split(","), [args.budget], args.scopes.split(","), args.block_size)
-        done = resumed_runs(args.out / f"{args.name}.json", config) if args.resume else []
+        done = resumed_runs(checkpoint_path(args), config) if args.resume else []
     except (ValueError, ServerError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import shlex
 import shutil
 import signal
 import statistics
@@ -46,11 +45,11 @@ from typing import Callable, Optional, Sequence
 import aiohttp
 import psutil
 
-from benchmarks.cli import add_output_args, benchmark_parser, log_folder
+from benchmarks.cli import add_output_args, benchmark_parser, command_line, exits_on, log_folder, parse_command_line, progress
 from benchmarks.engine_overhead import CHAT_PATH, WARM_UP_MESSAGE, MeasurementError, ask, chat_payload, flush
 from benchmarks.load.client import STATS_PATH, StreamedReply, get_json, stream_completion
 from benchmarks.load.conversations import ConversationSpec, build_conversations, model_token_counter
-from benchmarks.load.report import _pyplot, environment, save_figure, write_report
+from benchmarks.load.report import _pyplot, environment, heading, save_figure, write_report
 from benchmarks.load.servers import ServerError, ServerVariant, launched_server
 
 # make serve's compression (Makefile): topk ranked by the learned score, 25% kept.
@@ -288,10 +287,7 @@ def markdown(report: dict) -> str:
     env, cfg = meta["environment"], meta["config"]
     variants = cfg["variants"]
     lines = [
-        "# Decode step: inter-token latency at equal batch and context, stock vs the plugin",
-        "",
-        f"`{meta['command']}`",
-        "",
+        *heading("Decode step: inter-token latency at equal batch and context, stock vs the plugin", meta),
         f"Machine: {env['cpu_model']}, {env['cpu_cores']} cores, GPU: {env['gpu']}. SGLang {env['sglang']}, torch "
         f"{env['torch']}, sgl-kvevict {env['git_commit']}{' (uncommitted changes)' if env['git_worktree_dirty'] else ''}, "
         f"{env['date']}. Model `{cfg['model']}`, every server `--max-total-tokens {cfg['pool_tokens']}`; "
@@ -380,7 +376,7 @@ def run(config: DecodeStepConfig, out: Path, name: str, log_dir: Path, argv: Seq
     )
     prompts = [[{"role": "user", "content": c.user_message(0)}] for c in build_conversations(spec, model_token_counter(config.model))]
     meta = {
-        "command": "python -m benchmarks.decode_step " + " ".join(shlex.quote(a) for a in argv),
+        "command": command_line("decode_step", argv),
         "name": name,
         "config": asdict(config),
         "environment": environment(),
@@ -441,10 +437,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@exits_on(MeasurementError, code=2)
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    parser, argv, args = parse_command_line(build_parser, argv)
     if args.quick:
         parser.set_defaults(**QUICK)
         args = parser.parse_args(argv)
@@ -460,11 +455,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as error:
         parser.error(str(error))
     log_dir = log_folder(args.log_dir, "decode-step")
-    try:
-        report = run(config, args.out, args.name, log_dir, argv, lambda m: print(m, flush=True))
-    except MeasurementError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    report = run(config, args.out, args.name, log_dir, argv, progress)
     for variant, rows in report["summary"].items():
         if variant != BASELINE:
             ratios = ", ".join(f"B={b} {row['vs_stock']:.2f}" for b, row in rows.items() if row["vs_stock"] is not None)

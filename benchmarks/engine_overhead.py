@@ -31,7 +31,6 @@ import argparse
 import asyncio
 import json
 import os
-import shlex
 import statistics
 import sys
 from dataclasses import asdict, dataclass, field
@@ -42,7 +41,7 @@ import aiohttp
 
 from benchmarks.load.client import STATS_PATH, StreamedReply, get_json, stream_completion
 from benchmarks.load.conversations import Conversation, ConversationSpec, build_conversations, model_token_counter
-from benchmarks.cli import add_output_args, benchmark_parser, log_folder
+from benchmarks.cli import add_output_args, add_server_args, benchmark_parser, command_line, exits_on, log_folder, parse_command_line, progress
 from benchmarks.load.report import environment, write_report
 from benchmarks.load.servers import VANILLA_POLICY, ServerError, ServerVariant, launched_server
 from benchmarks.load.soak import flush_when_idle, stats_leaks
@@ -332,7 +331,7 @@ def run(config: OverheadConfig, out: Path, name: str, log_dir: Path, argv: Seque
         }
     report = {
         "meta": {
-            "command": "python -m benchmarks.engine_overhead " + " ".join(shlex.quote(a) for a in argv),
+            "command": command_line("engine_overhead", argv),
             "config": asdict(config),
             "num_layers": num_layers,
             "num_kv_heads": num_kv_heads,
@@ -347,9 +346,7 @@ def run(config: OverheadConfig, out: Path, name: str, log_dir: Path, argv: Seque
 
 def build_parser() -> argparse.ArgumentParser:
     parser = benchmark_parser("engine_overhead", __doc__)
-    parser.add_argument("--model", default="smollm2", help="bundled model name or HF folder (default smollm2)")
-    parser.add_argument("--policy", default="lava", help="--kv-evict-policy of the compressing server (default lava)")
-    parser.add_argument("--budget", default="0.25", help="--kv-evict-budget of the compressing server (default 0.25)")
+    add_server_args(parser, ("--policy", "lava", "--kv-evict-policy of the compressing server"), "--kv-evict-budget of the compressing server")
     parser.add_argument(
         "--pool-tokens", type=int, default=16384,
         help="--max-total-tokens of both servers, which must hold one prompt dense (default 16384)",
@@ -365,10 +362,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@exits_on(ServerError, MeasurementError, code=2)
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    parser, argv, args = parse_command_line(build_parser, argv)
     try:
         config = OverheadConfig(
             model=args.model, policy=args.policy, budget=args.budget, pool_tokens=args.pool_tokens,
@@ -379,11 +375,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as error:
         parser.error(str(error))
     log_dir = log_folder(args.log_dir, "engine-overhead")
-    try:
-        report = run(config, args.out, args.name, log_dir, argv, lambda m: print(m, flush=True))
-    except (ServerError, MeasurementError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    report = run(config, args.out, args.name, log_dir, argv, progress)
     r = report["ratios"]
     print(
         f"{report['policy']['label']} / vanilla: prefill TTFT {r['prefill_ttft']:.2f}, decode tok/s "

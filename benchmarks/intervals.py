@@ -34,6 +34,11 @@ class Proportion:
         """``45 [26, 66]``: the accuracy and its interval in percent."""
         return f"{100 * self.value:.0f} [{100 * self.low:.0f}, {100 * self.high:.0f}]"
 
+    @classmethod
+    def from_json(cls, data: dict) -> "Proportion":
+        """The proportion ``as_json`` wrote (a report read back)."""
+        return cls(data["successes"], data["n"], *data["ci95"])
+
 
 def wilson(successes: int, n: int, z: float = Z_95) -> Proportion:
     """Wilson score interval of a binomial proportion (good coverage at small ``n`` and at 0 or n)."""

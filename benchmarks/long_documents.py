@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import shlex
 import statistics
 import sys
@@ -39,12 +38,13 @@ from typing import Callable, Optional, Sequence
 
 import aiohttp
 
-from benchmarks.cli import add_output_args, benchmark_parser, log_folder, write_atomically
+from benchmarks.cli import add_output_args, add_resume_arg, as_json, benchmark_parser, checkpoint, checkpoint_path, command_line
+from benchmarks.cli import exits_on, log_folder, other_configuration, parse_command_line, progress, run_each, write_result_files
 from benchmarks.intervals import Proportion, wilson
 from benchmarks.load.client import STATS_PATH, get_json
 from benchmarks.load.conversations import model_token_counter
-from benchmarks.load.report import _pyplot, environment
-from benchmarks.load.servers import ServerError, ServerVariant, check_launcher_accepts, launched_server
+from benchmarks.load.report import _pyplot, environment, heading
+from benchmarks.load.servers import ServerError, ServerVariant, check_launcher_accepts, check_lineup, launched_server
 from benchmarks.load.soak import flush_when_idle
 from benchmarks.reuse_quality import SUMMARY_INSTRUCTION, ask
 from benchmarks.tasks import TASK_KINDS, Question, Task, make_task
@@ -97,11 +97,9 @@ class LongDocumentsConfig:
     pool_tokens: int  # every server's pool unless its flags give one (stock: this one)
 
     def __post_init__(self):
-        if not self.servers or not self.servers[0].is_stock:
-            raise LongDocumentsError("the first server must be stock")
         labels = [server.label for server in self.servers]
-        if len(set(labels)) != len(labels):
-            raise LongDocumentsError(f"server labels must differ: {labels}")
+        check_lineup(labels, bool(self.servers) and self.servers[0].is_stock, LongDocumentsError,
+                     "the first server must be stock", "server labels must differ")  # fmt: skip
         if self.documents < 1 or self.summary_tokens < 1 or self.answer_tokens < 1:
             raise LongDocumentsError("--documents, --summary-tokens and --answer-tokens must be >= 1")
         if not self.lengths or min(self.lengths) < 64:
@@ -296,10 +294,7 @@ def markdown(payload: dict) -> str:
     meta, servers, env = payload["meta"], payload["servers"], payload["environment"]
     config = meta["config"]
     lines = [
-        "# Answers on long documents after reuse, by document length",
-        "",
-        f"`{meta['command']}`",
-        "",
+        *heading("Answers on long documents after reuse, by document length", meta),
         f"Machine: {env['cpu_model']}, {env['cpu_cores']} cores, no GPU (CPU development mode). SGLang {env['sglang']}, "
         f"sgl-kvevict {env['git_commit']}{' (uncommitted changes)' if env['git_worktree_dirty'] else ''}, {env['date']}. "
         f"Model `{config['model']}`. Per length {config['documents']} documents ({', '.join(config['kinds'])}, seed "
@@ -348,13 +343,7 @@ def plot(payload: dict, path: Path) -> None:
 
 def write_outputs(servers: list[dict], meta: dict, out: Path) -> list[Path]:
     payload = {"environment": environment(), "meta": meta, "servers": with_ratios(servers)}
-    out.mkdir(parents=True, exist_ok=True)
-    name = meta["name"]
-    paths = [out / f"{name}.json", out / f"{name}.md", out / f"{name}.png"]
-    write_atomically(paths[0], json.dumps(payload, indent=1) + "\n")
-    write_atomically(paths[1], markdown(payload))
-    plot(payload, paths[2])
-    return paths
+    return write_result_files(out, meta["name"], payload, markdown(payload), lambda path: plot(payload, path))
 
 
 # ---- command line ----------------------------------------------------------------------------------
@@ -377,7 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--answer-tokens", type=int, default=8, help="each answer's cap (default 8)")
     parser.add_argument("--pool-tokens", type=int, default=16384, help="--max-total-tokens of stock and of servers that give none (default 16384)")
     add_output_args(parser, "long_documents")
-    parser.add_argument("--resume", action="store_true", help="keep the finished servers of --out/<name>.json")
+    add_resume_arg(parser)
     return parser
 
 
@@ -398,24 +387,19 @@ def parse_config(args: argparse.Namespace) -> LongDocumentsConfig:
 
 def _resumed(args: argparse.Namespace, config: LongDocumentsConfig) -> dict[str, dict]:
     """The finished servers of a run with this configuration (by label)."""
-    if not args.resume:
+    previous = checkpoint(args, LongDocumentsError)
+    if previous is None:
         return {}
-    path = args.out / f"{args.name}.json"
-    if not path.exists():
-        raise LongDocumentsError(f"--resume: {path} does not exist")
-    previous = json.loads(path.read_text())
     keys = ("model", "lengths", "documents", "kinds", "seed", "summary_tokens", "answer_tokens", "pool_tokens")
-    mine = json.loads(json.dumps(asdict(config)))
+    mine = as_json(asdict(config))
     if any(previous["meta"]["config"][key] != mine[key] for key in keys):
-        raise LongDocumentsError(f"--resume: {path} is of another configuration")
+        raise other_configuration(checkpoint_path(args), LongDocumentsError)
     return {server["label"]: server for server in previous["servers"]}
 
 
+@exits_on(ServerError, code=2)
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    log = lambda message: print(message, flush=True)  # noqa: E731
+    parser, argv, args = parse_command_line(build_parser, argv)
     try:
         config = parse_config(args)
         for server in config.servers:  # the launcher's own refusal, before minutes of stock's documents
@@ -427,19 +411,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(str(error))
     count_tokens = model_token_counter(config.model)
     suites = {length: config.tasks(length, count_tokens) for length in config.lengths}
-    meta = {"command": "python -m benchmarks.long_documents " + " ".join(shlex.quote(a) for a in argv),
-            "config": asdict(config), "name": args.name}  # fmt: skip
+    meta = {"command": command_line("long_documents", argv), "config": asdict(config), "name": args.name}
     log_dir = log_folder(args.log_dir, "long-documents")
-    servers: list[dict] = []
-    try:
-        for index, server in enumerate(config.servers, 1):
-            log(f"[{index}/{len(config.servers)}] {server.label}" + (": kept from the checkpoint" if server.label in done else ""))
-            servers.append(done.get(server.label) or run_server(config, server, suites, log_dir, log))
-            paths = write_outputs(servers, meta, args.out)
-    except ServerError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    print("wrote " + ", ".join(str(p) for p in paths))
+    run_each(
+        config.servers, lambda server: server.label, done,
+        lambda server: run_server(config, server, suites, log_dir, progress),
+        lambda servers: write_outputs(servers, meta, args.out),
+    )  # fmt: skip
     return 0
 
 

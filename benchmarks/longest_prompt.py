@@ -32,10 +32,10 @@ from typing import Optional, Sequence
 
 import aiohttp
 
-from benchmarks.cli import add_output_args, benchmark_parser, log_folder
+from benchmarks.cli import add_output_args, add_server_args, benchmark_parser, exits_on, log_folder
 from benchmarks.load.client import StatsSampler
-from benchmarks.load.report import _pyplot, provenance_line, run_meta, runs_writer, save_figure, titled_with_legend
-from benchmarks.load.servers import ServerError, ServerVariant, launched_server, server_variants
+from benchmarks.load.report import _pyplot, provenance_heading, run_meta, runs_writer, save_figure, titled_with_legend
+from benchmarks.load.servers import ServerError, ServerVariant, run_on_server, server_variants
 
 # SGLang's tokenizer refusals of a prompt over the context and over the pool's limit (0.5.23).
 CONTEXT_MESSAGE = re.compile(r"context length \((\d+) tokens\)")
@@ -104,12 +104,12 @@ def run(variants: Sequence[ServerVariant], config: LongestConfig, log_dir: Path,
     runs: list[dict] = []
     for pool in config.pool_sizes:
         for variant in variants:
-            log(f"{variant.label}, pool {pool}: starting")
-            with launched_server(config.model, variant, pool, log_dir, extra=config.launcher_extra) as server:
-                figures = asyncio.run(measure(server.base_url, config, seed=len(runs) * 10))
-            runs.append({"server": variant.label, "vanilla": variant.is_vanilla, "pool_tokens": pool, **figures})
-            log(f"{variant.label}, pool {pool}: longest prompt {figures['limit']}, "
-                f"{'served' if figures['served'] else 'NOT served'} in {figures['served_seconds']:.1f} s")  # fmt: skip
+            runs.append(run_on_server(
+                config.model, variant, pool, log_dir, config.launcher_extra, f"{variant.label}, pool {pool}",
+                lambda url: asyncio.run(measure(url, config, seed=len(runs) * 10)), {"pool_tokens": pool},
+                lambda f: f"longest prompt {f['limit']}, {'served' if f['served'] else 'NOT served'} in {f['served_seconds']:.1f} s",
+                log,
+            ))  # fmt: skip
             on_done(runs)
     return runs
 
@@ -117,10 +117,7 @@ def run(variants: Sequence[ServerVariant], config: LongestConfig, log_dir: Path,
 def markdown(payload: dict) -> str:
     meta, runs = payload["meta"], payload["runs"]
     lines = [
-        "# The longest prompt served, against the KV pool",
-        "",
-        provenance_line(meta),
-        "",
+        *provenance_heading("The longest prompt served, against the KV pool", meta),
         "Longest prompt: M - 1 from the server's refusal of a prompt one token shorter than the context (\"exceeds the "
         "maximum allowed length (M tokens)\"), or that prompt itself where it was served; served: a prompt of that many random tokens answered with its one output token. Peak slots: "
         "the most pool slots in use while it was served (`/kvevict/stats`, policy servers).",
@@ -153,17 +150,14 @@ def plot(runs: Sequence[dict], path: Path) -> None:
 
 def build_parser():
     parser = benchmark_parser("longest_prompt", __doc__)
-    parser.add_argument("--model", default="smollm2", help="bundled model name or HF folder (default smollm2)")
-    parser.add_argument("--policies", default="topk:learned", help="comma-separated policy[:score] besides stock (default topk:learned)")
-    parser.add_argument("--budget", default="0.25", help="their budget (default 0.25)")
-    parser.add_argument("--scopes", default="block", help="comma-separated scopes of the policies (default block)")
-    parser.add_argument("--block-size", type=int, help="block size in block scope (default: the launcher's)")
+    add_server_args(parser, ("--policies", "topk:learned", "comma-separated policy[:score] besides stock"), "their budget", scopes="block")
     parser.add_argument("--pool-sizes", default="1000,2000,3000,4000,6000", help="comma-separated --max-total-tokens values (default 1000,2000,3000,4000,6000)")
     parser.add_argument("--probe-tokens", type=int, default=8300, help="the prompt that reads the model's context length from its refusal; longer than the context (default 8300, SmolLM2's is 8192)")
     add_output_args(parser, "longest_prompt", server_arg_for="every server")
     return parser
 
 
+@exits_on(ServerError, code=2)
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -175,11 +169,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ValueError, ServerError) as error:
         parser.error(str(error))
     meta = run_meta("longest_prompt", argv, **asdict(config))
-    try:
-        run(variants, config, log_folder(args.log_dir, "longest-prompt"), runs_writer(args.out, args.name, meta, plot, markdown))
-    except ServerError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    run(variants, config, log_folder(args.log_dir, "longest-prompt"), runs_writer(args.out, args.name, meta, plot, markdown))
     return 0
 
 

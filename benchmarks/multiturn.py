@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import shlex
 import sys
 import tempfile
 from dataclasses import asdict
@@ -51,8 +50,9 @@ from benchmarks.load.driver import (
     sweep_pools,
     workload,
 )
-from benchmarks.cli import RESULTS_DIR, add_output_args, benchmark_parser, log_folder
-from benchmarks.load.report import environment, load_comparison, write_comparison
+from benchmarks.cli import RESULTS_DIR, add_output_args, add_resume_arg, as_json, benchmark_parser, checkpoint_path
+from benchmarks.cli import command_line, exits_on, log_folder, parse_command_line, progress
+from benchmarks.load.report import environment, heading, load_comparison, write_comparison
 from benchmarks.load.servers import VANILLA_POLICY, ServerError, ServerVariant, launched_server, server_variants
 from benchmarks.load.soak import SoakConfig, SoakError, SoakReport, combined_summary, flush_when_idle, run_soak
 from benchmarks.load.users import LoadError, LoadSettings, run_users
@@ -122,7 +122,7 @@ def _add_server_flags(parser: argparse.ArgumentParser, name: str) -> None:
     )  # fmt: skip
     parser.add_argument("--name", default=name, help=f"output file stem (default {name})")
     parser.add_argument("--log-dir", type=Path, help="server logs (default: a new temporary folder)")
-    parser.add_argument("--resume", action="store_true", help="keep the finished servers of --out/<name>.json and run the rest")
+    add_resume_arg(parser, "keep the finished servers of --out/<name>.json and run the rest")
 
 
 def _workload(args: argparse.Namespace) -> tuple[ConversationSpec, LoadSettings]:
@@ -208,22 +208,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _command_line(argv: Sequence[str]) -> str:
-    return "python -m benchmarks.multiturn " + " ".join(shlex.quote(a) for a in argv)
-
-
 # The meta fields a resumed run must share with its checkpoint.
 RESUME_FIELDS = ("kind", "model", "conversations", "load", "pools", "launcher_extra")
 
 
 def _resumed_runs(args: argparse.Namespace, meta: dict) -> list[RunResult]:
-    path = args.out / f"{args.name}.json"
+    path = checkpoint_path(args)
     if not args.resume:
         return []
     if not path.exists():
         raise ResumeError(f"--resume: {path} does not exist")
     runs, previous = load_comparison(path)
-    differing = [name for name in RESUME_FIELDS if json.loads(json.dumps(meta[name])) != previous.get(name)]
+    differing = [name for name in RESUME_FIELDS if as_json(meta[name]) != previous.get(name)]
     if differing:
         raise ResumeError(f"--resume: {path} is of another run (differs in {', '.join(differing)})")
     return runs
@@ -243,7 +239,7 @@ def _run_servers(
     load = workload([history_tokens(c, count_tokens, settings.max_tokens) for c in conversations], settings.max_tokens)
     pools = choose_pools(load)
     meta = {
-        "command": _command_line(argv),
+        "command": command_line("multiturn", argv),
         "kind": kind,
         "model": args.model,
         "conversations": asdict(spec),
@@ -266,7 +262,7 @@ def _run_servers(
         write_comparison(results, meta, args.out, args.name)
 
     results = run_plan(
-        config, pools, spec, conversations, settings, log_dir, lambda m: print(m, flush=True), done, checkpoint
+        config, pools, spec, conversations, settings, log_dir, progress, done, checkpoint
     )  # fmt: skip
     paths = write_comparison(results, meta, args.out, args.name)
     print("wrote " + ", ".join(str(p) for p in paths))
@@ -301,13 +297,13 @@ def run_single(args: argparse.Namespace, argv: Sequence[str]) -> int:
         async with aiohttp.ClientSession() as session:
             if not await flush_when_idle(session, base_url, timeout=60):
                 raise ServerError(f"{base_url} did not flush its cache (busy, or not an SGLang server)")
-        return await run_users(base_url, conversations, settings, lambda m: print(m, flush=True))
+        return await run_users(base_url, conversations, settings, progress)
 
     outcome = asyncio.run(measure())
     # Named by --label: the benchmark does not know what the external server runs.
     result = RunResult("external", outcome.dense_slots or 0, ServerVariant(args.label), outcome, None, 0.0, (0, 0, 0))
     meta = {
-        "command": _command_line(argv),
+        "command": command_line("multiturn", argv),
         "kind": "compare",
         "model": args.model,
         "conversations": asdict(spec),
@@ -325,10 +321,7 @@ def run_single(args: argparse.Namespace, argv: Sequence[str]) -> int:
 def soak_markdown(payload: dict) -> str:
     meta, summary = payload["meta"], payload["summary"]
     lines = [
-        "# Soak: concurrent load with client aborts and invalid requests",
-        "",
-        f"`{meta['command']}`",
-        "",
+        *heading("Soak: concurrent load with client aborts and invalid requests", meta),
         f"Machine: {meta['environment']['cpu_model']}, {meta['environment']['cpu_cores']} cores; SGLang "
         f"{meta['environment']['sglang']}, sgl-kvevict {meta['environment']['git_commit']}, {meta['environment']['date']}.",
         "",
@@ -389,9 +382,9 @@ def _soak_config(args: argparse.Namespace, beyond_pool_tokens: Optional[int]) ->
 
 def run_soak_command(args: argparse.Namespace, argv: Sequence[str]) -> int:
     count_tokens = model_token_counter(args.model)
-    log = lambda m: print(m, flush=True)  # noqa: E731
+    log = progress
     meta = {
-        "command": _command_line(argv),
+        "command": command_line("multiturn", argv),
         "server_log_checked": not args.url,
         "launcher_extra": list(args.server_arg),
         "environment": environment(),
@@ -435,18 +428,14 @@ def _write_soak(args: argparse.Namespace, meta: dict, runs: list[tuple[str, Soak
     return payload["summary"]
 
 
+@exits_on(ServerError, code=2)
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    parser, argv, args = parse_command_line(build_parser, argv)
     handler = {"compare": run_compare, "sweep": run_sweep, "run": run_single, "soak": run_soak_command}[args.command]
     try:
         return handler(args, argv)
     except (*SETTING_ERRORS, ResumeError) as error:
         parser.error(str(error))
-    except ServerError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
 
 
 if __name__ == "__main__":

@@ -10,13 +10,12 @@ of the same sample), the score's extra work and planning.
 
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
-from benchmarks.cli import write_atomically
+from benchmarks.cli import write_result_files
 from benchmarks.intervals import Proportion, ordering, wilson
 
 FULL = "full"
@@ -175,12 +174,10 @@ def load_report(payload: dict) -> tuple[list[CellResult], dict]:
 
 
 def write_outputs(results: Sequence[CellResult], meta: dict, out_dir: Path) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
     cells = summaries(results)
     payload = {"meta": meta, "orderings": orderings(cells), "cells": [cell_to_json(s) for s in cells]}
-    write_atomically(out_dir / "quality.json", json.dumps(payload, indent=1) + "\n")
-    write_atomically(out_dir / "quality.md", markdown_report(cells, payload["orderings"], meta))
-    plot(cells, meta["grid"]["modes"], meta["grid"]["lengths"], out_dir / "quality.png")
+    text = markdown_report(cells, payload["orderings"], meta)
+    write_result_files(out_dir, "quality", payload, text, lambda path: plot(cells, meta["grid"]["modes"], meta["grid"]["lengths"], path))
 
 
 # ---- markdown --------------------------------------------------------------------------------------
@@ -212,32 +209,35 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
 
 
-def _accuracy_table(cells: Sequence[CellSummary], mode: str, lengths: Sequence[int]) -> list[str]:
-    header = ["policy", "scope", "budget"] + [f"{c} L={n}" for n in lengths for c in ("acc [95% CI]", "n", "ret", "kept")]
+def _length_table(
+    cells: Sequence[CellSummary], mode: str, lengths: Sequence[int], columns: Sequence[str],
+    values: Callable[[CellSummary], list[str]],
+) -> list[str]:  # fmt: skip
+    """A row per policy, scope and budget of ``mode``; ``columns`` per length, their ``values`` of a cell
+    (blank where a partial run has not reached it)."""
+    header = ["policy", "scope", "budget"] + [f"{c} L={n}" for n in lengths for c in columns]
     rows = []
     for by_length in _rows(cells, mode).values():
-        values = []
+        row = _row_label(next(iter(by_length.values())).cell.key)
         for length in lengths:
-            s = by_length.get(length)  # missing while a partial run has not reached it
-            values += ["", "", "", ""] if s is None else [
-                s.accuracy.percent(), str(s.accuracy.n), _percent(s.retained), f"{s.kept_fraction:.2f}"
-            ]  # fmt: skip
-        rows.append(_row_label(next(iter(by_length.values())).cell.key) + values)
+            s = by_length.get(length)
+            row += [""] * len(columns) if s is None else values(s)
+        rows.append(row)
     return _table(header, rows)
+
+
+def _accuracy_table(cells: Sequence[CellSummary], mode: str, lengths: Sequence[int]) -> list[str]:
+    return _length_table(
+        cells, mode, lengths, ("acc [95% CI]", "n", "ret", "kept"),
+        lambda s: [s.accuracy.percent(), str(s.accuracy.n), _percent(s.retained), f"{s.kept_fraction:.2f}"],
+    )  # fmt: skip
 
 
 def _cost_table(cells: Sequence[CellSummary], mode: str, lengths: Sequence[int]) -> list[str]:
-    header = ["policy", "scope", "budget"] + [f"{c} L={n}" for n in lengths for c in ("forward", "score", "plan", "decode")]
-    rows = []
-    for by_length in _rows(cells, mode).values():
-        values = []
-        for length in lengths:
-            s = by_length.get(length)
-            values += ["", "", "", ""] if s is None else [
-                _ms(s.forward_seconds), _ms(s.score_seconds), _ms(s.plan_seconds), _ms(s.decode_seconds)
-            ]  # fmt: skip
-        rows.append(_row_label(next(iter(by_length.values())).cell.key) + values)
-    return _table(header, rows)
+    return _length_table(
+        cells, mode, lengths, ("forward", "score", "plan", "decode"),
+        lambda s: [_ms(s.forward_seconds), _ms(s.score_seconds), _ms(s.plan_seconds), _ms(s.decode_seconds)],
+    )  # fmt: skip
 
 
 def _ordering_lines(rows: Sequence[dict], lengths: Sequence[int], modes: Sequence[str]) -> list[str]:

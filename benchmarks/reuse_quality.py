@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import shlex
 import statistics
 import sys
 import time
@@ -39,11 +37,12 @@ from typing import Callable, Optional, Sequence
 
 import aiohttp
 
-from benchmarks.intervals import wilson
+from benchmarks.intervals import Proportion, wilson
 from benchmarks.load.client import STATS_PATH, StreamedReply, get_json, numeric_fields, stream_completion
 from benchmarks.load.conversations import model_token_counter
-from benchmarks.cli import add_output_args, benchmark_parser, log_folder, write_atomically
-from benchmarks.load.report import environment
+from benchmarks.cli import add_output_args, add_resume_arg, add_server_args, as_json, benchmark_parser, checkpoint, checkpoint_path, command_line
+from benchmarks.cli import exits_on, log_folder, other_configuration, parse_command_line, progress, run_each, write_result_files
+from benchmarks.load.report import environment, heading
 from benchmarks.load.servers import ServerError, ServerVariant, check_launcher_accepts, launched_server, server_variants
 from benchmarks.load.soak import flush_when_idle
 from benchmarks.tasks import TASK_KINDS, Task, task_suite
@@ -224,14 +223,29 @@ def run_server(
     }
 
 
+def table_cells(server: dict) -> dict[str, str]:
+    """A server's cells in the tables of this benchmark's results (its report and the README's part)."""
+    s, r = server["summary"], server.get("vs_stock") or {}
+    accuracy = Proportion.from_json(s["accuracy"])
+    return {
+        "server": server["label"], "accuracy": accuracy.percent(), "n": str(accuracy.n),
+        "vs stock": _fmt(r.get("accuracy_ratio")), "reuse": f"{s['reuse_rate']:.2f}",
+        "cached": f"{s['turn2_cached_fraction']:.2f}" if "turn2_cached_fraction" in s else "-",
+        "ttft1": f"{s['turn1_ttft_median']:.2f}", "ttft1 vs stock": _fmt(r.get("turn1_ttft_ratio")),
+        "ttft2": f"{s['turn2_ttft_median']:.2f}", "ttft2 vs stock": _fmt(r.get("turn2_ttft_ratio")),
+        "net": _fmt(r.get("net_cost_per_reuse_seconds")),
+    }  # fmt: skip
+
+
+def table_row(cells: dict[str, str], columns: Sequence[str]) -> str:
+    return "| " + " | ".join(cells[column] for column in columns) + " |"
+
+
 def markdown(payload: dict) -> str:
     meta, servers = payload["meta"], payload["servers"]
     env, config = payload["environment"], meta["config"]
     lines = [
-        "# Answers through the server after prefix reuse (context-only quality)",
-        "",
-        f"`{meta['command']}`",
-        "",
+        *heading("Answers through the server after prefix reuse (context-only quality)", meta),
         f"Machine: {env['cpu_model']}, {env['cpu_cores']} cores, no GPU (CPU development mode). SGLang {env['sglang']}, "
         f"sgl-kvevict {env['git_commit']}{' (uncommitted changes)' if env['git_worktree_dirty'] else ''}, {env['date']}. "
         f"Model `{config['model']}`, " + pools_sentence(config) + ".",
@@ -246,15 +260,8 @@ def markdown(payload: dict) -> str:
         "| TTFT turn 2 (s) | vs stock | net cost per reuse (s) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for server in servers:
-        s, r = server["summary"], server.get("vs_stock") or {}
-        acc = s["accuracy"]
-        lines.append(
-            f"| {server['label']} | {100 * acc['value']:.0f} [{100 * acc['ci95'][0]:.0f}, {100 * acc['ci95'][1]:.0f}] "
-            f"| {acc['n']} | {_fmt(r.get('accuracy_ratio'))} | {s['reuse_rate']:.2f} | {s['turn2_cached_fraction']:.2f} "
-            f"| {s['turn1_ttft_median']:.2f} | {_fmt(r.get('turn1_ttft_ratio'))} | {s['turn2_ttft_median']:.2f} "
-            f"| {_fmt(r.get('turn2_ttft_ratio'))} | {_fmt(r.get('net_cost_per_reuse_seconds'))} |"
-        )
+    columns = ("server", "accuracy", "n", "vs stock", "reuse", "cached", "ttft1", "ttft1 vs stock", "ttft2", "ttft2 vs stock", "net")
+    lines += [table_row(table_cells(server), columns) for server in servers]
     lines += [
         "",
         "Net cost per reuse = (turn-1 TTFT − stock's) − (stock's turn-2 TTFT − turn-2 TTFT), medians: what one reuse "
@@ -292,18 +299,12 @@ def write_outputs(servers: list[dict], meta: dict, out: Path, name: str) -> list
     for server in servers:
         server["vs_stock"] = against_stock(server["summary"], stock) if stock and server["variant"]["policy"] != "none" else None
     payload = {"environment": environment(), "meta": meta, "servers": servers}
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [out / f"{name}.json", out / f"{name}.md"]
-    write_atomically(paths[0], json.dumps(payload, indent=1) + "\n")
-    write_atomically(paths[1], markdown(payload))
-    return paths
+    return write_result_files(out, name, payload, markdown(payload))
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = benchmark_parser("reuse_quality", __doc__)
-    parser.add_argument("--model", default="smollm2", help="bundled model name or HF folder (default smollm2)")
-    parser.add_argument("--policies", default="lava", help="comma-separated name[:score] besides stock (default lava)")
-    parser.add_argument("--budget", default="0.25", help="--kv-evict-budget of every policy server (default 0.25)")
+    add_server_args(parser, ("--policies", "lava", "comma-separated name[:score] besides stock"), "--kv-evict-budget of every policy server")
     parser.add_argument("--samples", type=int, default=20, help="conversations per server (default 20)")
     parser.add_argument("--seed", type=int, default=0, help="task seed (default 0)")
     parser.add_argument("--document-tokens", type=int, default=1300, help="document length in model tokens (default 1300)")
@@ -323,27 +324,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="extra launcher/SGLang flag for the stock server only, e.g. --stock-server-arg=--chunked-prefill-size=-1 "
         "(its answers do not need the policy servers' chunking; repeatable)",
     )  # fmt: skip
-    parser.add_argument("--resume", action="store_true", help="keep the finished servers of --out/<name>.json")
+    add_resume_arg(parser)
     return parser
 
 
 def _resumed(args: argparse.Namespace, config: ReuseConfig) -> list[dict]:
-    if not args.resume:
+    previous = checkpoint(args, ReuseError)
+    if previous is None:
         return []
-    path = args.out / f"{args.name}.json"
-    if not path.exists():
-        raise ReuseError(f"--resume: {path} does not exist")
-    previous = json.loads(path.read_text())
-    if previous["meta"]["config"] != json.loads(json.dumps(asdict(config))):
-        raise ReuseError(f"--resume: {path} is of another configuration")
+    if previous["meta"]["config"] != as_json(asdict(config)):
+        raise other_configuration(checkpoint_path(args), ReuseError)
     return previous["servers"]
 
 
+@exits_on(ServerError, code=2)
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    log = lambda message: print(message, flush=True)  # noqa: E731
+    parser, argv, args = parse_command_line(build_parser, argv)
     try:
         config = ReuseConfig(
             model=args.model,
@@ -369,18 +365,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ReuseError, ServerError) as error:
         parser.error(str(error))
     tasks = task_suite(config.seed, config.samples, config.document_tokens, model_token_counter(config.model), config.kinds)
-    meta = {"command": "python -m benchmarks.reuse_quality " + " ".join(shlex.quote(a) for a in argv), "config": asdict(config)}
+    meta = {"command": command_line("reuse_quality", argv), "config": asdict(config)}
     log_dir = log_folder(args.log_dir, "reuse-quality")
-    servers: list[dict] = []
-    try:
-        for index, variant in enumerate(variants, 1):
-            log(f"[{index}/{len(variants)}] {variant.label}" + (": kept from the checkpoint" if variant.label in done else ""))
-            servers.append(done.get(variant.label) or run_server(config, variant, tasks, log_dir, log))
-            paths = write_outputs(servers, meta, args.out, args.name)
-    except ServerError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    print("wrote " + ", ".join(str(p) for p in paths))
+    run_each(
+        variants, lambda variant: variant.label, done,
+        lambda variant: run_server(config, variant, tasks, log_dir, progress),
+        lambda servers: write_outputs(servers, meta, args.out, args.name),
+    )  # fmt: skip
     return 0
 
 

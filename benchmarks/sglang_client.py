@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import json
 import os
-import shlex
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,8 +35,8 @@ from typing import Callable, Optional, Sequence
 import aiohttp
 
 from benchmarks.load.client import STATS_PATH, StatsSampler, get_json, stream_completion
-from benchmarks.cli import add_output_args, benchmark_parser, log_folder
-from benchmarks.load.report import _pyplot, environment, save_figure
+from benchmarks.cli import add_output_args, benchmark_parser, command_line, log_folder, parse_command_line, progress, write_result_files
+from benchmarks.load.report import _pyplot, environment, heading, save_figure
 from benchmarks.load.servers import (
     ServerError,
     ServerVariant,
@@ -196,10 +195,7 @@ def markdown(report: dict) -> str:
     w = meta["workload"]
     dirty = " (uncommitted changes)" if env.get("git_worktree_dirty") else ""
     lines = [
-        "# SGLang's benchmark client: stock SGLang vs the plugin at equal KV memory",
-        "",
-        f"`{meta['command']}`",
-        "",
+        *heading("SGLang's benchmark client: stock SGLang vs the plugin at equal KV memory", meta),
         f"Machine: {env['cpu_model']}, {env['cpu_cores']} cores, GPU: {env['gpu']}. SGLang {env['sglang']}, "
         f"torch {env['torch']}, sgl-kvevict {env['git_commit']}{dirty}, {env['date']}. Model `{meta['model']}`, "
         f"every server with `--max-total-tokens {meta['pool_tokens']}`, one server at a time.",
@@ -282,7 +278,7 @@ def run(
     """Every variant in turn; the report is rewritten after each server, so an interrupted run keeps
     the servers it finished."""
     meta = {
-        "command": "python -m benchmarks.sglang_client " + " ".join(shlex.quote(a) for a in argv),
+        "command": command_line("sglang_client", argv),
         "name": name,
         "model": model,
         "pool_tokens": pool_tokens,
@@ -299,9 +295,7 @@ def run(
         outcome = runs[-1]["error"] or f"{runs[-1]['client']['output_throughput']:.2f} output tok/s"
         log(f"{variant.label}: {outcome}")
         report = {"meta": meta, "runs": runs, "ratios": ratios(runs)}
-        (out / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
-        (out / f"{name}.md").write_text(markdown(report))
-        plot(report, out / f"{name}.png")
+        write_result_files(out, name, report, markdown(report), lambda path: plot(report, path))
         log(f"wrote {out / name}.json, .md, .png; server and client logs in {log_dir}")
     return report
 
@@ -344,9 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    parser, argv, args = parse_command_line(build_parser, argv)
     try:
         workload = Workload(
             groups=args.groups, prompts_per_group=args.prompts_per_group, turns=args.turns,
@@ -362,7 +354,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     log_dir = log_folder(args.log_dir, "sglang-client")
     report = run(
         args.model, variants, args.pool_tokens, workload, tuple(args.server_arg), args.out, args.name, log_dir, argv,
-        lambda message: print(message, flush=True),
+        progress,
     )  # fmt: skip
     print(markdown(report))
     failed = any(r["error"] or r["leaks_after_flush"] or r["log_leak_warnings"] for r in report["runs"])

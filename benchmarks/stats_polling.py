@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import multiprocessing
 import os
-import shlex
 import sys
 import time
 import urllib.error
@@ -37,8 +36,8 @@ from typing import Callable, Optional, Sequence
 import aiohttp
 
 from benchmarks.load.client import STATS_PATH, stream_completion
-from benchmarks.cli import add_output_args, benchmark_parser, log_folder
-from benchmarks.load.report import environment, write_report
+from benchmarks.cli import add_output_args, add_server_args, benchmark_parser, command_line, exits_on, log_folder, parse_command_line, progress
+from benchmarks.load.report import environment, heading, write_report
 from benchmarks.load.servers import VANILLA_POLICY, ServerError, ServerVariant, launched_server
 from benchmarks.load.metrics import percentile
 
@@ -155,10 +154,7 @@ def markdown(report: dict) -> str:
     meta = report["meta"]
     env, cfg = meta["environment"], meta["config"]
     lines = [
-        "# Polling /kvevict/stats during decode: inter-token latency",
-        "",
-        f"`{meta['command']}`",
-        "",
+        *heading("Polling /kvevict/stats during decode: inter-token latency", meta),
         f"Machine: {env['cpu_model']}, {env['cpu_cores']} cores, GPU: {env['gpu']}. SGLang {env['sglang']}, torch "
         f"{env['torch']}, sgl-kvevict {env['git_commit']}{' (uncommitted changes)' if env['git_worktree_dirty'] else ''}, "
         f"{env['date']}. Model `{cfg['model']}`, `--max-total-tokens {cfg['pool_tokens']}`, one server at a time. "
@@ -217,7 +213,7 @@ def run(config: PollingConfig, out: Path, name: str, log_dir: Path, argv: Sequen
         )
     report = {
         "meta": {
-            "command": "python -m benchmarks.stats_polling " + " ".join(shlex.quote(a) for a in argv),
+            "command": command_line("stats_polling", argv),
             "config": asdict(config),
             "environment": environment(),
         },
@@ -229,9 +225,7 @@ def run(config: PollingConfig, out: Path, name: str, log_dir: Path, argv: Sequen
 
 def build_parser() -> argparse.ArgumentParser:
     parser = benchmark_parser("stats_polling", __doc__)
-    parser.add_argument("--model", default="smollm2", help="bundled model name or HF folder (default smollm2)")
-    parser.add_argument("--policy", default="topk:learned", help="policy[:score] of the compressing server (default topk:learned)")
-    parser.add_argument("--budget", default="0.25", help="--kv-evict-budget of the compressing server (default 0.25)")
+    add_server_args(parser, ("--policy", "topk:learned", "policy[:score] of the compressing server"), "--kv-evict-budget of the compressing server")
     parser.add_argument("--pool-tokens", type=int, default=16384, help="--max-total-tokens of both servers (default 16384)")
     parser.add_argument("--tokens", type=int, default=128, help="output tokens per request (default 128)")
     parser.add_argument("--rounds", type=int, default=5, help="quiet + polled request pairs per server (default 5)")
@@ -239,20 +233,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@exits_on(ServerError, MeasurementError, code=1)
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    parser, argv, args = parse_command_line(build_parser, argv)
     try:
         config = PollingConfig(args.model, args.policy, args.budget, args.pool_tokens, args.tokens, args.rounds)
     except ValueError as error:
         parser.error(str(error))
     log_dir = log_folder(args.log_dir, "stats-polling")
-    try:
-        run(config, args.out, args.name, log_dir, argv, lambda m: print(m, flush=True))
-    except (ServerError, MeasurementError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
+    run(config, args.out, args.name, log_dir, argv, progress)
     return 0
 
 

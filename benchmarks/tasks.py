@@ -144,6 +144,11 @@ FACT_KINDS = (
 )
 
 
+def states_number(output: str, number: str) -> bool:
+    """``number`` appears in ``output``, not as part of a longer number (an exact-match answer)."""
+    return re.search(rf"(?<!\d){re.escape(number)}(?!\d)", output) is not None
+
+
 @dataclass(frozen=True)
 class Question:
     """A question the context answers: ``answer`` is stated by needle ``needle`` of its task.
@@ -157,8 +162,7 @@ class Question:
     needle: int
 
     def is_correct(self, output: str) -> bool:
-        """The answer appears in ``output``, not as part of a longer number."""
-        return re.search(rf"(?<!\d){re.escape(self.answer)}(?!\d)", output) is not None
+        return states_number(output, self.answer)
 
 
 @dataclass(frozen=True)
@@ -172,21 +176,11 @@ class Task:
     needles: tuple[Needle, ...]
     questions: tuple[Question, ...]
 
-    @property
-    def question(self) -> str:
-        return self.questions[0].question
-
-    @property
-    def answer_prefix(self) -> str:
-        return self.questions[0].answer_prefix
-
-    @property
-    def answer(self) -> str:
-        return self.questions[0].answer
-
-    @property
-    def answer_needle(self) -> int:
-        return self.questions[0].needle
+    # The task's own question's fields (str, str, str, int).
+    question = property(lambda self: self.questions[0].question)
+    answer_prefix = property(lambda self: self.questions[0].answer_prefix)
+    answer = property(lambda self: self.questions[0].answer)
+    answer_needle = property(lambda self: self.questions[0].needle)
 
     @property
     def depth(self) -> float:

@@ -6,10 +6,14 @@ that, the child's main process alone gets SIGTERM and the grace period to drain:
 process finishes the requests in flight, then stops its scheduler and detokenizer; the router waits
 for the requests it forwarded. A SIGTERM to the whole group would kill SGLang's scheduler at once
 and fail every request in flight.
+
+The same helpers start the launcher itself as a child (``serving_launcher``): the benchmarks and the
+tests run it that way, its output in a log file, and check that nothing it started outlives it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -19,10 +23,13 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from typing import Optional
+from pathlib import Path
+from typing import Callable, Iterator, Optional, Sequence
 
 HEALTH_POLL_SECONDS = 0.5
 SHUTDOWN_GRACE_SECONDS = 30.0
+# The launcher logs this (``[sgl-kvevict] serving ...``) once its server answers ``/health``.
+SERVING_LINE = "] serving "
 
 
 def log(message: str) -> None:
@@ -31,6 +38,26 @@ def log(message: str) -> None:
 
 class StartupError(RuntimeError):
     """The server cannot start; the message is one line."""
+
+
+class ChildExited(StartupError):
+    """The child exited before it was ready; ``code`` is its exit code."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+class NotReady(StartupError):
+    """The child was still not ready when the start-up timeout ran out."""
+
+
+class LeftBehind(RuntimeError):
+    """Processes a child started were still alive after it stopped (they are killed); ``pids`` says which."""
+
+    def __init__(self, message: str, pids: list[int]):
+        super().__init__(message)
+        self.pids = pids
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -55,6 +82,19 @@ def free_loopback_ports(count: int) -> list[int]:
     finally:
         for sock in sockets:
             sock.close()
+
+
+def free_port() -> int:
+    """A port free on 127.0.0.1 now (``free_loopback_ports`` of one)."""
+    return free_loopback_ports(1)[0]
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    try:
+        check_port_free(host, port)
+    except StartupError:
+        return False
+    return True
 
 
 def authorization(key: Optional[str]) -> dict[str, str]:
@@ -85,12 +125,25 @@ def is_healthy(base_url: str, timeout: float = 5.0) -> bool:
 
 
 class ChildGroup:
-    """A child process in its own session; ``name`` says what it is in the launcher's log."""
+    """A child process in its own session; ``name`` says what it is in the launcher's log. With
+    ``log_path`` its stdout and stderr go to that file (created anew), otherwise to ours."""
 
-    def __init__(self, name: str, command: list[str], env: Optional[dict[str, str]] = None):
+    def __init__(
+        self, name: str, command: list[str], env: Optional[dict[str, str]] = None, log_path: Optional[Path] = None
+    ):
         self.name = name
-        self.process = subprocess.Popen(command, env=env, start_new_session=True)
+        self.log_path = log_path
+        if log_path is None:
+            self.process = subprocess.Popen(command, env=env, start_new_session=True)
+        else:
+            with open(log_path, "wb") as log_file:
+                self.process = subprocess.Popen(
+                    command, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+                )
         self._terminated = False
+        # Set by ``stop`` when the main process outlived the grace period and was killed.
+        self.killed = False
+        self.descendants: list = []  # psutil.Process: what ``remember_descendants`` saw
 
     @property
     def pid(self) -> int:
@@ -99,29 +152,60 @@ class ChildGroup:
     def exit_code(self) -> Optional[int]:
         return self.process.poll()
 
+    def output(self) -> str:
+        """Its log file so far (empty without one)."""
+        return "" if self.log_path is None else self.log_path.read_text(errors="replace")
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return self.output()[-chars:]
+
+    def where_log_is(self) -> str:
+        return "its log is above" if self.log_path is None else f"log: {self.log_path}"
+
+    def remember_descendants(self) -> None:
+        """Add every process the child runs now to ``descendants`` (``left_behind`` checks them)."""
+        import psutil  # SGLang's dependency, not ours: only the benchmarks and the tests call this
+
+        with contextlib.suppress(psutil.NoSuchProcess):
+            known = {process.pid for process in self.descendants}
+            found = psutil.Process(self.process.pid).children(recursive=True)
+            self.descendants += [process for process in found if process.pid not in known]
+
     def terminate(self) -> None:
         """SIGTERM to the main process only (once): it drains, then stops its own children."""
         if not self._terminated and self.process.poll() is None:
             self._terminated = True
             self.process.send_signal(signal.SIGTERM)
 
-    def stop(self) -> None:
+    def stop(self, grace: float = SHUTDOWN_GRACE_SECONDS, quiet: bool = False) -> int:
         """``terminate``, then SIGKILL to whatever is left of the group once the main process exited or
-        the grace period ran out."""
+        the ``grace`` period ran out (said in the launcher's log unless ``quiet``); the exit code."""
         self.terminate()
         try:
-            self.process.wait(timeout=SHUTDOWN_GRACE_SECONDS)
+            self.process.wait(timeout=grace)
         except subprocess.TimeoutExpired:
-            log(f"{self.name} did not exit within {SHUTDOWN_GRACE_SECONDS:.0f} s of SIGTERM; killing it")
+            self.killed = True
+            if not quiet:
+                log(f"{self.name} did not exit within {grace:.0f} s of SIGTERM; killing it")
         # An SGLang server's scheduler and detokenizer may outlive its main process: clear the group.
         self.signal_group(signal.SIGKILL)
-        self.process.wait()
+        return self.process.wait()
 
     def signal_group(self, sig: int) -> None:
         try:
             os.killpg(self.process.pid, sig)
         except ProcessLookupError:
             pass
+
+    def left_behind(self, timeout: float) -> list[int]:
+        """After ``stop``: the remembered descendants still alive ``timeout`` seconds on (killed now)."""
+        import psutil
+
+        _, alive = psutil.wait_procs(self.descendants, timeout=timeout)
+        for leftover in alive:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                leftover.kill()
+        return [process.pid for process in alive]
 
 
 def stop_all(children: list[ChildGroup]) -> None:
@@ -133,17 +217,58 @@ def stop_all(children: list[ChildGroup]) -> None:
         child.stop()
 
 
-def wait_until_healthy(child: ChildGroup, base_url: str, timeout: float, stop: threading.Event) -> None:
+def wait_until_ready(
+    child: ChildGroup, ready: Callable[[], bool], timeout: float, stop: Optional[threading.Event] = None
+) -> None:
+    """Poll ``ready`` until it holds (or ``stop`` is set); ChildExited if the child exits first,
+    NotReady once ``timeout`` seconds passed."""
+    stop = stop or threading.Event()
     deadline = time.monotonic() + timeout
     while not stop.is_set():
         code = child.exit_code()
         if code is not None:
-            raise StartupError(f"{child.name} exited with code {code} before becoming healthy (its log is above)")
-        if is_healthy(base_url):
+            raise ChildExited(f"{child.name} exited with code {code} before becoming healthy ({child.where_log_is()})", code)
+        if ready():
             return
         if time.monotonic() > deadline:
-            raise StartupError(f"{child.name} was not healthy after {timeout:.0f} s (--startup-timeout)")
+            raise NotReady(f"{child.name} was not healthy after {timeout:.0f} s")
         stop.wait(HEALTH_POLL_SECONDS)
+
+
+def wait_until_healthy(child: ChildGroup, base_url: str, timeout: float, stop: threading.Event) -> None:
+    """``wait_until_ready`` for ``base_url``'s ``/health``."""
+    try:
+        wait_until_ready(child, lambda: is_healthy(base_url), timeout, stop)
+    except NotReady as late:
+        raise NotReady(f"{late} (--startup-timeout)") from None
+
+
+def launcher_command(*args: str) -> list[str]:
+    """The launcher (``python -m sgl_kvevict.server``) with ``args``, in this Python."""
+    return [sys.executable, "-m", "sgl_kvevict.server", *args]
+
+
+@contextlib.contextmanager
+def serving_launcher(
+    args: Sequence[str], log_path: Path, startup_timeout: float, stop_timeout: float
+) -> Iterator[ChildGroup]:
+    """The launcher with ``args`` as a child in its own session, its output in ``log_path``, from the
+    moment it logs that it serves (ChildExited, NotReady otherwise) to the end of the block. Then it
+    gets SIGTERM and ``stop_timeout`` seconds to stop SGLang, and every process it started must be
+    gone ``stop_timeout`` seconds later: LeftBehind (after killing them) if one is not."""
+    child = ChildGroup("the launcher", launcher_command(*args), log_path=log_path)
+    try:
+        wait_until_ready(child, lambda: SERVING_LINE in child.output(), startup_timeout)
+        # Everything SGLang started is up by now; remembered so that the stop can prove it all exited.
+        child.remember_descendants()
+        yield child
+    finally:
+        if child.exit_code() is None:
+            child.remember_descendants()
+        child.stop(stop_timeout, quiet=True)
+        pids = child.left_behind(stop_timeout)
+        if pids:
+            raise LeftBehind(f"processes left behind by the server: {pids}", pids)
 
 
 class StopSignals:

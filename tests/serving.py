@@ -4,34 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import signal
-import socket
 import subprocess
-import sys
-import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
-import psutil
-
+from sgl_kvevict.server.processes import ChildExited, LeftBehind, NotReady, authorization, free_port, serving_launcher
+from sgl_kvevict.server.processes import launcher_command  # noqa: F401  (the tests run the launcher with it)
 from sgl_kvevict.server.sglang_args import flag_value
-from sgl_kvevict.server.processes import authorization
 
 STARTUP_TIMEOUT_SECONDS = 300
 STOP_TIMEOUT_SECONDS = 60
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def launcher_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "sgl_kvevict.server", *args]
 
 
 def error_lines(output: str) -> list[str]:
@@ -69,53 +53,24 @@ class RunningServer:
         )
 
 
-def _wait_for_serving_line(process: subprocess.Popen, log_path: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if "] serving " in log_path.read_text(errors="replace"):
-            return
-        if process.poll() is not None:
-            raise RuntimeError(f"launcher exited with {process.returncode}:\n{log_path.read_text()[-4000:]}")
-        time.sleep(0.5)
-    raise TimeoutError(f"server not serving after {timeout:.0f} s:\n{log_path.read_text()[-4000:]}")
-
-
-def stop_launcher(process: subprocess.Popen) -> int:
-    """SIGTERM the launcher (it stops SGLang), then check that every process it started is gone."""
-    descendants = psutil.Process(process.pid).children(recursive=True) if process.poll() is None else []
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-    try:
-        code = process.wait(timeout=STOP_TIMEOUT_SECONDS)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-    _, alive = psutil.wait_procs(descendants, timeout=STOP_TIMEOUT_SECONDS)
-    for leftover in alive:
-        leftover.kill()
-    if alive:
-        raise AssertionError(f"processes left behind by the server: {[p.pid for p in alive]}")
-    return code
-
-
 @contextlib.contextmanager
 def running_server(
     model: str | Path, tmp_path: Path, *extra: str, startup_timeout: float = STARTUP_TIMEOUT_SECONDS
 ) -> Iterator[RunningServer]:
-    """The launcher in its own session (so a test can account for every process it started)."""
+    """The launcher in its own session (``serving_launcher``: a test accounts for every process it
+    started); a failed start raises with the end of its log."""
     port = free_port()
     log_path = tmp_path / f"server-{port}.log"
-    with open(log_path, "wb") as log_file:
-        process = subprocess.Popen(
-            launcher_command("--model", str(model), "--port", str(port), *extra),
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    argv = ["--model", str(model), "--port", str(port), *extra]
     try:
-        _wait_for_serving_line(process, log_path, startup_timeout)
-        keys = flag_value(list(extra), "--api-key"), flag_value(list(extra), "--admin-api-key")
-        yield RunningServer(f"http://127.0.0.1:{port}", process, log_path, *keys)
-    finally:
-        stop_launcher(process)
+        with serving_launcher(argv, log_path, startup_timeout, STOP_TIMEOUT_SECONDS) as child:
+            keys = flag_value(list(extra), "--api-key"), flag_value(list(extra), "--admin-api-key")
+            yield RunningServer(f"http://127.0.0.1:{port}", child.process, log_path, *keys)
+        if child.killed:
+            raise AssertionError(f"the launcher did not exit within {STOP_TIMEOUT_SECONDS} s of SIGTERM")
+    except ChildExited as exited:
+        raise RuntimeError(f"launcher exited with {exited.code}:\n{log_path.read_text()[-4000:]}") from None
+    except NotReady:
+        raise TimeoutError(f"server not serving after {startup_timeout:.0f} s:\n{log_path.read_text()[-4000:]}") from None
+    except LeftBehind as left:
+        raise AssertionError(str(left)) from None

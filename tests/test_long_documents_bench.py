@@ -12,6 +12,7 @@ from benchmarks import long_documents
 from benchmarks.long_documents import DocumentRecord, LongDocumentsConfig, LongDocumentsError, Server
 from benchmarks.tasks import make_task
 from benchmarks.results_readme import long_documents_part
+from bench_checks import check_resume
 
 STOCK = Server("stock", ("--kv-evict-policy", "none"))
 
@@ -99,15 +100,7 @@ def test_long_documents_through_the_tiny_server_and_resume(tiny_llama_dir, tmp_p
     assert 0.5 < policy["summary"]["300"]["kept_share_mean"] < 0.9
     assert "| snapkv | 2048 |" in (tmp_path / "long_documents.md").read_text()
     assert "### Is 25% safe for my long documents?" in "\n".join(long_documents_part(report))
-    logs = sorted((tmp_path / "logs").iterdir())
-    capsys.readouterr()
-
-    assert long_documents.main([*argv, "--resume"]) == 0
-    assert sorted((tmp_path / "logs").iterdir()) == logs  # nothing started again
-    assert capsys.readouterr().out.count("kept from the checkpoint") == 2
-    with pytest.raises(SystemExit):
-        long_documents.main([*argv, "--resume", "--documents", "2"])
-    assert "is of another configuration" in capsys.readouterr().err
+    check_resume(long_documents.main, argv, tmp_path / "logs", capsys, ["--documents", "2"])
 
 
 def test_the_reference_probe_asks_every_question_through_the_servers_compression(tmp_path):

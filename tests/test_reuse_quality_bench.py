@@ -10,6 +10,7 @@ import pytest
 
 from benchmarks import reuse_quality
 from benchmarks.tasks import make_task
+from bench_checks import check_resume
 
 
 def count_words(text: str) -> int:
@@ -68,12 +69,4 @@ def test_reuse_quality_through_the_tiny_server_and_resume(tiny_llama_dir, tmp_pa
     assert stock["vs_stock"] is None and policy["vs_stock"]["turn1_ttft_ratio"] > 0
     text = (tmp_path / "reuse_quality.md").read_text()
     assert "| snapkv@0.5 |" in text and "net cost per reuse" in text
-    logs = sorted((tmp_path / "logs").iterdir())
-    capsys.readouterr()
-
-    assert reuse_quality.main([*argv, "--resume"]) == 0
-    assert sorted((tmp_path / "logs").iterdir()) == logs  # nothing started again
-    assert capsys.readouterr().out.count("kept from the checkpoint") == 2
-    with pytest.raises(SystemExit):
-        reuse_quality.main([*argv, "--resume", "--samples", "3"])
-    assert "is of another configuration" in capsys.readouterr().err
+    check_resume(reuse_quality.main, argv, tmp_path / "logs", capsys, ["--samples", "3"])

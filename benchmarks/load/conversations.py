@@ -16,12 +16,11 @@ the user's own document: the shared prefix of block scope, as a deployment's sys
 from __future__ import annotations
 
 import random
-import re
 import sys
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from benchmarks.tasks import FACT_KINDS, Needle, build_context
+from benchmarks.tasks import FACT_KINDS, Needle, build_context, states_number
 
 DOCUMENT_INTRO = "Read the following document carefully. I will ask you several questions about it.\n\n"
 SYSTEM_INTRO = (
@@ -54,8 +53,7 @@ class Fact:
     answer: str
 
     def is_answered_by(self, output: str) -> bool:
-        """Exact match of the number, not as part of a longer number."""
-        return re.search(rf"(?<!\d){re.escape(self.answer)}(?!\d)", output) is not None
+        return states_number(output, self.answer)
 
 
 @dataclass(frozen=True)

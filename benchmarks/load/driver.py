@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from benchmarks.load.conversations import Conversation, ConversationSpec
-from benchmarks.load.servers import ServerError, ServerVariant, check_launcher_accepts, launched_server
+from benchmarks.load.servers import ServerError, ServerVariant, check_launcher_accepts, check_lineup, launched_server
 from benchmarks.load.users import LoadSettings, RunOutcome, run_users
 
 POOL_NAMES = ("large", "tight")
@@ -58,11 +58,10 @@ class CompareConfig:
     launcher_extra: tuple[str, ...] = ()
 
     def __post_init__(self):
-        if not self.variants or not self.variants[0].is_vanilla:
-            raise DriverError("the first variant must be vanilla (--kv-evict-policy none): ratios are against it")
-        labels = [v.label for v in self.variants]
-        if len(set(labels)) != len(labels):
-            raise DriverError(f"variants repeat: {labels}")
+        check_lineup(
+            [v.label for v in self.variants], bool(self.variants) and self.variants[0].is_vanilla, DriverError,
+            "the first variant must be vanilla (--kv-evict-policy none): ratios are against it", "variants repeat",
+        )  # fmt: skip
 
 
 def history_tokens(conversation: Conversation, count_tokens: Callable[[str], int], max_tokens: int) -> int:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import shlex
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from benchmarks.cli import write_atomically
+from benchmarks.cli import command_line, write_result_files
 from benchmarks.intervals import wilson
 from benchmarks.load.driver import RunResult
 from benchmarks.load.metrics import RunMetrics
@@ -55,17 +54,15 @@ def _git(*args: str) -> Optional[str]:
 
 def write_report(out: Path, name: str, report: dict, text: str, log) -> None:
     """``<name>.json`` (every sample) and ``<name>.md`` (``text``) into ``out``."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
-    (out / f"{name}.md").write_text(text)
-    log(f"wrote {out / (name + '.json')}, {name}.md")
+    paths = write_result_files(out, name, report, text)
+    log(f"wrote {paths[0]}, {name}.md")
 
 
 def run_meta(module: str, argv: Optional[Sequence[str]], **fields) -> dict:
     """What a result file records of its run: ``fields``, the command as typed (``argv``, None: this
     process's) and the machine."""
-    command = ["python", "-m", f"benchmarks.{module}", *(sys.argv[1:] if argv is None else argv)]
-    return {**fields, "command": shlex.join(command), "environment": environment()}
+    command = command_line(module, sys.argv[1:] if argv is None else argv)
+    return {**fields, "command": command, "environment": environment()}
 
 
 def runs_writer(
@@ -421,6 +418,16 @@ def save_figure(plt, fig, path: Path) -> None:
     plt.close(fig)
 
 
+def heading(title: str, meta: dict) -> list[str]:
+    """A report's first lines: ``# title`` and the command that wrote it."""
+    return [f"# {title}", "", f"`{meta['command']}`", ""]
+
+
+def provenance_heading(title: str, meta: dict) -> list[str]:
+    """``# title`` and the ``provenance_line``."""
+    return [f"# {title}", "", provenance_line(meta), ""]
+
+
 def provenance_line(meta: dict) -> str:
     """Where a report's figures come from: its command, the machine, the commit and the date."""
     env = meta["environment"]
@@ -438,22 +445,15 @@ def _pyplot():
 
 def write_comparison(results: Sequence[RunResult], meta: dict, out_dir: Path, name: str) -> list[Path]:
     """``<name>.json``, ``.md`` and ``.png`` in the layout of ``meta["kind"]`` (compare or sweep)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
     payload = {
         "environment": environment(),
         "meta": {**meta, "name": name},
         "ratios": ratios(results),
         "runs": [result_to_json(r) for r in results],
     }
-    paths = [out_dir / f"{name}.json", out_dir / f"{name}.md", out_dir / f"{name}.png"]
-    sweep = meta.get("kind") == "sweep"
-    write_atomically(paths[0], json.dumps(payload, indent=1) + "\n")
-    write_atomically(paths[1], sweep_markdown(payload, results) if sweep else compare_markdown(payload, results))
-    if sweep:
-        sweep_plot(payload, results, paths[2])
-    else:
-        compare_plot(results, paths[2])
-    return paths
+    if meta.get("kind") == "sweep":
+        return write_result_files(out_dir, name, payload, sweep_markdown(payload, results), lambda path: sweep_plot(payload, results, path))
+    return write_result_files(out_dir, name, payload, compare_markdown(payload, results), lambda path: compare_plot(results, path))
 
 
 def load_comparison(path: Path) -> tuple[list[RunResult], dict]:

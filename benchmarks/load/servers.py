@@ -10,21 +10,25 @@ half-finished comparison.
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
-
-import psutil
+from typing import Callable, Iterator, Optional, Sequence
 
 from sgl_kvevict.server.flags import FlagError, LaunchConfig, parse_args
+from sgl_kvevict.server.processes import (
+    ChildExited,
+    ChildGroup,
+    LeftBehind,
+    NotReady,
+    free_port,
+    port_is_free,
+    serving_launcher,
+)
 
 VANILLA_POLICY = "none"
 STOP_TIMEOUT_SECONDS = 90.0  # the launcher's own SIGTERM grace is 30 s, SGLang needs ~10 s
@@ -81,6 +85,17 @@ class ServerVariant:
 SCOPES = ("request", "block")
 
 
+def check_lineup(
+    labels: Sequence[str], starts_with_baseline: bool, error: Callable[[str], Exception], not_first: str, repeated: str
+) -> None:
+    """The servers of a comparison: the baseline first (``not_first`` otherwise: ratios are against it),
+    no label twice (``repeated: [labels]``)."""
+    if not starts_with_baseline:
+        raise error(not_first)
+    if len(set(labels)) != len(labels):
+        raise error(f"{repeated}: {list(labels)}")
+
+
 def server_variants(
     policies: Sequence[str], budgets: Sequence[str], scopes: Sequence[str] = ("request",), block_size: Optional[int] = None
 ) -> tuple[ServerVariant, ...]:
@@ -134,37 +149,32 @@ def check_launcher_accepts(model: str, variant: ServerVariant, pool_tokens: int,
         raise ServerError(f"the launcher refuses {variant.label}: {error}") from None
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _port_is_free(port: int) -> bool:
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 @dataclass
 class LaunchedServer:
     base_url: str
-    process: subprocess.Popen
-    log_path: Path
-    descendants: list[psutil.Process]
+    child: ChildGroup
+
+    @property
+    def process(self) -> subprocess.Popen:
+        return self.child.process
+
+    @property
+    def log_path(self) -> Path:
+        return self.child.log_path
+
+    @property
+    def descendants(self) -> list:
+        """psutil.Process: every process the launcher ran once it served."""
+        return self.child.descendants
 
     def log_tail(self, chars: int = 3000) -> str:
-        return self.log_path.read_text(errors="replace")[-chars:]
+        return self.child.log_tail(chars)
 
     def leak_warnings(self) -> list[str]:
-        return [line for line in self.log_path.read_text(errors="replace").splitlines() if LEAK_LOG_PATTERN.search(line)]
+        return [line for line in self.child.output().splitlines() if LEAK_LOG_PATTERN.search(line)]
 
     def is_running(self) -> bool:
-        return self.process.poll() is None
+        return self.child.exit_code() is None
 
 
 def _failure_lines(log_path: Path) -> str:
@@ -175,40 +185,9 @@ def _failure_lines(log_path: Path) -> str:
     return " / ".join(launcher[-1:] + exceptions[-1:]) or "no error line in the log"
 
 
-def _wait_until_serving(process: subprocess.Popen, log_path: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        # The launcher prints this line once SGLang's /health answers.
-        if "] serving " in log_path.read_text(errors="replace"):
-            return
-        if process.poll() is not None:
-            raise ServerError(
-                f"the launcher exited with code {process.returncode} before serving: {_failure_lines(log_path)} "
-                f"(log: {log_path})"
-            )
-        time.sleep(0.5)
-    raise ServerError(f"server not serving after {timeout:.0f} s (log: {log_path})")
-
-
-def stop_server(server: LaunchedServer, port: int) -> None:
-    """SIGTERM the launcher (it stops SGLang's process group), then prove nothing is left."""
-    if server.is_running():
-        server.process.send_signal(signal.SIGTERM)
-    try:
-        server.process.wait(timeout=STOP_TIMEOUT_SECONDS)
-    except subprocess.TimeoutExpired:
-        pass
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(server.process.pid, signal.SIGKILL)  # the launcher's session, only ours
-    server.process.wait()
-    _, alive = psutil.wait_procs(server.descendants, timeout=STOP_TIMEOUT_SECONDS)
-    for leftover in alive:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            leftover.kill()
-    if alive:
-        raise ServerError(f"processes left behind by the server on port {port}: {[p.pid for p in alive]}")
+def _wait_until_port_free(port: int) -> None:
     deadline = time.monotonic() + 10
-    while not _port_is_free(port):
+    while not port_is_free(port):
         if time.monotonic() > deadline:
             raise ServerError(f"port {port} still taken after the server stopped")
         time.sleep(0.5)
@@ -223,28 +202,41 @@ def launched_server(
     extra: tuple[str, ...] = (),
     startup_timeout: float = 600.0,
 ) -> Iterator[LaunchedServer]:
-    """The launcher in its own session, serving until the block ends; always stopped and checked, also
-    when the benchmark gets SIGTERM (``sigterm_raises``)."""
+    """The launcher in its own session (``serving_launcher``), serving until the block ends; always
+    stopped and checked (nothing left, its port free again), also when the benchmark gets SIGTERM
+    (``sigterm_raises``)."""
     check_launcher_accepts(model, variant, pool_tokens, extra)
     port = free_port()
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"server-{variant.label.replace(' ', '-')}-{pool_tokens}-{port}.log"
+    argv = launcher_argv(model, port, variant, pool_tokens, extra)
     with sigterm_raises():
-        with open(log_path, "wb") as log_file:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "sgl_kvevict.server", *launcher_argv(model, port, variant, pool_tokens, extra)],
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        server = LaunchedServer(f"http://127.0.0.1:{port}", process, log_path, [])
         try:
-            _wait_until_serving(process, log_path, startup_timeout)
-            # Everything SGLang started is up by now; remembered so that stop can prove it all exited.
-            server.descendants = psutil.Process(process.pid).children(recursive=True)
-            yield server
+            with serving_launcher(argv, log_path, startup_timeout, STOP_TIMEOUT_SECONDS) as child:
+                yield LaunchedServer(f"http://127.0.0.1:{port}", child)
+        except ChildExited as exited:
+            raise ServerError(
+                f"the launcher exited with code {exited.code} before serving: {_failure_lines(log_path)} (log: {log_path})"
+            ) from None
+        except NotReady:
+            raise ServerError(f"server not serving after {startup_timeout:.0f} s (log: {log_path})") from None
+        except LeftBehind as left:
+            raise ServerError(f"processes left behind by the server on port {port}: {left.pids}") from None
         finally:
-            stop_server(server, port)
+            _wait_until_port_free(port)
+
+
+def run_on_server(
+    model: str, variant: ServerVariant, pool_tokens: int, log_dir: Path, extra: tuple[str, ...], label: str,
+    measure: Callable[[str], dict], fields: dict, describe: Callable[[dict], str], log: Callable[[str], None],
+) -> dict:  # fmt: skip
+    """A fresh server for ``variant`` (``label`` in the log), ``measure(base_url)`` on it, then stopped;
+    the run: the variant, ``fields`` and the figures (``describe`` says them in the log)."""
+    log(f"{label}: starting")
+    with launched_server(model, variant, pool_tokens, log_dir, extra=extra) as server:
+        figures = measure(server.base_url)
+    log(f"{label}: {describe(figures)}")
+    return {"server": variant.label, "vanilla": variant.is_vanilla, **fields, **figures}
 
 
 @contextlib.contextmanager
