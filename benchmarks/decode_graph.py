@@ -126,7 +126,7 @@ class DecodeBatch:
         return PathView.of_entries(((0, compressed_len),), counts, cells, torch.cat(positions), len(cells))
 
     def dense_part(self, compressed: bool) -> list[torch.Tensor]:
-        """Per request, the slots the dense attention reads: all, or the tail after the compressed span."""
+        """Per request, the slots the dense attention reads: all, or the tail after the compressed segment."""
         return [slots[self.compressed_len :] if compressed else slots for slots in self.dense_slots]
 
     def reference(self, compressed: bool) -> list[torch.Tensor]:

@@ -10,7 +10,7 @@ Servers (``--variants``, all with the same ``--max-total-tokens``): ``stock`` (`
 ``keep-99`` (the plugin's path keeping 99%: topk + learned, request scope; every prompt becomes a
 compressed node, so its decode goes through segment attention), ``default-block`` and
 ``default-request`` (``make serve``'s topk + learned at 25%, in block and in request scope), and on
-request ``full`` (``--kv-evict-policy full``: a span kept whole stays dense, so its decode is stock's
+request ``full`` (``--kv-evict-policy full``: a segment kept whole stays dense, so its decode is stock's
 through the plugin's backend). ``/kvevict/stats`` after the prefills says how many tokens each compressed. Each is started through the launcher, one at a time, for ``--rounds`` rounds (the
 order reversed every other round, so a drift of the shared machine's load does not favour one).
 
@@ -56,7 +56,7 @@ from benchmarks.load.servers import ServerError, ServerVariant, launched_server
 DEFAULT_FLAGS = ("--kv-evict-policy", "topk", "--kv-evict-default", "budget=0.25", "--kv-evict-default", "score=learned")
 VARIANTS = {
     "stock": ServerVariant.from_flags("stock", ("--kv-evict-policy", "none")),
-    # The plugin's path at (nearly) 100% kept: a span the policy keeps whole stays dense (``full`` compresses
+    # The plugin's path at (nearly) 100% kept: a segment the policy keeps whole stays dense (``full`` compresses
     # nothing, so its decode is stock's), so 99% is the most that goes through segment attention.
     "keep-99": ServerVariant.from_flags(
         "keep-99", ("--kv-evict-policy", "topk", "--kv-evict-default", "budget=0.99", "--kv-evict-default", "score=learned")

@@ -7,7 +7,7 @@ for trying allocations, scores and knobs before a server run (minutes instead of
 
 The same documents, turns and scoring as ``long_documents`` (``LABEL=FLAGS`` takes the launcher's
 eviction flags, parsed by the launcher's own parser; stock, the dense model, always comes first). Per
-document and server: turn 1's prompt is prefilled with the spans the server's scope compresses
+document and server: turn 1's prompt is prefilled with the segments the server's scope compresses
 (``Scope.compressible_segments``: a block-scope prompt's full blocks), the summary is that cache's own
 greedy reply, then every question is answered from a copy of the cache holding turn 1, the summary
 and the turn-2 template, the question's tokens dense. fp32 on the CPU, one sequence at a time: the
@@ -59,7 +59,7 @@ class ProbeServer:
         self.policy = None if self.eviction is None else build_policy(self.eviction)
         self.scope = serving.scope
 
-    def spans(self, prompt_end: int) -> tuple[Segment, ...]:
+    def segments(self, prompt_end: int) -> tuple[Segment, ...]:
         if self.policy is None:
             return ()
         return tuple(Segment(a, b) for a, b in self.scope.compressible_segments(0, prompt_end, self.eviction.window))
@@ -84,16 +84,16 @@ def probe_document(engine: ReferenceEngine, server: ProbeServer, task, length: i
                    config: LongDocumentsConfig, only: str) -> list[ProbeAnswer]:  # fmt: skip
     tokenizer = engine.tokenizer
     turn1 = _ids(tokenizer.apply_chat_template(turn_one(task), add_generation_prompt=True))
-    spans = server.spans(len(turn1))
+    segments = server.segments(len(turn1))
     sequence = engine.new_sequence()
-    logits = engine.extend(sequence, turn1, server.policy, spans)
+    logits = engine.extend(sequence, turn1, server.policy, segments)
     # The summary is decoded on a copy: turn 2 re-sends it as text, whose tokens may differ.
     summary_ids = greedy(engine, copy.deepcopy(sequence), logits, config.summary_tokens)
     summary = tokenizer.decode(summary_ids, skip_special_tokens=True).strip()
     prompts = [_ids(tokenizer.apply_chat_template(turn_two(task, summary, q), continue_final_message=True)) for q in task.questions]
     shared = next((i for i in range(min(map(len, prompts))) if len({p[i] for p in prompts}) > 1), min(map(len, prompts)))
     engine.extend(sequence, prompts[0][len(turn1):shared])
-    dropped = sum(span.end - span.start for span in spans)
+    dropped = sum(segment.end - segment.start for segment in segments)
     kept = sum(plan.total_kept() for plan in sequence.plans) / (engine.num_layers * engine.num_kv_heads)
     kept_share = (kept + shared - dropped) / shared
     answers = []

@@ -22,8 +22,8 @@ With ``long_prompt_tokens`` (prompts longer than a prefill chunk), three more ki
   length message, as stock SGLang refuses it (a 4xx, or for a streamed chat an error chunk after its
   200 headers); a 5xx, a hang, a broken stream or another error is a violation.
 * ``near_limit`` (with ``near_limit_tokens``, a prompt just under the model's context length): the same
-  rule; it exercises scoring at the last positions (KVzip's passes run after the span, so near the
-  limit they shrink or the span stays dense: ``scoring.kvzip``).
+  rule; it exercises scoring at the last positions (KVzip's passes run after the segment, so near the
+  limit they shrink or the segment stays dense: ``scoring.kvzip``).
 
 Afterwards: wait for the server to go idle, ``POST /flush_cache``, and check that the server is
 healthy and answers, that ``/kvevict/stats`` (when it exists) shows every ``*_used`` counter at 0
