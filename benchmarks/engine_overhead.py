@@ -17,7 +17,7 @@ measured at the client. Each server answers, in this order:
 * turn 2: after a flush, turn 1 of a conversation (its prompt compressed with a policy), then turn 2
   (history + answer + a new question) with ``max_tokens`` 1: TTFT with the prefix reused; then a
   flush and the same turn 2 again: TTFT without reuse. ``/kvevict/stats`` after turn 1 gives the
-  memory of one conversation: arena cells kept for the compressed span against its dense
+  memory of one conversation: arena cells kept for the compressed segment against its dense
   equivalent (tokens x layers x KV heads), plus the dense slots the tree still holds (window, answer).
 
 Medians over the samples, and ratios policy / vanilla from the same run: the machine is shared and
@@ -276,9 +276,9 @@ def markdown(report: dict) -> str:
             "",
             "| | cells held | dense equivalent (cells) | ratio |",
             "|---|---|---|---|",
-            f"| compressed span ({m['compressed_tokens']:.0f} tokens) | {m['kept_cells']:.0f} | "
+            f"| compressed segment ({m['compressed_tokens']:.0f} tokens) | {m['kept_cells']:.0f} | "
             f"{m['compressed_dense_equivalent_cells']:.0f} | **{m['compressed_ratio']:.3f}** |",
-            f"| whole conversation ({m['conversation_tokens']:.0f} tokens: compressed span + "
+            f"| whole conversation ({m['conversation_tokens']:.0f} tokens: compressed segment + "
             f"{m['dense_slots_held']:.0f} dense tokens still held, window and answer) | {m['conversation_cells_held']:.0f} | "
             f"{m['conversation_dense_equivalent_cells']:.0f} | **{m['conversation_ratio']:.3f}** |",
         ]

@@ -79,7 +79,7 @@ def engine_overhead_part(report: dict) -> list[str]:
     if m:
         lines += [
             "",
-            f"Memory of one conversation after turn 1: the compressed span ({m['compressed_tokens']:.0f} tokens) "
+            f"Memory of one conversation after turn 1: the compressed segment ({m['compressed_tokens']:.0f} tokens) "
             f"holds {m['kept_cells']:.0f} arena cells against {m['compressed_dense_equivalent_cells']:.0f} dense "
             f"(tokens x layers x KV heads), **{m['compressed_ratio']:.3f}**; with the dense tokens the tree still "
             f"holds (window and answer) the whole {m['conversation_tokens']:.0f}-token conversation takes "
