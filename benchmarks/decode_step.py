@@ -76,7 +76,7 @@ STEP_PARTS = (
     ("merge of the two parts", ("merge_states.py",)),
     ("decode attention (one pass over cells and dense keys)", ("decode_attention", "DecodeKeys")),
     ("stock SDPA decode (per request)", ("_run_sdpa_forward_decode",)),
-    ("per-forward metadata (requests, views, cell index, dense layout)", ("batch.py", "forward_begin", "path_view", "_init_segment_metadata")),
+    ("per-forward metadata (requests, views, cell index, dense layout)", ("batch.py", "forward_begin", "paths.py", "_init_segment_metadata")),
     ("rest of the attention backend", ("attention.py", "torch_native_backend.py")),
     ("model: projections, MLP, norms, rotary, logits", ("forward_batch_generation", "model_runner.py")),
     ("sampling", ("sampler.py",)),

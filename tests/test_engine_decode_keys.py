@@ -91,7 +91,7 @@ def test_decode_steps_of_the_same_requests_append_to_the_keys_until_out_of_room(
 
 def moved(view: PathView, scenario, generator) -> PathView:
     """The view of the same entries after the arena moved every cell to a free one (contents copied), as
-    ``path_view`` gives it once the arena's generation changed: a new object."""
+    ``PathViews.of`` gives it once the arena's generation changed: a new object."""
     free = scenario.space.cells_of_slots(torch.tensor(free_slots(scenario))).flatten()
     targets = free[torch.randperm(len(free), generator=generator)[: len(view.cells)]]
     scenario.space.copy(view.cells, targets)
