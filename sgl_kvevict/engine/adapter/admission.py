@@ -31,7 +31,7 @@ from typing import Optional
 
 from sglang.srt.runtime_context import get_schedule
 
-from sgl_kvevict.engine.registry import engine_for
+from sgl_kvevict.engine.adapter.slots import engine_of
 from sgl_kvevict.footprint import PrefillFootprint
 from sgl_kvevict.serving import ServingConfig
 
@@ -93,7 +93,7 @@ def prefill_admission(serving: ServingConfig):
     served = ServedFootprint(serving)
 
     def admit_by_footprint(original, adder, req, *, extend_input_len: int, total_tokens: int, **kwargs):
-        engine = engine_for(adder.token_to_kv_pool_allocator.get_kvcache())
+        engine = engine_of(adder.token_to_kv_pool_allocator)
         if engine is not None:
             pool = adder.token_to_kv_pool_allocator.size
             footprint = engine.coordinator.footprint_of(req)

@@ -8,13 +8,9 @@ from __future__ import annotations
 
 import os
 
-from sgl_kvevict.engine.registry import Engine, engine_for
+from sgl_kvevict.engine.adapter.slots import engine_of
+from sgl_kvevict.engine.registry import Engine
 from sgl_kvevict.limits import METADATA_GLUE_GRAPH_ENV, METADATA_GLUE_GRAPH_REASON, metadata_glue_graph_enabled
-
-
-def engine_of(allocator):
-    """The engine over SGLang's KV allocator's pool (None: none)."""
-    return engine_for(allocator.get_kvcache())
 
 
 def after_batch(_result, scheduler, *args, **kwargs) -> None:

@@ -11,7 +11,12 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
 from sgl_kvevict.engine.arena import SlotSource
 from sgl_kvevict.engine.cells import CellSpace
-from sgl_kvevict.engine.registry import engine_for
+from sgl_kvevict.engine.registry import Engine, engine_for
+
+
+def engine_of(allocator) -> Optional[Engine]:
+    """The engine over SGLang's KV allocator's pool (None: none)."""
+    return engine_for(allocator.get_kvcache())
 
 
 def slot_source(allocator, space: CellSpace) -> SlotSource:
@@ -50,7 +55,7 @@ class SchedulerSlots:
     def alloc_slots(self, count: int) -> Optional[torch.Tensor]:
         shortfall = count - self.allocator.available_size()
         if shortfall > 0:
-            engine_for(self.allocator.get_kvcache()).tree.evict(EvictParams(num_tokens=shortfall))
+            engine_of(self.allocator).tree.evict(EvictParams(num_tokens=shortfall))
         return self.allocator.alloc(count)
 
     def free_slots(self, slots: torch.Tensor) -> None:
