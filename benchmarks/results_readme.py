@@ -199,7 +199,7 @@ def reuse_quality_part(report: dict) -> list[str]:
 def long_documents_part(report: dict) -> list[str]:
     meta, config = report["meta"], report["meta"]["config"]
     return [
-        "### Is 25% safe for my long documents? Answers by document length",
+        "### Is 25% safe for my long documents? Answers by document length and budget",
         "",
         f"`{meta['command']}` ({_provenance(report['environment'])}; every answer: "
         "[results/long_documents.md](results/long_documents.md))",

@@ -109,7 +109,7 @@ def knob_default(knob: dataclasses.Field) -> str:
     if knob.default is None:
         return "unset"
     if isinstance(knob.default, tuple):
-        return ",".join(map(str, knob.default))
+        return ",".join(map(str, knob.default)) or "none"
     return str(knob.default)
 
 

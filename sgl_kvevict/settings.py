@@ -137,6 +137,16 @@ def int_at_least(minimum: int) -> Callable[[Any], bool]:
     return lambda value: isinstance(value, int) and value >= minimum
 
 
+def layer_indices(default: tuple[int, ...], help: str, label: str) -> Any:
+    """A setting of layer indices (comma-separated on the command line), each an integer >= 0;
+    ``label`` names it in the error."""
+    return setting(
+        default,
+        help=help,
+        valid=(lambda layers: all(isinstance(layer, int) and layer >= 0 for layer in layers), label + " {value!r} must be layer indices >= 0"),
+    )
+
+
 def help_of(field: dataclasses.Field) -> str:
     return field.metadata[_HELP]
 
@@ -165,6 +175,9 @@ class Settings:
         for field in settings_of(type(self)):
             rule = field.metadata[_VALID]
             value = getattr(self, field.name)
+            if isinstance(value, list):  # a list given in code: settings are frozen, hashable values
+                value = tuple(value)
+                object.__setattr__(self, field.name, value)
             if rule is not None and not rule[0](value):
                 raise ConfigError(rule[1].format(value=value))
 

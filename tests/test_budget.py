@@ -233,6 +233,21 @@ def test_global_top_k_layer_budgets_count_the_best_entries_of_each_layer(seed, t
     assert global_top_k_layer_budgets(layer_scores, total).tolist() == expected
 
 
+@pytest.mark.parametrize("seed, ties", [(0, False), (1, True)])
+@pytest.mark.parametrize("total, floor", [(40, 10), (40, 3), (37, 9), (120, 30), (0, 0)])
+def test_a_layer_floor_keeps_each_layers_best_first_and_the_global_best_of_the_rest(seed, ties, total, floor):
+    """Against Python sorts: every layer's ``floor`` best (score, head, position), then the best
+    ``total - L floor`` of the remaining entries of all layers (ties to the lower layer)."""
+    layer_scores = [random_scores(3, 10, seed=seed * 10 + layer, ties=ties) for layer in range(4)]
+    own = [sorted((-float(s[h, p]), h, p) for h in range(3) for p in range(10)) for s in layer_scores]
+    rest = sorted((entry[0], layer) for layer, ranking in enumerate(own) for entry in ranking[floor:])
+    expected = [floor + sum(1 for _, layer in rest[: total - 4 * floor] if layer == i) for i in range(4)]
+    budgets = global_top_k_layer_budgets(layer_scores, total, floor)
+    assert budgets.tolist() == expected and int(budgets.sum()) == total and min(budgets.tolist()) >= floor
+    if 4 * floor == total:
+        assert budgets.tolist() == [floor] * 4  # a floor of the whole even share is the even split
+
+
 def test_entropy_layer_budgets_are_proportional_exact_and_capped():
     budgets = entropy_layer_budgets([1.0, 2.0, 1.0], total=40, candidates_per_layer=100)
     assert budgets.tolist() == [10, 20, 10]

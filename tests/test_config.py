@@ -188,6 +188,9 @@ MISTAKES = [
     (dict(sink_tokens=-1), "sink tokens -1 must be an integer >= 0"),
     (dict(policy="dbudget", dbudget_frozen_layers=(0, -1)), "dbudget frozen layers (0, -1) must be layer indices >= 0"),
     (dict(min_segment_length=-1), "min segment length -1 must be >= 0"),
+    (dict(policy="topk", whole_layers=[2, -1]), "whole layers (2, -1) must be layer indices >= 0"),  # a list, as code may give
+    (dict(policy="topk", layer_floor=1.5), "layer floor 1.5 must be in [0, 1]"),
+    (dict(policy="lava", whole_layers=(0,)), "whole layers (0,) does not apply to policy 'lava'"),
     # A method's knob given to a policy that does not take it is refused, like a budget to full.
     (
         dict(policy="snapkv", alpha=0.3),

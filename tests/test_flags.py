@@ -88,14 +88,14 @@ def test_every_eviction_option_has_a_flag_reaching_the_serving_config(tmp_path):
     values = {"budget": "64t", "window": "8", "pooling": "avg", "pooling_kernel": "5", "gqa": "sum",
               "score": "learned", "learned_weights": str(weights), "alpha": "0.3", "pyramid_beta": "10", "dbudget_threshold": "0.02",
               "dbudget_query_rows": "2", "dbudget_frozen_layers": "0,3", "sink_tokens": "2",
-              "min_segment_length": "16", "score_threshold": "-6.5", "layer_scale": "raw"}  # fmt: skip
+              "min_segment_length": "16", "score_threshold": "-6.5", "layer_scale": "raw", "layer_floor": "0.5", "whole_layers": "0,2"}  # fmt: skip
     assert set(values) == {f.name for f in knobs}, "a new eviction option needs a value in this test"
     # A policy takes the common options and its own (its score's too): three policies take them all.
     dbudget_own = {"dbudget_threshold", "dbudget_query_rows", "dbudget_frozen_layers"}
     by_policy = {
-        "ada-pyramidkv": {name: text for name, text in values.items() if name not in {*dbudget_own, "layer_scale"}},
+        "ada-pyramidkv": {name: text for name, text in values.items() if name not in {*dbudget_own, "layer_scale", "layer_floor", "whole_layers"}},
         "dbudget": {name: values[name] for name in [*dbudget_own, "window", "sink_tokens", "min_segment_length"]},
-        "topk": {name: values[name] for name in ["layer_scale", "budget", "score", "learned_weights"]},
+        "topk": {name: values[name] for name in ["layer_scale", "layer_floor", "whole_layers", "budget", "score", "learned_weights"]},
     }
     served = {}
     for policy, given in by_policy.items():
@@ -105,7 +105,7 @@ def test_every_eviction_option_has_a_flag_reaching_the_serving_config(tmp_path):
         assert dict(config.serving.eviction_options) == given
         served[policy] = config.serving.eviction
     ada_pyramid, dbudget = served["ada-pyramidkv"], served["dbudget"]
-    assert served["topk"].layer_scale == "raw"
+    assert (served["topk"].layer_scale, served["topk"].layer_floor, served["topk"].whole_layers) == ("raw", 0.5, (0, 2))
     assert (ada_pyramid.window, ada_pyramid.pooling_kernel, ada_pyramid.alpha, ada_pyramid.pyramid_beta) == (8, 5, 0.3, 10)
     assert ada_pyramid.learned_weights == str(weights)
     assert (dbudget.window, dbudget.dbudget_query_rows, dbudget.dbudget_frozen_layers) == (8, 2, (0, 3))

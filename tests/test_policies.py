@@ -414,21 +414,58 @@ def standardised_naively(scores: torch.Tensor) -> list[list[float]]:
 @pytest.mark.parametrize("spec", SPECS)
 @pytest.mark.parametrize("score", ["kvzip", "learned"])
 @pytest.mark.parametrize("budget", ["0.3", "40t"])
-@pytest.mark.parametrize("layer_scale", ["raw", "standardised"])
-def test_topk_keeps_the_global_top_k_over_every_layer_and_head(spec, score, budget, layer_scale, tmp_path):
+@pytest.mark.parametrize("layer_scale, layer_floor", [("raw", 0.0), ("standardised", 0.0), ("raw", 0.5), ("standardised", 0.7), ("raw", 1.0)])
+def test_topk_keeps_the_global_top_k_over_every_layer_and_head(spec, score, budget, layer_scale, layer_floor, tmp_path):
     """KVzip's allocation: the kept candidates are the best ``L * H_kv * selected`` (layer, head,
     position) entries of the whole segment, found here by brute force over Python tuples; compared as
-    they are (``raw``) or after each layer's scores were standardised over the layer."""
-    config = policy_config("topk", spec, tmp_path, budget=budget, score=score, window=WINDOW, layer_scale=layer_scale)
+    they are (``raw``) or after each layer's scores were standardised over the layer. With a layer
+    floor every layer first keeps its own best ``floor(layer_floor * H_kv * selected)`` and the rest
+    are the best of what remains."""
+    config = policy_config("topk", spec, tmp_path, budget=budget, score=score, window=WINDOW, layer_scale=layer_scale, layer_floor=layer_floor)
     scores, layout, plan = observed_scores(config, spec, seed=4)
     compared = [torch.tensor(standardised_naively(s), dtype=torch.float64) for s in scores] if layer_scale == "standardised" else scores
     entries = global_ranking(compared)
     total = spec.num_layers * spec.num_kv_heads * layout.selected_per_head
-    expected = {(layer, h, p) for _, layer, h, p in entries[:total]}
+    floor = math.floor(layer_floor * spec.num_kv_heads * layout.selected_per_head)
+    floors = [entry for layer in range(spec.num_layers) for entry in [e for e in entries if e[1] == layer][:floor]]
+    rest = [entry for entry in entries if entry not in set(floors)]
+    expected = {(layer, h, p) for _, layer, h, p in floors + rest[: total - len(floors)]}
     kept = {(layer, h, p) for layer in range(spec.num_layers) for h, p in kept_entries(candidate_mask(plan, layer, layout))}
     assert kept == expected
-    per_layer = plan.counts().sum(1)
-    assert len(set(per_layer.tolist())) > 1  # the budget really moved between layers
+    per_layer = [sum(1 for entry in kept if entry[0] == layer) for layer in range(spec.num_layers)]
+    assert min(per_layer) >= floor
+    if layer_floor < 1.0:
+        assert len(set(per_layer)) > 1  # the budget really moved between layers
+    else:
+        assert set(per_layer) == {total // spec.num_layers}  # a whole floor is the even split
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("budget", ["0.3", "0.6"])
+@pytest.mark.parametrize("whole_layers, layer_floor", [((0,), 0.0), ((1, 0), 0.5), ((0, 99), 0.0)])
+def test_topk_whole_layers_keep_every_candidate_and_the_others_share_the_rest(spec, budget, whole_layers, layer_floor, tmp_path):
+    """Layers kept whole count in the budget: the kept candidates are every candidate of those layers
+    (in the listed order while the budget lasts) and, of the others, each one's floor then the best of
+    what remains, by brute force over Python tuples; indices past the last layer are ignored."""
+    config = policy_config("topk", spec, tmp_path, budget=budget, score="kvzip", window=WINDOW,
+                           whole_layers=whole_layers, layer_floor=layer_floor)  # fmt: skip
+    scores, layout, plan = observed_scores(config, spec, seed=4)
+    total = spec.num_layers * spec.num_kv_heads * layout.selected_per_head
+    entries = global_ranking(scores)
+    whole = [layer for layer in whole_layers if layer < spec.num_layers]
+    expected = set()
+    for layer in whole:
+        own = [tuple(entry) for _, *entry in entries if entry[0] == layer][:total]
+        expected |= set(own)
+        total -= len(own)
+    others = [layer for layer in range(spec.num_layers) if layer not in whole]
+    floor = min(math.floor(layer_floor * spec.num_kv_heads * layout.selected_per_head), total // len(others))
+    floors = {tuple(entry) for layer in others for entry in [e[1:] for e in entries if e[1] == layer][:floor]}
+    rest = [tuple(entry) for _, *entry in entries if entry[0] in others and tuple(entry) not in floors]
+    expected |= floors | set(rest[: total - len(floors)])
+    kept = {(layer, h, p) for layer in range(spec.num_layers) for h, p in kept_entries(candidate_mask(plan, layer, layout))}
+    assert kept == expected
+    assert len(kept) == spec.num_layers * spec.num_kv_heads * layout.selected_per_head  # the budget, exactly
 
 
 @pytest.mark.parametrize("spec", SPECS)

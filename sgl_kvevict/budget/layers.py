@@ -58,18 +58,28 @@ def entropy_layer_budgets(entropies: list[float], total: int, candidates_per_lay
     return apportion(total, torch.tensor(entropies, dtype=torch.float64), caps)
 
 
-def global_top_k_layer_budgets(layer_scores: list[torch.Tensor], total: int) -> torch.Tensor:
+def global_top_k_layer_budgets(layer_scores: list[torch.Tensor], total: int, floor: int = 0) -> torch.Tensor:
     """int64 ``[L]``: how many of the ``total`` best entries over every (layer, KV head, candidate) of a
-    segment lie in each layer (KVzip's allocation: one top-k over all layers and heads, no floor).
+    segment lie in each layer (KVzip's allocation: one top-k over all layers and heads), after every
+    layer first keeps its own ``floor`` best entries.
 
-    Each layer then keeps its own top entries across heads (``adaptive_head_counts`` with
-    ``alpha = 0``), which together are the global top-k (equal scores at the threshold: any of them).
+    With ``floor = 0`` this is KVzip's top-k, no floor. A floor is the layer-level twin of Ada-KV's
+    head safeguard (``adaptive_head_counts``): no layer's share can fall below it, whatever the scale
+    of its scores, and the rest still goes where the scores are highest. Each layer then keeps its
+    own top entries across heads (``adaptive_head_counts`` with ``alpha = 0``), which together are
+    the floors plus the global top-k of what remains (equal scores at the threshold: the lower layer).
 
-    layer_scores: ``[H_kv, n]`` per layer, comparable across layers; ``total <= L * H_kv * n``.
+    layer_scores: ``[H_kv, n]`` per layer, comparable across layers.
+    total: ``<= L * H_kv * n``; floor: ``<= min(total / L, H_kv * n)``.
     """
-    flat = torch.cat([scores.flatten() for scores in layer_scores])
-    winners = torch.sort(flat, descending=True, stable=True).indices[:total]
-    return torch.bincount(winners // layer_scores[0].numel(), minlength=len(layer_scores)).cpu()
+    # Each layer's entries best first: its floor is the first ``floor``, and the stable sort of the
+    # rest keeps the lower layer first among equal scores, as the plain top-k of the unsorted scores.
+    remaining = torch.cat([torch.sort(scores.flatten(), descending=True, stable=True).values[floor:] for scores in layer_scores])
+    winners = torch.sort(remaining, descending=True, stable=True).indices[: total - floor * len(layer_scores)]
+    per_layer = layer_scores[0].numel() - floor
+    if per_layer == 0:
+        return torch.full((len(layer_scores),), floor, dtype=torch.int64)
+    return torch.bincount(winners // per_layer, minlength=len(layer_scores)).cpu() + floor
 
 
 def standardised_per_layer(layer_scores: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from sgl_kvevict.budget.dbudget import evicted_prefix_length, head_attention_mass
-from sgl_kvevict.settings import CommonSettings, ConfigError, Settings, int_at_least, setting
+from sgl_kvevict.settings import CommonSettings, ConfigError, Settings, int_at_least, layer_indices, setting
 from sgl_kvevict.plan import CompressionPlan
 from sgl_kvevict.policies.base import Policy, PolicyDefaults, SegmentCompressor, SegmentSpec, register_policy
 from sgl_kvevict.policies.layout import SegmentLayout
@@ -38,18 +38,9 @@ class DBudgetKnobs(Settings):
         help="DBudgetKV k: last query rows that measure the norm drop; at most the window",
         valid=(int_at_least(1), "dbudget query rows {value!r} must be an integer >= 1"),
     )
-    dbudget_frozen_layers: tuple[int, ...] = setting(
-        (0, 1),
-        help="DBudgetKV: comma-separated layer indices never pruned",
-        valid=(
-            lambda layers: all(isinstance(layer, int) and layer >= 0 for layer in layers),
-            "dbudget frozen layers {value!r} must be layer indices >= 0",
-        ),
+    dbudget_frozen_layers: tuple[int, ...] = layer_indices(
+        (0, 1), help="DBudgetKV: comma-separated layer indices never pruned", label="dbudget frozen layers"
     )
-
-    def __post_init__(self):
-        object.__setattr__(self, "dbudget_frozen_layers", tuple(self.dbudget_frozen_layers))
-        super().__post_init__()
 
 
 class _NormDropCompressor(SegmentCompressor):

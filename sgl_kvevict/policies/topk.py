@@ -14,12 +14,19 @@ keep 6-15% of their entries at a 25% budget, and answers that copy a five-digit 
 document fail; standardising keeps more of them there. Measured through the server it is a wash so
 far (long documents +1 answer of 21 at 2K, equal at 4K and 7K; ~1.3K documents 11 vs 13 of 20:
 docs/methods/kvzip.md), so the default stays KVzip's.
+Two knobs shape where the budget may go, both counted in it: ``whole_layers`` keeps the listed layers
+whole (the rest share what remains), and ``layer_floor`` gives every other layer that fraction of its
+even share (its own best entries) before the one top-k shares out the rest; 1 is an even budget per
+layer. They exist to measure where a long document's answers live (docs/methods/kvzip.md): on
+SmolLM2 a five-digit code read back from a 2K document needed layers 0-6 whole and about a fifth of
+the rest; a floor did not help.
 With a score threshold (``score_threshold``) the top-k keeps exactly the entries scoring at least the
-threshold, so it compares raw scores whatever ``layer_scale`` says.
+threshold, so it compares raw scores whatever ``layer_scale`` says, with neither knob.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +37,7 @@ from sgl_kvevict.policies.base import PolicyDefaults, register_policy
 from sgl_kvevict.policies.layout import SegmentLayout
 from sgl_kvevict.policies.scored import ScoredPolicy
 from sgl_kvevict.scoring import QUESTION_AGNOSTIC_SCORES, WINDOW_SCORES
-from sgl_kvevict.settings import Settings, setting
+from sgl_kvevict.settings import Settings, layer_indices, setting
 
 LAYER_SCALES = ("raw", "standardised")
 
@@ -45,6 +52,24 @@ class TopKKnobs(Settings):
         "--kv-evict-score-threshold always raw",
         valid=(lambda scale: scale in LAYER_SCALES, "layer scale {value!r} is not one of " + ", ".join(LAYER_SCALES)),
     )
+    layer_floor: float = setting(
+        0.0,
+        help="topk: fraction of the even per-layer share (budget x KV heads) every layer keeps of its own "
+        "best entries before the one top-k over every layer shares out the rest: 0 is KVzip's top-k, 1 "
+        "an even budget per layer (Ada-KV's split over heads inside it); with --kv-evict-score-threshold "
+        "no floor",
+        valid=(
+            lambda floor: isinstance(floor, (int, float)) and 0.0 <= floor <= 1.0,
+            "layer floor {value!r} must be in [0, 1] (the guaranteed share of the even per-layer budget)",
+        ),
+    )
+    whole_layers: tuple[int, ...] = layer_indices(
+        (),
+        help="topk: comma-separated layer indices kept whole (every entry), counted in the budget: the other "
+        "layers share what remains by the one top-k (layers past the model's last are ignored; a budget "
+        "smaller than they hold goes to them in the listed order); with --kv-evict-score-threshold none",
+        label="whole layers",
+    )
 
 
 @register_policy("topk")
@@ -56,9 +81,23 @@ class GlobalTopKPolicy(ScoredPolicy):
     def layer_budgets(self, layout: SegmentLayout, layer_scores: list[torch.Tensor]) -> list[int]:
         spec = layout.spec
         total = spec.num_layers * spec.num_kv_heads * layout.selected_per_head
-        if self.knobs.layer_scale == "standardised" and self.common.score_threshold is None:
-            layer_scores = standardised_per_layer(layer_scores)
-        return global_top_k_layer_budgets(layer_scores, total).tolist()
+        if self.common.score_threshold is not None:  # keeps exactly what scores above it
+            return global_top_k_layer_budgets(layer_scores, total).tolist()
+        budgets = [0] * spec.num_layers
+        for layer in self.knobs.whole_layers:
+            if layer < spec.num_layers and budgets[layer] == 0:
+                budgets[layer] = min(layer_scores[layer].numel(), total)
+                total -= budgets[layer]
+        shared = [layer for layer in range(spec.num_layers) if budgets[layer] == 0]
+        if not shared:
+            return budgets
+        scores = [layer_scores[layer] for layer in shared]
+        if self.knobs.layer_scale == "standardised":
+            scores = standardised_per_layer(scores)
+        floor = min(math.floor(self.knobs.layer_floor * spec.num_kv_heads * layout.selected_per_head), total // len(shared))
+        for layer, budget in zip(shared, global_top_k_layer_budgets(scores, total, floor).tolist()):
+            budgets[layer] = budget
+        return budgets
 
     def head_counts(self, sorted_scores: torch.Tensor, layer_budget: int) -> torch.Tensor:
         return adaptive_head_counts(sorted_scores, layer_budget, alpha=0.0)
