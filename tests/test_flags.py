@@ -92,10 +92,11 @@ def test_every_eviction_option_has_a_flag_reaching_the_serving_config(tmp_path):
     assert set(values) == {f.name for f in knobs}, "a new eviction option needs a value in this test"
     # A policy takes the common options and its own (its score's too): three policies take them all.
     dbudget_own = {"dbudget_threshold", "dbudget_query_rows", "dbudget_frozen_layers"}
+    topk_own = ["layer_scale", "layer_floor", "whole_layers"]
     by_policy = {
-        "ada-pyramidkv": {name: text for name, text in values.items() if name not in {*dbudget_own, "layer_scale", "layer_floor", "whole_layers"}},
+        "ada-pyramidkv": {name: text for name, text in values.items() if name not in {*dbudget_own, *topk_own}},
         "dbudget": {name: values[name] for name in [*dbudget_own, "window", "sink_tokens", "min_segment_length"]},
-        "topk": {name: values[name] for name in ["layer_scale", "layer_floor", "whole_layers", "budget", "score", "learned_weights"]},
+        "topk": {name: values[name] for name in [*topk_own, "budget", "score", "learned_weights"]},
     }
     served = {}
     for policy, given in by_policy.items():

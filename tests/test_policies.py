@@ -403,6 +403,15 @@ def global_ranking(scores: list[torch.Tensor]) -> list[tuple[float, int, int, in
     return sorted((-float(s[h, p]), layer, h, p) for layer, s in enumerate(scores) for h in range(s.shape[0]) for p in range(s.shape[1]))
 
 
+def floored_top_k_naively(entries: list[tuple[float, int, int, int]], layers: list[int], total: int, floor: int) -> set[tuple[int, int, int]]:
+    """(layer, head, offset) kept of ``layers`` (``entries`` from ``global_ranking``): each layer's best
+    ``floor`` entries, then the best of those layers' other entries up to ``total`` in all."""
+    ranked = [tuple(entry) for _, *entry in entries if entry[0] in layers]
+    floors = {entry for layer in layers for entry in [e for e in ranked if e[0] == layer][:floor]}
+    rest = [entry for entry in ranked if entry not in floors]
+    return floors | set(rest[: total - len(floors)])
+
+
 def standardised_naively(scores: torch.Tensor) -> list[list[float]]:
     """``[H, n]`` -> (score - mean) / population standard deviation over the whole layer, in Python floats."""
     values = [float(v) for v in scores.flatten()]
@@ -427,9 +436,7 @@ def test_topk_keeps_the_global_top_k_over_every_layer_and_head(spec, score, budg
     entries = global_ranking(compared)
     total = spec.num_layers * spec.num_kv_heads * layout.selected_per_head
     floor = math.floor(layer_floor * spec.num_kv_heads * layout.selected_per_head)
-    floors = [entry for layer in range(spec.num_layers) for entry in [e for e in entries if e[1] == layer][:floor]]
-    rest = [entry for entry in entries if entry not in set(floors)]
-    expected = {(layer, h, p) for _, layer, h, p in floors + rest[: total - len(floors)]}
+    expected = floored_top_k_naively(entries, list(range(spec.num_layers)), total, floor)
     kept = {(layer, h, p) for layer in range(spec.num_layers) for h, p in kept_entries(candidate_mask(plan, layer, layout))}
     assert kept == expected
     per_layer = [sum(1 for entry in kept if entry[0] == layer) for layer in range(spec.num_layers)]
@@ -460,9 +467,7 @@ def test_topk_whole_layers_keep_every_candidate_and_the_others_share_the_rest(sp
         total -= len(own)
     others = [layer for layer in range(spec.num_layers) if layer not in whole]
     floor = min(math.floor(layer_floor * spec.num_kv_heads * layout.selected_per_head), total // len(others))
-    floors = {tuple(entry) for layer in others for entry in [e[1:] for e in entries if e[1] == layer][:floor]}
-    rest = [tuple(entry) for _, *entry in entries if entry[0] in others and tuple(entry) not in floors]
-    expected |= floors | set(rest[: total - len(floors)])
+    expected |= floored_top_k_naively(entries, others, total, floor)
     kept = {(layer, h, p) for layer in range(spec.num_layers) for h, p in kept_entries(candidate_mask(plan, layer, layout))}
     assert kept == expected
     assert len(kept) == spec.num_layers * spec.num_kv_heads * layout.selected_per_head  # the budget, exactly

@@ -76,10 +76,7 @@ def global_top_k_layer_budgets(layer_scores: list[torch.Tensor], total: int, flo
     # rest keeps the lower layer first among equal scores, as the plain top-k of the unsorted scores.
     remaining = torch.cat([torch.sort(scores.flatten(), descending=True, stable=True).values[floor:] for scores in layer_scores])
     winners = torch.sort(remaining, descending=True, stable=True).indices[: total - floor * len(layer_scores)]
-    per_layer = layer_scores[0].numel() - floor
-    if per_layer == 0:
-        return torch.full((len(layer_scores),), floor, dtype=torch.int64)
-    return torch.bincount(winners // per_layer, minlength=len(layer_scores)).cpu() + floor
+    return torch.bincount(winners // (layer_scores[0].numel() - floor), minlength=len(layer_scores)).cpu() + floor
 
 
 def standardised_per_layer(layer_scores: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -83,12 +83,12 @@ class GlobalTopKPolicy(ScoredPolicy):
         total = spec.num_layers * spec.num_kv_heads * layout.selected_per_head
         if self.common.score_threshold is not None:  # keeps exactly what scores above it
             return global_top_k_layer_budgets(layer_scores, total).tolist()
+        whole = [layer for layer in dict.fromkeys(self.knobs.whole_layers) if layer < spec.num_layers]
         budgets = [0] * spec.num_layers
-        for layer in self.knobs.whole_layers:
-            if layer < spec.num_layers and budgets[layer] == 0:
-                budgets[layer] = min(layer_scores[layer].numel(), total)
-                total -= budgets[layer]
-        shared = [layer for layer in range(spec.num_layers) if budgets[layer] == 0]
+        for layer in whole:
+            budgets[layer] = min(layer_scores[layer].numel(), total)
+            total -= budgets[layer]
+        shared = [layer for layer in range(spec.num_layers) if layer not in whole]
         if not shared:
             return budgets
         scores = [layer_scores[layer] for layer in shared]
