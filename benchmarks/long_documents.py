@@ -10,14 +10,22 @@ Per document (``benchmarks/tasks.py``'s ``facts``: natural-language filler with 
 different kinds spread over it): turn 1 is the document and
 a question-agnostic instruction ("Summarise the text above in one sentence."), so a policy server
 compresses the document before it knows any question. Then every question of the document is asked
-once, each in its own turn 2 that re-sends turn 1 and its summary, reuses the compressed document,
-and starts the reply with the question's answer prefix (``continue_final_message``); the greedy
-answer is scored by exact match. One request at a time, the cache flushed before each document.
+once, in its own request that reuses the compressed document and starts the reply with the question's
+answer prefix (``continue_final_message``); the greedy answer is scored by exact match. ``--questions``
+says what that request is:
+
+* ``after-summary`` (the default): turn 2 of the chat, turn 1 and its summary re-sent, the question
+  after them;
+* ``new-request``: a new one-turn conversation, the same document followed by the question (another
+  user asking about a shared document; the question right after the document, as in the papers'
+  context-only setting).
+
+One request at a time, the cache flushed before each document.
 
 A server is a label and its launcher flags (``--server "LABEL=FLAGS"``, repeatable); stock SGLang
 (``--kv-evict-policy none``) is always the first, with a pool every document fits dense. Reported
 per (server, length): accuracy with its 95% Wilson interval and its ratio to stock's at that length;
-the reuse rate (turn 2's cached tokens cover turn 1's whole prompt); the **kept share**: KV slots the
+the reuse rate (the question's cached tokens cover every token its prompt shares with turn 1's); the **kept share**: KV slots the
 document's conversation holds after turn 1 (``kv_slots_total - kv_slots_free``) over the tokens it
 holds dense in stock (prompt + summary), so a policy that keeps 60% of a document is reported as 60%
 whatever its budget says; and the median turn-1 TTFT. Writes ``<name>.json`` (every answer) and
@@ -58,6 +66,8 @@ DEFAULT_SERVERS = (
     "request scope=--kv-evict-policy topk --kv-evict-score learned --kv-evict-budget 0.25 --kv-evict-scope request",
 )
 STOCK_LABEL = "stock"
+# --questions: where each question is asked (the module docstring says how).
+QUESTION_FORMATS = ("after-summary", "new-request")
 POOL_FLAG = "--max-total-tokens"
 
 
@@ -95,8 +105,11 @@ class LongDocumentsConfig:
     summary_tokens: int
     answer_tokens: int
     pool_tokens: int  # every server's pool unless its flags give one (stock: this one)
+    questions: str = QUESTION_FORMATS[0]
 
     def __post_init__(self):
+        if self.questions not in QUESTION_FORMATS:
+            raise LongDocumentsError(f"--questions {self.questions!r}: choose from {', '.join(QUESTION_FORMATS)}")
         labels = [server.label for server in self.servers]
         check_lineup(labels, bool(self.servers) and self.servers[0].is_stock, LongDocumentsError,
                      "the first server must be stock", "server labels must differ")  # fmt: skip
@@ -132,7 +145,7 @@ class AnswerRecord:
     correct: bool
     cached_tokens: int
     prompt_tokens: int
-    reused: bool  # the question's cached tokens cover turn 1's whole prompt
+    reused: bool  # the question's cached tokens cover every token its prompt shares with turn 1's
     ttft: float
 
 
@@ -165,6 +178,40 @@ def turn_two(task: Task, summary: str, question: Question) -> list[dict]:
     ]
 
 
+def new_request(task: Task, question: Question) -> list[dict]:
+    return [
+        {"role": "user", "content": f"{task.context}\n\n{question.question}"},
+        {"role": "assistant", "content": question.answer_prefix},
+    ]
+
+
+def question_messages(questions: str, task: Task, summary: str, question: Question) -> list[dict]:
+    """The request asking ``question`` in the ``--questions`` format ``questions``."""
+    return turn_two(task, summary, question) if questions == "after-summary" else new_request(task, question)
+
+
+class ChatTokens:
+    """The served model's chat template, to count the tokens a question's prompt shares with turn 1's
+    (the prefix the server can reuse)."""
+
+    def __init__(self, model: str):
+        from transformers import AutoTokenizer
+
+        from sgl_kvevict.models import resolve_model
+
+        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(model, log=lambda m: print(m, file=sys.stderr)))
+
+    def ids(self, messages: list[dict]) -> list[int]:
+        final = messages[-1]["role"] == "assistant"
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=not final, continue_final_message=final)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def shared(self, first: list[dict], second: list[dict]) -> int:
+        """Tokens at the start of both prompts."""
+        a, b = self.ids(first), self.ids(second)
+        return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 async def slots_held(session: aiohttp.ClientSession, base_url: str) -> Optional[int]:
     stats = await get_json(session, base_url + STATS_PATH)
     # Stock answers {"policy": "none"}: it holds every token dense.
@@ -172,7 +219,8 @@ async def slots_held(session: aiohttp.ClientSession, base_url: str) -> Optional[
 
 
 async def run_document(
-    session: aiohttp.ClientSession, base_url: str, config: LongDocumentsConfig, length: int, index: int, task: Task
+    session: aiohttp.ClientSession, base_url: str, config: LongDocumentsConfig, length: int, index: int, task: Task,
+    chat: ChatTokens,
 ) -> tuple[DocumentRecord, list[AnswerRecord]]:
     if not await flush_when_idle(session, base_url, timeout=60):
         raise ServerError(f"{base_url} did not flush its cache")
@@ -181,11 +229,12 @@ async def run_document(
                               first.ttft, await slots_held(session, base_url))  # fmt: skip
     answers = []
     for question in task.questions:
-        reply = await ask(session, base_url, turn_two(task, first.text, question), config.answer_tokens)
+        messages = question_messages(config.questions, task, first.text, question)
+        reply = await ask(session, base_url, messages, config.answer_tokens)
         answers.append(
             AnswerRecord(length, index, task.kind, question.question, question.answer, reply.text,
                          question.is_correct(reply.text), reply.cached_tokens, reply.prompt_tokens,
-                         reply.cached_tokens >= first.prompt_tokens, reply.ttft)  # fmt: skip
+                         reply.cached_tokens >= chat.shared(turn_one(task), messages), reply.ttft)  # fmt: skip
         )
     return document, answers
 
@@ -195,10 +244,11 @@ async def run_lengths(
 ) -> tuple[list[DocumentRecord], list[AnswerRecord]]:
     documents, answers = [], []
     total, started = sum(len(tasks) for tasks in suites.values()), time.perf_counter()
+    chat = ChatTokens(config.model)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as session:
         for length, tasks in suites.items():
             for index, task in enumerate(tasks):
-                document, asked = await run_document(session, base_url, config, length, index, task)
+                document, asked = await run_document(session, base_url, config, length, index, task, chat)
                 documents.append(document)
                 answers += asked
                 done = len(documents)
@@ -290,6 +340,13 @@ def accuracy_table(payload: dict) -> list[str]:
     return lines
 
 
+def asked_how(config: dict) -> str:
+    """How the report's questions were asked (``config``: the run's config as JSON)."""
+    if config.get("questions", QUESTION_FORMATS[0]) == "after-summary":
+        return "each fact asked in its own later turn that re-sends the document and the summary"
+    return "each fact asked in a new one-turn request, the same document followed by the question"
+
+
 def markdown(payload: dict) -> str:
     meta, servers, env = payload["meta"], payload["servers"], payload["environment"]
     config = meta["config"]
@@ -298,8 +355,8 @@ def markdown(payload: dict) -> str:
         f"Machine: {env['cpu_model']}, {env['cpu_cores']} cores, no GPU (CPU development mode). SGLang {env['sglang']}, "
         f"sgl-kvevict {env['git_commit']}{' (uncommitted changes)' if env['git_worktree_dirty'] else ''}, {env['date']}. "
         f"Model `{config['model']}`. Per length {config['documents']} documents ({', '.join(config['kinds'])}, seed "
-        f"{config['seed']}), every question of each asked in its own turn 2 after a summary turn (up to "
-        f"{config['summary_tokens']} tokens) that the server compressed the document in; answers up to "
+        f"{config['seed']}); turn 1 asks for a summary (up to {config['summary_tokens']} tokens) and the server "
+        f"compresses the document in it; then {asked_how(config)}, reusing the compressed document; answers up to "
         f"{config['answer_tokens']} tokens after the question's answer prefix, exact match.",
         "",
         "Accuracy [95% Wilson interval] (ratio to stock at that length); kept share = KV slots held after turn 1 over "
@@ -364,6 +421,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="task seed (default 0)")
     parser.add_argument("--summary-tokens", type=int, default=32, help="turn 1's answer cap (default 32)")
     parser.add_argument("--answer-tokens", type=int, default=8, help="each answer's cap (default 8)")
+    parser.add_argument("--questions", default=QUESTION_FORMATS[0], choices=QUESTION_FORMATS,
+                        help="where each question is asked: in turn 2 after the summary (default), or in a new "
+                        "one-turn request, the same document followed by the question")  # fmt: skip
     parser.add_argument("--pool-tokens", type=int, default=16384, help="--max-total-tokens of stock and of servers that give none (default 16384)")
     add_output_args(parser, "long_documents")
     add_resume_arg(parser)
@@ -382,6 +442,7 @@ def parse_config(args: argparse.Namespace) -> LongDocumentsConfig:
         summary_tokens=args.summary_tokens,
         answer_tokens=args.answer_tokens,
         pool_tokens=args.pool_tokens,
+        questions=args.questions,
     )
 
 
@@ -390,9 +451,9 @@ def _resumed(args: argparse.Namespace, config: LongDocumentsConfig) -> dict[str,
     previous = checkpoint(args, LongDocumentsError)
     if previous is None:
         return {}
-    keys = ("model", "lengths", "documents", "kinds", "seed", "summary_tokens", "answer_tokens", "pool_tokens")
-    mine = as_json(asdict(config))
-    if any(previous["meta"]["config"][key] != mine[key] for key in keys):
+    keys = ("model", "lengths", "documents", "kinds", "seed", "summary_tokens", "answer_tokens", "pool_tokens", "questions")
+    mine, theirs = as_json(asdict(config)), {"questions": QUESTION_FORMATS[0], **previous["meta"]["config"]}
+    if any(theirs[key] != mine[key] for key in keys):
         raise other_configuration(checkpoint_path(args), LongDocumentsError)
     return {server["label"]: server for server in previous["servers"]}
 
