@@ -4,13 +4,16 @@ for trying allocations, scores and knobs before a server run (minutes instead of
     python -m benchmarks.long_documents_probe --server "raw=--kv-evict-policy topk --kv-evict-score learned --kv-evict-scope block" \\
         --server "std=--kv-evict-policy topk --kv-evict-score learned --kv-evict-scope block --kv-evict-layer-scale standardised"
     python -m benchmarks.long_documents_probe --lengths 2000 --only locker --server ...     # one kind of fact
+    python -m benchmarks.long_documents_probe --questions new-request --server ...          # the document, then the question
 
 The same documents, turns and scoring as ``long_documents`` (``LABEL=FLAGS`` takes the launcher's
 eviction flags, parsed by the launcher's own parser; stock, the dense model, always comes first). Per
 document and server: turn 1's prompt is prefilled with the segments the server's scope compresses
 (``Scope.compressible_segments``: a block-scope prompt's full blocks), the summary is that cache's own
 greedy reply, then every question is answered from a copy of the cache holding turn 1, the summary
-and the turn-2 template, the question's tokens dense. fp32 on the CPU, one sequence at a time: the
+and the turn-2 template, the question's tokens dense. With ``--questions new-request`` each question's
+own prompt (the document, then the question) is prefilled with the full blocks of the prefix it shares
+with turn 1 compressed, the rest dense. fp32 on the CPU, one sequence at a time: the
 server's bf16 answers differ (docs/methods/kvzip.md compares the two). Prints accuracy per (server,
 length) and per fact kind, writes ``<name>.json`` with every answer into ``--out``.
 """
@@ -30,7 +33,7 @@ import torch
 from benchmarks.cli import add_output_args, benchmark_parser, write_atomically
 from benchmarks.intervals import wilson
 from benchmarks.load.conversations import model_token_counter
-from benchmarks.long_documents import STOCK_LABEL, LongDocumentsConfig, Server, turn_one, turn_two
+from benchmarks.long_documents import QUESTION_FORMATS, STOCK_LABEL, LongDocumentsConfig, Server, new_request, turn_one, turn_two
 from sgl_kvevict.config import build_policy
 from sgl_kvevict.reference.engine import ReferenceEngine
 from sgl_kvevict.reference.schedule import Segment
@@ -81,24 +84,33 @@ def greedy(engine: ReferenceEngine, sequence, logits: torch.Tensor, max_tokens: 
 
 
 def probe_document(engine: ReferenceEngine, server: ProbeServer, task, length: int, index: int,
-                   config: LongDocumentsConfig, only: str) -> list[ProbeAnswer]:  # fmt: skip
+                   config: LongDocumentsConfig, only: str, oracle: bool = False,
+                   fixed_summary: Optional[str] = None) -> list[ProbeAnswer]:  # fmt: skip
+    """``oracle``: the facts' sentences made visible again after compression (``fact_positions``);
+    ``fixed_summary``: turn 2 re-sends this text instead of the server's own summary."""
     tokenizer = engine.tokenizer
     turn1 = _ids(tokenizer.apply_chat_template(turn_one(task), add_generation_prompt=True))
+    questions = [question for question in task.questions if only in question.question]
+    if config.questions == "new-request":
+        return [ask_new_request(engine, server, task, turn1, question, length, index, config, oracle)
+                for question in questions]  # fmt: skip
     segments = server.segments(len(turn1))
     sequence = engine.new_sequence()
     logits = engine.extend(sequence, turn1, server.policy, segments)
+    if oracle:
+        sequence.keep_mask.restore(fact_positions(tokenizer, turn_one(task), task))
     # The summary is decoded on a copy: turn 2 re-sends it as text, whose tokens may differ.
-    summary_ids = greedy(engine, copy.deepcopy(sequence), logits, config.summary_tokens)
-    summary = tokenizer.decode(summary_ids, skip_special_tokens=True).strip()
+    summary = fixed_summary
+    if summary is None:
+        summary_ids = greedy(engine, copy.deepcopy(sequence), logits, config.summary_tokens)
+        summary = tokenizer.decode(summary_ids, skip_special_tokens=True).strip()
     prompts = [_ids(tokenizer.apply_chat_template(turn_two(task, summary, q), continue_final_message=True)) for q in task.questions]
     shared = next((i for i in range(min(map(len, prompts))) if len({p[i] for p in prompts}) > 1), min(map(len, prompts)))
     engine.extend(sequence, prompts[0][len(turn1):shared])
-    dropped = sum(segment.end - segment.start for segment in segments)
-    kept = sum(plan.total_kept() for plan in sequence.plans) / (engine.num_layers * engine.num_kv_heads)
-    kept_share = (kept + shared - dropped) / shared
+    kept_share = _kept_share(engine, sequence, segments, shared)
     answers = []
     for question, prompt in zip(task.questions, prompts):
-        if only not in question.question:
+        if question not in questions:
             continue
         branch = copy.deepcopy(sequence)
         output = tokenizer.decode(greedy(engine, branch, engine.extend(branch, prompt[shared:]), config.answer_tokens),
@@ -106,6 +118,46 @@ def probe_document(engine: ReferenceEngine, server: ProbeServer, task, length: i
         answers.append(ProbeAnswer(server.label, length, index, question.question, question.answer, output,
                                    question.is_correct(output), kept_share))  # fmt: skip
     return answers
+
+
+def ask_new_request(engine: ReferenceEngine, server: ProbeServer, task, turn1: list[int], question, length: int,
+                    index: int, config: LongDocumentsConfig, oracle: bool) -> ProbeAnswer:  # fmt: skip
+    """``--questions new-request``: the document's full blocks of the prefix the question's prompt shares
+    with turn 1 compressed (a block's plan depends only on its tokens, so it is the plan turn 1 stored),
+    the rest of the prompt dense. A block that turn 1 compressed across the divergence stays dense here."""
+    tokenizer = engine.tokenizer
+    prompt = _ids(tokenizer.apply_chat_template(new_request(task, question), continue_final_message=True))
+    shared = next((i for i, (a, b) in enumerate(zip(turn1, prompt)) if a != b), min(len(turn1), len(prompt)))
+    segments = server.segments(shared)
+    sequence = engine.new_sequence()
+    engine.extend(sequence, prompt[:shared], server.policy, segments)
+    if oracle:
+        sequence.keep_mask.restore(fact_positions(tokenizer, new_request(task, question), task))
+    logits = engine.extend(sequence, prompt[shared:])
+    output = tokenizer.decode(greedy(engine, sequence, logits, config.answer_tokens), skip_special_tokens=True)
+    return ProbeAnswer(server.label, length, index, question.question, question.answer, output,
+                       question.is_correct(output), _kept_share(engine, sequence, segments, shared))  # fmt: skip
+
+
+def fact_positions(tokenizer, messages: list[dict], task) -> torch.Tensor:
+    """int64 ``[n]``: the prompt positions of the tokens that overlap the task's fact sentences (its needles)."""
+    final = messages[-1]["role"] == "assistant"
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=not final,
+                                             continue_final_message=final)  # fmt: skip
+    encoded = tokenizer(rendered, return_offsets_mapping=True, add_special_tokens=False)
+    if encoded["input_ids"] != _ids(tokenizer.apply_chat_template(messages, add_generation_prompt=not final,
+                                                                  continue_final_message=final)):  # fmt: skip
+        raise ValueError("the rendered prompt tokenizes differently from the chat template's ids")
+    spans = [(start, start + len(needle.text)) for needle in task.needles for start in [rendered.index(needle.text)]]
+    return torch.tensor([i for i, (a, b) in enumerate(encoded["offset_mapping"]) if any(a < end and b > start for start, end in spans)],
+                        dtype=torch.int64)  # fmt: skip
+
+
+def _kept_share(engine: ReferenceEngine, sequence, segments: Sequence[Segment], length: int) -> float:
+    """Entries kept over the first ``length`` tokens, mean over (layer, KV head)."""
+    dropped = sum(segment.end - segment.start for segment in segments)
+    kept = sum(plan.total_kept() for plan in sequence.plans) / (engine.num_layers * engine.num_kv_heads)
+    return (kept + length - dropped) / length
 
 
 def fact_kind(question: str) -> str:
@@ -140,6 +192,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--lengths", default="2000,4000,7000", help="document lengths in model tokens")
     parser.add_argument("--documents", type=int, default=7, help="documents per length (default 7)")
     parser.add_argument("--only", default="", help="ask only the questions containing this text (e.g. locker)")
+    parser.add_argument("--questions", default=QUESTION_FORMATS[0], choices=QUESTION_FORMATS,
+                        help="where each question is asked (long_documents' --questions)")  # fmt: skip
+    parser.add_argument("--oracle-keep-facts", action="store_true",
+                        help="after compression, make the facts' sentences visible again in every layer and head "
+                        "(an oracle: is the loss in what the ranking dropped? their entries are not counted as kept)")  # fmt: skip
+    parser.add_argument("--fixed-summary", metavar="TEXT",
+                        help="every server's turn 2 re-sends this summary instead of its own (a control: how much "
+                        "of a loss comes through the summary's text)")  # fmt: skip
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads")
     add_output_args(parser, "long_documents_probe")
     args = parser.parse_args(argv)
@@ -149,6 +209,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             model=args.model, servers=(Server(STOCK_LABEL, ("--kv-evict-policy", "none")), *map(Server.parse, args.server)),
             lengths=lengths, documents=args.documents, kinds=("facts",), seed=0, summary_tokens=32, answer_tokens=8,
             pool_tokens=max(16384, 1024 + max(lengths, default=0)),  # no pool here; the config checks it
+            questions=args.questions,
         )  # fmt: skip
         servers = [ProbeServer(server, args.model) for server in config.servers]
     except (ValueError, FlagError) as error:
@@ -161,7 +222,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for length in config.lengths:
         for index, task in enumerate(config.tasks(length, count_tokens)):
             for server in servers:
-                found = probe_document(engine, server, task, length, index, config, args.only)
+                found = probe_document(engine, server, task, length, index, config, args.only, args.oracle_keep_facts,
+                                       args.fixed_summary)  # fmt: skip
                 answers += found
                 print(f"  {server.label} ~{length} document {index + 1}/{config.documents}: "
                       f"{sum(a.correct for a in found)}/{len(found)} right ({time.perf_counter() - started:.0f} s)", flush=True)  # fmt: skip

@@ -5,7 +5,8 @@
 
 Reads ``engine_overhead.json``, ``multiturn.json`` and ``soak.json`` from ``--results`` (required),
 and ``sweep.json`` (``multiturn sweep``), ``block_scope.json`` (``multiturn sweep --name block_scope``
-with a shared system prompt and request vs block scope), ``reuse_quality.json``, ``long_documents.json`` and ``router.json``
+with a shared system prompt and request vs block scope), ``reuse_quality.json``, ``long_documents.json``,
+``long_documents_new_request.json`` (``long_documents --questions new-request``) and ``router.json``
 (``benchmarks.load.router``) when they exist,
 and replaces the text of ``--file`` (default docs/results.md) between the two marker lines below with the
 commands that produced them, their key tables and links to the full reports and plots. The links are
@@ -22,7 +23,7 @@ from typing import Optional, Sequence
 
 from benchmarks.intervals import wilson
 from benchmarks.load.router import markdown as router_markdown
-from benchmarks.long_documents import accuracy_table as long_documents_table
+from benchmarks.long_documents import accuracy_table as long_documents_table, asked_how
 from benchmarks.reuse_quality import table_cells as reuse_table_cells, table_row as reuse_table_row
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -196,17 +197,17 @@ def reuse_quality_part(report: dict) -> list[str]:
     return lines
 
 
-def long_documents_part(report: dict) -> list[str]:
+def long_documents_part(report: dict, title: str) -> list[str]:
     meta, config = report["meta"], report["meta"]["config"]
     return [
-        "### Is 25% safe for my long documents? Answers by document length and budget",
+        f"### {title}",
         "",
         f"`{meta['command']}` ({_provenance(report['environment'])}; every answer: "
-        "[results/long_documents.md](results/long_documents.md))",
+        f"[results/{meta['name']}.md](results/{meta['name']}.md))",
         "",
         f"Per length {config['documents']} documents of the {', '.join(config['kinds'])} task (numbered facts spread "
-        "over each); turn 1 asks for a summary (the server compresses the document before any question), then each fact is "
-        "asked in its own later turn that reuses the compressed document; exact match. Accuracy [95% interval] "
+        f"over each); turn 1 asks for a summary (the server compresses the document before any question), then "
+        f"{asked_how(config)}, reusing the compressed document; exact match. Accuracy [95% interval] "
         "(x stock's at that length); kept = KV slots held over the dense tokens.",
         "",
         *long_documents_table(report),
@@ -230,7 +231,8 @@ OPTIONAL_PARTS = (
     ("sweep", lambda report: sweep_part(report, "KV pool sweep at equal memory", "sweep")),
     ("block_scope", lambda report: sweep_part(report, "A shared system prompt: block scope vs request scope", "block_scope")),
     ("reuse_quality", reuse_quality_part),
-    ("long_documents", long_documents_part),
+    ("long_documents", lambda report: long_documents_part(report, "Is 25% safe for my long documents? Answers by document length and budget")),
+    ("long_documents_new_request", lambda report: long_documents_part(report, "Long documents shared by many requests: each question in a new request")),
     ("router", router_part),
 )
 

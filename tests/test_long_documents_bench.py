@@ -7,6 +7,7 @@ import json
 
 import psutil
 import pytest
+import torch
 
 from benchmarks import long_documents
 from benchmarks.long_documents import DocumentRecord, LongDocumentsConfig, LongDocumentsError, Server
@@ -36,6 +37,7 @@ def config(**changes) -> LongDocumentsConfig:
         ({"kinds": ("nope",)}, "choose from"),
         ({"lengths": (4000,)}, "stock needs every document dense"),
         ({"documents": 0}, "must be >= 1"),
+        ({"questions": "later"}, "choose from after-summary, new-request"),
     ],
 )
 def test_bad_settings_are_refused(changes, message):
@@ -60,6 +62,25 @@ def test_every_question_is_asked_after_the_summary_of_the_same_document():
         assert second[1:] == [{"role": "assistant", "content": "A summary."}, {"role": "user", "content": question.question},
                               {"role": "assistant", "content": question.answer_prefix}]  # fmt: skip
         assert question.answer in task.context and question.answer not in first[0]["content"].replace(task.context, "")
+
+
+def test_a_new_request_asks_the_question_right_after_the_same_document(tiny_llama_dir):
+    task = make_task("facts", seed=3, target_tokens=400, depth=0.5, count_tokens=count_words)
+    first = long_documents.turn_one(task)
+    chat = long_documents.ChatTokens(str(tiny_llama_dir))
+    for question in task.questions:
+        asked = long_documents.question_messages("new-request", task, "A summary.", question)
+        assert asked == [{"role": "user", "content": f"{task.context}\n\n{question.question}"},
+                         {"role": "assistant", "content": question.answer_prefix}]  # fmt: skip
+        later = long_documents.question_messages("after-summary", task, "A summary.", question)
+        assert later == long_documents.turn_two(task, "A summary.", question)
+        # What the server may reuse: turn 1 whole after the summary; the document (not the instruction) in a new request.
+        turn_one_ids = chat.ids(first)
+        assert chat.shared(first, later) == len(turn_one_ids)
+        shared = chat.shared(first, asked)
+        assert chat.ids(asked)[:shared] == turn_one_ids[:shared]
+        shared_text = chat.tokenizer.decode(turn_one_ids[:shared])
+        assert task.context in shared_text and question.question not in shared_text and "Summarise" not in shared_text
 
 
 def test_the_kept_share_counts_slots_against_the_dense_conversation_and_the_ratio_is_per_length():
@@ -99,24 +120,44 @@ def test_long_documents_through_the_tiny_server_and_resume(tiny_llama_dir, tmp_p
     # half of each full block kept, the tail and the summary dense: well under the dense size, above half
     assert 0.5 < policy["summary"]["300"]["kept_share_mean"] < 0.9
     assert "| snapkv | 2048 |" in (tmp_path / "long_documents.md").read_text()
-    assert "### Is 25% safe for my long documents?" in "\n".join(long_documents_part(report))
+    part = "\n".join(long_documents_part(report, "Is 25% safe for my long documents?"))
+    assert "### Is 25% safe for my long documents?" in part and "its own later turn" in part
     check_resume(long_documents.main, argv, tmp_path / "logs", capsys, ["--documents", "2"])
 
 
-def test_the_reference_probe_asks_every_question_through_the_servers_compression(tmp_path):
+@pytest.mark.server
+def test_new_requests_reuse_the_compressed_document_through_the_tiny_server(tiny_llama_dir, tmp_path):
+    argv = [
+        "--model", str(tiny_llama_dir), "--lengths", "300", "--documents", "1", "--summary-tokens", "4",
+        "--answer-tokens", "3", "--pool-tokens", "2048", "--out", str(tmp_path), "--log-dir", str(tmp_path / "logs"),
+        "--questions", "new-request",
+        "--server", "snapkv=--kv-evict-policy snapkv --kv-evict-budget 0.5 --kv-evict-scope block --kv-evict-block-size 96 --kv-evict-window 16",
+    ]  # fmt: skip
+    assert long_documents.main(argv) == 0
+    assert psutil.Process().children(recursive=True) == []
+    report = json.loads((tmp_path / "long_documents.json").read_text())
+    for server in report["servers"]:
+        cell = server["summary"]["300"]
+        assert cell["accuracy"]["n"] == 3 and cell["reuse_rate"] == 1.0  # every question reused the document
+    assert "a new one-turn request" in (tmp_path / "long_documents.md").read_text()
+    assert "a new one-turn request" in "\n".join(long_documents_part(report, "Shared documents"))
+
+
+@pytest.mark.parametrize("questions", ["after-summary", "new-request"])
+def test_the_reference_probe_asks_every_question_through_the_servers_compression(tmp_path, questions):
     """``long_documents_probe`` on one short document: stock keeps everything, the block-scope server
-    compresses the full blocks of turn 1 (kept share below 1), every question answered by both."""
+    compresses the full blocks of the document (kept share below 1), every question answered by both."""
     from benchmarks import long_documents_probe
 
     flags = "--kv-evict-policy topk --kv-evict-score learned --kv-evict-scope block --kv-evict-block-size 160 --kv-evict-budget 0.25"
     assert long_documents_probe.main(["--lengths", "400", "--documents", "1", "--server", f"blocks={flags}",
-                                      "--out", str(tmp_path), "--threads", "2"]) == 0  # fmt: skip
+                                      "--questions", questions, "--out", str(tmp_path), "--threads", "2"]) == 0  # fmt: skip
     payload = json.loads((tmp_path / "long_documents_probe.json").read_text())
     by_server = {label: [a for a in payload["answers"] if a["server"] == label] for label in ("stock", "blocks")}
     assert [len(answers) for answers in by_server.values()] == [3, 3]
     assert {a["kept_share"] for a in by_server["stock"]} == {1.0}
     kept = by_server["blocks"][0]["kept_share"]
-    assert 0.25 < kept < 0.75  # two 160-token blocks at 25% of ~470 tokens, the rest dense
+    assert 0.25 < kept < 0.75  # two 160-token blocks at 25% of ~440-470 tokens, the rest dense
     assert len(payload["summary"]) == 2
 
 
@@ -126,3 +167,27 @@ def test_the_reference_probe_refuses_bad_flags_before_loading_the_model(capsys):
     with pytest.raises(SystemExit) as exit_info:
         long_documents_probe.main(["--server", "bad=--kv-evict-policy nope"])
     assert exit_info.value.code == 2 and "nope" in capsys.readouterr().err
+
+
+def test_the_probes_oracle_makes_exactly_the_fact_sentences_visible_again(reference):
+    """``--oracle-keep-facts``: the positions of the needles' tokens, restored in every layer and head
+    after a plan that evicted them, and nothing else restored."""
+    from benchmarks.long_documents_probe import fact_positions
+    from sgl_kvevict.plan import CompressionPlan, LayerPlan
+
+    task = make_task("facts", seed=3, target_tokens=300, depth=0.5, count_tokens=count_words)
+    messages = long_documents.turn_one(task)
+    positions = fact_positions(reference.tokenizer, messages, task)
+    prompt = reference.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    text = reference.tokenizer.decode([prompt[i] for i in positions.tolist()])
+    assert all(question.answer in text for question in task.questions) and all(n.text in text for n in task.needles)
+    sequence = reference.new_sequence()
+    sequence.keep_mask.reserve(len(prompt))
+    sink = LayerPlan.from_heads([torch.tensor([0])] * reference.num_kv_heads)
+    sequence.keep_mask.apply(CompressionPlan(0, len(prompt), (sink,) * reference.num_layers))
+    sequence.keep_mask.restore(positions)
+    for layer in range(reference.num_layers):
+        visible = sequence.keep_mask.kept(layer, len(prompt))
+        assert torch.equal(torch.nonzero(visible.all(0)).squeeze(1), torch.cat([torch.tensor([0]), positions]))
+        assert bool(visible.all(0).eq(visible.any(0)).all())  # every head alike

@@ -45,6 +45,11 @@ class HeadwiseKeepMask:
             if not bool(segment_keep.all()):
                 self._layers_with_evictions.add(layer)
 
+    def restore(self, positions: torch.Tensor) -> None:
+        """Make ``positions`` (int64 ``[n]``, already reserved) visible again in every layer and KV head:
+        the probes' oracle for "what if every plan had kept them"."""
+        self._keep[:, :, positions] = True
+
     def has_evictions(self, layer: int) -> bool:
         return layer in self._layers_with_evictions
 
