@@ -183,9 +183,10 @@ def test_the_probes_oracle_makes_exactly_the_fact_sentences_visible_again(refere
     text = reference.tokenizer.decode([prompt[i] for i in positions.tolist()])
     assert all(question.answer in text for question in task.questions) and all(n.text in text for n in task.needles)
     sequence = reference.new_sequence()
-    sequence.keep_mask.reserve(len(prompt))
-    sink = LayerPlan.from_heads([torch.tensor([0])] * reference.num_kv_heads)
-    sequence.keep_mask.apply(CompressionPlan(0, len(prompt), (sink,) * reference.num_layers))
+    with torch.inference_mode():  # as the engine's extend makes and updates the mask
+        sequence.keep_mask.reserve(len(prompt))
+        sink = LayerPlan.from_heads([torch.tensor([0])] * reference.num_kv_heads)
+        sequence.keep_mask.apply(CompressionPlan(0, len(prompt), (sink,) * reference.num_layers))
     sequence.keep_mask.restore(positions)
     for layer in range(reference.num_layers):
         visible = sequence.keep_mask.kept(layer, len(prompt))

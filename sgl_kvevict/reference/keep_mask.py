@@ -45,9 +45,11 @@ class HeadwiseKeepMask:
             if not bool(segment_keep.all()):
                 self._layers_with_evictions.add(layer)
 
+    @torch.inference_mode()
     def restore(self, positions: torch.Tensor) -> None:
         """Make ``positions`` (int64 ``[n]``, already reserved) visible again in every layer and KV head:
-        the probes' oracle for "what if every plan had kept them"."""
+        the probes' oracle for "what if every plan had kept them". (The mask is made in the engine's
+        inference mode, so it is updated in it.)"""
         self._keep[:, :, positions] = True
 
     def has_evictions(self, layer: int) -> bool:
