@@ -190,26 +190,38 @@ def question_messages(questions: str, task: Task, summary: str, question: Questi
     return turn_two(task, summary, question) if questions == "after-summary" else new_request(task, question)
 
 
-class ChatTokens:
-    """The served model's chat template, to count the tokens a question's prompt shares with turn 1's
-    (the prefix the server can reuse)."""
+def shared_prefix(first: Sequence[int], second: Sequence[int]) -> int:
+    """Tokens at the start of both sequences."""
+    return next((i for i, (a, b) in enumerate(zip(first, second)) if a != b), min(len(first), len(second)))
 
-    def __init__(self, model: str):
+
+class ChatTokens:
+    """A chat template rendered as the server renders it: a conversation ending with an assistant message
+    continues that message, any other gets the generation prompt."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    @classmethod
+    def for_model(cls, model: str) -> "ChatTokens":
         from transformers import AutoTokenizer
 
         from sgl_kvevict.models import resolve_model
 
-        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(model, log=lambda m: print(m, file=sys.stderr)))
+        return cls(AutoTokenizer.from_pretrained(resolve_model(model, log=lambda m: print(m, file=sys.stderr))))
+
+    def render(self, messages: list[dict], tokenize: bool = True):
+        final = messages[-1]["role"] == "assistant"
+        return self.tokenizer.apply_chat_template(messages, tokenize=tokenize, add_generation_prompt=not final,
+                                                  continue_final_message=final)  # fmt: skip
 
     def ids(self, messages: list[dict]) -> list[int]:
-        final = messages[-1]["role"] == "assistant"
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=not final, continue_final_message=final)
+        ids = self.render(messages)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     def shared(self, first: list[dict], second: list[dict]) -> int:
-        """Tokens at the start of both prompts."""
-        a, b = self.ids(first), self.ids(second)
-        return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        """Tokens at the start of both prompts: what the server may reuse of ``first`` for ``second``."""
+        return shared_prefix(self.ids(first), self.ids(second))
 
 
 async def slots_held(session: aiohttp.ClientSession, base_url: str) -> Optional[int]:
@@ -244,7 +256,7 @@ async def run_lengths(
 ) -> tuple[list[DocumentRecord], list[AnswerRecord]]:
     documents, answers = [], []
     total, started = sum(len(tasks) for tasks in suites.values()), time.perf_counter()
-    chat = ChatTokens(config.model)
+    chat = ChatTokens.for_model(config.model)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as session:
         for length, tasks in suites.items():
             for index, task in enumerate(tasks):

@@ -33,7 +33,8 @@ import torch
 from benchmarks.cli import add_output_args, benchmark_parser, write_atomically
 from benchmarks.intervals import wilson
 from benchmarks.load.conversations import model_token_counter
-from benchmarks.long_documents import QUESTION_FORMATS, STOCK_LABEL, LongDocumentsConfig, Server, new_request, turn_one, turn_two
+from benchmarks.long_documents import QUESTION_FORMATS, STOCK_LABEL, ChatTokens, LongDocumentsConfig, Server, new_request, shared_prefix
+from benchmarks.long_documents import turn_one, turn_two
 from sgl_kvevict.config import build_policy
 from sgl_kvevict.reference.engine import ReferenceEngine
 from sgl_kvevict.reference.schedule import Segment
@@ -68,10 +69,6 @@ class ProbeServer:
         return tuple(Segment(a, b) for a, b in self.scope.compressible_segments(0, prompt_end, self.eviction.window))
 
 
-def _ids(encoded) -> list[int]:
-    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
-
-
 def greedy(engine: ReferenceEngine, sequence, logits: torch.Tensor, max_tokens: int) -> list[int]:
     output: list[int] = []
     while len(output) < max_tokens:
@@ -88,8 +85,8 @@ def probe_document(engine: ReferenceEngine, server: ProbeServer, task, length: i
                    fixed_summary: Optional[str] = None) -> list[ProbeAnswer]:  # fmt: skip
     """``oracle``: the facts' sentences made visible again after compression (``fact_positions``);
     ``fixed_summary``: turn 2 re-sends this text instead of the server's own summary."""
-    tokenizer = engine.tokenizer
-    turn1 = _ids(tokenizer.apply_chat_template(turn_one(task), add_generation_prompt=True))
+    tokenizer, chat = engine.tokenizer, ChatTokens(engine.tokenizer)
+    turn1 = chat.ids(turn_one(task))
     questions = [question for question in task.questions if only in question.question]
     if config.questions == "new-request":
         return [ask_new_request(engine, server, task, turn1, question, length, index, config, oracle)
@@ -98,13 +95,13 @@ def probe_document(engine: ReferenceEngine, server: ProbeServer, task, length: i
     sequence = engine.new_sequence()
     logits = engine.extend(sequence, turn1, server.policy, segments)
     if oracle:
-        sequence.keep_mask.restore(fact_positions(tokenizer, turn_one(task), task))
+        sequence.keep_mask.restore(fact_positions(chat, turn_one(task), task))
     # The summary is decoded on a copy: turn 2 re-sends it as text, whose tokens may differ.
     summary = fixed_summary
     if summary is None:
         summary_ids = greedy(engine, copy.deepcopy(sequence), logits, config.summary_tokens)
         summary = tokenizer.decode(summary_ids, skip_special_tokens=True).strip()
-    prompts = [_ids(tokenizer.apply_chat_template(turn_two(task, summary, q), continue_final_message=True)) for q in task.questions]
+    prompts = [chat.ids(turn_two(task, summary, q)) for q in task.questions]
     shared = next((i for i in range(min(map(len, prompts))) if len({p[i] for p in prompts}) > 1), min(map(len, prompts)))
     engine.extend(sequence, prompts[0][len(turn1):shared])
     kept_share = _kept_share(engine, sequence, segments, shared)
@@ -125,28 +122,25 @@ def ask_new_request(engine: ReferenceEngine, server: ProbeServer, task, turn1: l
     """``--questions new-request``: the document's full blocks of the prefix the question's prompt shares
     with turn 1 compressed (a block's plan depends only on its tokens, so it is the plan turn 1 stored),
     the rest of the prompt dense. A block that turn 1 compressed across the divergence stays dense here."""
-    tokenizer = engine.tokenizer
-    prompt = _ids(tokenizer.apply_chat_template(new_request(task, question), continue_final_message=True))
-    shared = next((i for i, (a, b) in enumerate(zip(turn1, prompt)) if a != b), min(len(turn1), len(prompt)))
+    chat = ChatTokens(engine.tokenizer)
+    prompt = chat.ids(new_request(task, question))
+    shared = shared_prefix(turn1, prompt)
     segments = server.segments(shared)
     sequence = engine.new_sequence()
     engine.extend(sequence, prompt[:shared], server.policy, segments)
     if oracle:
-        sequence.keep_mask.restore(fact_positions(tokenizer, new_request(task, question), task))
+        sequence.keep_mask.restore(fact_positions(chat, new_request(task, question), task))
     logits = engine.extend(sequence, prompt[shared:])
-    output = tokenizer.decode(greedy(engine, sequence, logits, config.answer_tokens), skip_special_tokens=True)
+    output = engine.tokenizer.decode(greedy(engine, sequence, logits, config.answer_tokens), skip_special_tokens=True)
     return ProbeAnswer(server.label, length, index, question.question, question.answer, output,
                        question.is_correct(output), _kept_share(engine, sequence, segments, shared))  # fmt: skip
 
 
-def fact_positions(tokenizer, messages: list[dict], task) -> torch.Tensor:
+def fact_positions(chat: ChatTokens, messages: list[dict], task) -> torch.Tensor:
     """int64 ``[n]``: the prompt positions of the tokens that overlap the task's fact sentences (its needles)."""
-    final = messages[-1]["role"] == "assistant"
-    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=not final,
-                                             continue_final_message=final)  # fmt: skip
-    encoded = tokenizer(rendered, return_offsets_mapping=True, add_special_tokens=False)
-    if encoded["input_ids"] != _ids(tokenizer.apply_chat_template(messages, add_generation_prompt=not final,
-                                                                  continue_final_message=final)):  # fmt: skip
+    rendered = chat.render(messages, tokenize=False)
+    encoded = chat.tokenizer(rendered, return_offsets_mapping=True, add_special_tokens=False)
+    if encoded["input_ids"] != chat.ids(messages):
         raise ValueError("the rendered prompt tokenizes differently from the chat template's ids")
     spans = [(start, start + len(needle.text)) for needle in task.needles for start in [rendered.index(needle.text)]]
     return torch.tensor([i for i, (a, b) in enumerate(encoded["offset_mapping"]) if any(a < end and b > start for start, end in spans)],

@@ -67,7 +67,7 @@ def test_every_question_is_asked_after_the_summary_of_the_same_document():
 def test_a_new_request_asks_the_question_right_after_the_same_document(tiny_llama_dir):
     task = make_task("facts", seed=3, target_tokens=400, depth=0.5, count_tokens=count_words)
     first = long_documents.turn_one(task)
-    chat = long_documents.ChatTokens(str(tiny_llama_dir))
+    chat = long_documents.ChatTokens.for_model(str(tiny_llama_dir))
     for question in task.questions:
         asked = long_documents.question_messages("new-request", task, "A summary.", question)
         assert asked == [{"role": "user", "content": f"{task.context}\n\n{question.question}"},
@@ -151,7 +151,7 @@ def test_the_reference_probe_asks_every_question_through_the_servers_compression
 
     flags = "--kv-evict-policy topk --kv-evict-score learned --kv-evict-scope block --kv-evict-block-size 160 --kv-evict-budget 0.25"
     assert long_documents_probe.main(["--lengths", "400", "--documents", "1", "--server", f"blocks={flags}",
-                                      "--questions", questions, "--out", str(tmp_path), "--threads", "2"]) == 0  # fmt: skip
+                                      "--questions", questions, "--out", str(tmp_path), "--threads", str(torch.get_num_threads())]) == 0  # fmt: skip
     payload = json.loads((tmp_path / "long_documents_probe.json").read_text())
     by_server = {label: [a for a in payload["answers"] if a["server"] == label] for label in ("stock", "blocks")}
     assert [len(answers) for answers in by_server.values()] == [3, 3]
@@ -177,9 +177,9 @@ def test_the_probes_oracle_makes_exactly_the_fact_sentences_visible_again(refere
 
     task = make_task("facts", seed=3, target_tokens=300, depth=0.5, count_tokens=count_words)
     messages = long_documents.turn_one(task)
-    positions = fact_positions(reference.tokenizer, messages, task)
-    prompt = reference.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    chat = long_documents.ChatTokens(reference.tokenizer)
+    positions = fact_positions(chat, messages, task)
+    prompt = chat.ids(messages)
     text = reference.tokenizer.decode([prompt[i] for i in positions.tolist()])
     assert all(question.answer in text for question in task.questions) and all(n.text in text for n in task.needles)
     sequence = reference.new_sequence()
