@@ -219,10 +219,6 @@ class ChatTokens:
         ids = self.render(messages)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
-    def shared(self, first: list[dict], second: list[dict]) -> int:
-        """Tokens at the start of both prompts: what the server may reuse of ``first`` for ``second``."""
-        return shared_prefix(self.ids(first), self.ids(second))
-
 
 async def slots_held(session: aiohttp.ClientSession, base_url: str) -> Optional[int]:
     stats = await get_json(session, base_url + STATS_PATH)
@@ -240,13 +236,14 @@ async def run_document(
     document = DocumentRecord(length, index, task.kind, first.prompt_tokens, first.text, first.completion_tokens,
                               first.ttft, await slots_held(session, base_url))  # fmt: skip
     answers = []
+    turn_one_ids = chat.ids(turn_one(task))  # what a question may reuse: the prefix its prompt shares with these
     for question in task.questions:
         messages = question_messages(config.questions, task, first.text, question)
         reply = await ask(session, base_url, messages, config.answer_tokens)
         answers.append(
             AnswerRecord(length, index, task.kind, question.question, question.answer, reply.text,
                          question.is_correct(reply.text), reply.cached_tokens, reply.prompt_tokens,
-                         reply.cached_tokens >= chat.shared(turn_one(task), messages), reply.ttft)  # fmt: skip
+                         reply.cached_tokens >= shared_prefix(turn_one_ids, chat.ids(messages)), reply.ttft)  # fmt: skip
         )
     return document, answers
 

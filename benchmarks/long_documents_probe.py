@@ -89,7 +89,7 @@ def probe_document(engine: ReferenceEngine, server: ProbeServer, task, length: i
     turn1 = chat.ids(turn_one(task))
     questions = [question for question in task.questions if only in question.question]
     if config.questions == "new-request":
-        return [ask_new_request(engine, server, task, turn1, question, length, index, config, oracle)
+        return [ask_new_request(engine, chat, server, task, turn1, question, length, index, config, oracle)
                 for question in questions]  # fmt: skip
     segments = server.segments(len(turn1))
     sequence = engine.new_sequence()
@@ -117,12 +117,11 @@ def probe_document(engine: ReferenceEngine, server: ProbeServer, task, length: i
     return answers
 
 
-def ask_new_request(engine: ReferenceEngine, server: ProbeServer, task, turn1: list[int], question, length: int,
+def ask_new_request(engine: ReferenceEngine, chat: ChatTokens, server: ProbeServer, task, turn1: list[int], question, length: int,
                     index: int, config: LongDocumentsConfig, oracle: bool) -> ProbeAnswer:  # fmt: skip
     """``--questions new-request``: the document's full blocks of the prefix the question's prompt shares
     with turn 1 compressed (a block's plan depends only on its tokens, so it is the plan turn 1 stored),
     the rest of the prompt dense. A block that turn 1 compressed across the divergence stays dense here."""
-    chat = ChatTokens(engine.tokenizer)
     prompt = chat.ids(new_request(task, question))
     shared = shared_prefix(turn1, prompt)
     segments = server.segments(shared)

@@ -76,8 +76,8 @@ def test_a_new_request_asks_the_question_right_after_the_same_document(tiny_llam
         assert later == long_documents.turn_two(task, "A summary.", question)
         # What the server may reuse: turn 1 whole after the summary; the document (not the instruction) in a new request.
         turn_one_ids = chat.ids(first)
-        assert chat.shared(first, later) == len(turn_one_ids)
-        shared = chat.shared(first, asked)
+        assert long_documents.shared_prefix(turn_one_ids, chat.ids(later)) == len(turn_one_ids)
+        shared = long_documents.shared_prefix(turn_one_ids, chat.ids(asked))
         assert chat.ids(asked)[:shared] == turn_one_ids[:shared]
         shared_text = chat.tokenizer.decode(turn_one_ids[:shared])
         assert task.context in shared_text and question.question not in shared_text and "Summarise" not in shared_text
