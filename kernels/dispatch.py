@@ -81,6 +81,7 @@ def segment_attention(
     sm_scale: float,
     max_q_len: int | None = None,
     max_cells_per_sequence: int | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over compressed cells, one sequence per (request, KV head); returns ``(out, lse)``.
 
@@ -88,11 +89,13 @@ def segment_attention(
     space); qo_indptr ``[B + 1]``; kv_indptr ``[B * H_kv + 1]``; kv_indices ``[nnz]`` cell ids; out
     ``[N, H_q, D_v]``, lse fp32 ``[N, H_q]`` natural log. ``max_q_len`` (None: one host sync) and
     ``max_cells_per_sequence`` (None: no split-KV) are host ints; with both given there is no host sync.
+    ``out_dtype``: out's dtype (None: q's).
     See ``segment_attention``.
     """
     impl = _implementation(q.device, segment_attention_triton, segment_attention_torch)
     return impl(
-        q, k_rows, v_rows, qo_indptr, kv_indptr, kv_indices, num_kv_heads, sm_scale, max_q_len, max_cells_per_sequence
+        q, k_rows, v_rows, qo_indptr, kv_indptr, kv_indices, num_kv_heads, sm_scale, max_q_len, max_cells_per_sequence,
+        out_dtype=out_dtype,
     )
 
 

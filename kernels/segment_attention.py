@@ -13,7 +13,7 @@ Shapes follow FlashInfer's ragged/paged conventions (NHD, indptr arrays, page si
 * ``kv_indptr``  int ``[B * H_kv + 1]`` and ``kv_indices`` int ``[nnz]``: sequence ``s = r * H_kv + g``
   (request-major, KV head minor) holds cells ``kv_indices[kv_indptr[s]:kv_indptr[s + 1]]``.
 * ``k_rows`` ``[num_cells, D]``, ``v_rows`` ``[num_cells, D_v]``.
-* Returns ``out`` ``[N, H_q, D_v]`` in ``q``'s dtype and ``lse`` fp32 ``[N, H_q]``, the **natural-log**
+* Returns ``out`` ``[N, H_q, D_v]`` in ``q``'s dtype (or ``out_dtype``) and ``lse`` fp32 ``[N, H_q]``, the **natural-log**
   sum of ``exp(sm_scale * q.k)``. A sequence without cells gives ``out = 0`` and ``lse = -inf``.
 
 FlashInfer equivalent: ``BatchPrefillWithPagedKVCacheWrapper`` planned with ``num_kv_heads=1``,
@@ -175,6 +175,7 @@ def segment_attention_triton(
     max_q_len: int | None = None,
     max_cells_per_sequence: int | None = None,
     num_kv_splits: int | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` over the cells of each (request, KV head); shapes in the module docstring.
 
@@ -184,6 +185,7 @@ def segment_attention_triton(
     max_cells_per_sequence: an upper bound on the cells of one (request, KV head), known on the host;
         lets ``kv_splits`` split long sequences (None: no split). A bound too small only splits less.
     num_kv_splits: overrides ``kv_splits`` (benchmarks, tests).
+    out_dtype: ``out``'s dtype (None: ``q``'s); fp32 keeps a partial output unrounded until it is merged.
     """
     _check_inputs(q, k_rows, v_rows, qo_indptr, kv_indptr, num_kv_heads)
     num_tokens, num_q_heads, head_dim = q.shape
@@ -191,7 +193,7 @@ def segment_attention_triton(
     group = num_q_heads // num_kv_heads
     num_requests = qo_indptr.numel() - 1
     if num_tokens == 0 or num_requests == 0:
-        out = torch.zeros(num_tokens, num_q_heads, head_dim_v, dtype=q.dtype, device=q.device)
+        out = torch.zeros(num_tokens, num_q_heads, head_dim_v, dtype=out_dtype or q.dtype, device=q.device)
         return out, torch.full((num_tokens, num_q_heads), float("-inf"), dtype=torch.float32, device=q.device)
     if q.stride(2) != 1 or k_rows.stride(1) != 1 or v_rows.stride(1) != 1:
         raise ValueError("the head dims of q and of the K and V rows must be contiguous")
@@ -202,7 +204,7 @@ def segment_attention_triton(
     if num_kv_splits is None:
         num_kv_splits = chosen_kv_splits(num_requests, num_kv_heads, group, max_q_len, max_cells_per_sequence)
     # Every (split, token, head) row is written by the kernel (empty splits: out 0, lse -inf).
-    out = torch.empty(num_tokens, num_q_heads, head_dim_v, dtype=q.dtype, device=q.device)
+    out = torch.empty(num_tokens, num_q_heads, head_dim_v, dtype=out_dtype or q.dtype, device=q.device)
     lse = torch.empty(num_tokens, num_q_heads, dtype=torch.float32, device=q.device)
     f32 = dict(dtype=torch.float32, device=q.device)
     # [S, N, H_q, D_v] and [S, N, H_q]: fp32 partials, or views of the outputs when unsplit.
@@ -233,6 +235,7 @@ def segment_attention_torch(
     max_q_len: int | None = None,
     max_cells_per_sequence: int | None = None,
     num_kv_splits: int | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch twin of ``segment_attention_triton`` (fp32 math). num_kv_splits is accepted for signature
     parity and unused (one softmax over all cells gives the split kernel's merged result).
@@ -247,7 +250,7 @@ def segment_attention_torch(
     num_tokens, num_q_heads, _ = q.shape
     num_requests = qo_indptr.numel() - 1
     # One scratch row past the last token: the padded path's write target for a request without queries.
-    out = torch.zeros(num_tokens + 1, num_q_heads, v_rows.shape[1], dtype=q.dtype, device=q.device)
+    out = torch.zeros(num_tokens + 1, num_q_heads, v_rows.shape[1], dtype=out_dtype or q.dtype, device=q.device)
     lse = torch.full((num_tokens + 1, num_q_heads), float("-inf"), dtype=torch.float32, device=q.device)
     if num_tokens == 0 or num_requests == 0 or kv_indices.numel() == 0:
         return out[:num_tokens], lse[:num_tokens]
@@ -289,7 +292,7 @@ def _attend_padded(
     queries = q[rows.clamp(max=num_tokens - 1)].float().view(num_requests, 1, num_kv_heads, group, head_dim)
     request_out, request_lse = _softmax_over_cells(queries, keys, values, has_cell, sm_scale)
     request_out = request_out.masked_fill((request_lse == float("-inf"))[..., None], 0.0)
-    out[rows] = request_out[:, 0].to(q.dtype)
+    out[rows] = request_out[:, 0].to(out.dtype)
     lse[rows] = request_lse[:, 0]
 
 
@@ -323,5 +326,5 @@ def _attend_per_sequence(q, k_rows, v_rows, qo_indptr, kv_indptr, kv_indices, nu
                 rows = slice(chunk_start, min(chunk_start + _TWIN_QUERY_CHUNK, end_query))
                 logits = torch.matmul(q[rows, heads].float(), keys.T) * sm_scale  # [T, G, C]
                 chunk_lse = torch.logsumexp(logits, dim=-1)  # [T, G]
-                out[rows, heads] = torch.matmul(torch.exp(logits - chunk_lse[..., None]), values).to(q.dtype)
+                out[rows, heads] = torch.matmul(torch.exp(logits - chunk_lse[..., None]), values).to(out.dtype)
                 lse[rows, heads] = chunk_lse

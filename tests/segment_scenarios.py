@@ -166,15 +166,15 @@ def run_backend(backend, scenario: Scenario, layer) -> torch.Tensor:
     return forward(scenario.q, scenario.k, scenario.v, layer, scenario.forward_batch)
 
 
-def naive_attention(scenario: Scenario, layer) -> torch.Tensor:
-    """float64, per request and query head: softmax over its KV head's cells (always visible) and its
-    dense positions up to the query's (the forward's own K/V already written)."""
+def attention_by_entry(scenario: Scenario, layer, attend) -> torch.Tensor:
+    """Per request, token and query head: ``attend(query [D], keys [n, D], values [n, D_v])`` over its KV
+    head's cells (always visible) and its dense positions up to the query's (the forward's own K/V already
+    written), the inputs in the pool's dtype. Returns ``[N, H_q * D]`` in ``attend``'s dtype."""
     num_q_heads, num_kv_heads = layer.tp_q_head_num, layer.tp_k_head_num
     group = num_q_heads // num_kv_heads
-    queries = scenario.q.view(-1, num_q_heads, HEAD_DIM).double()
-    k_cache, v_cache = (buffer.double() for buffer in scenario.pool.get_kv_buffer(layer.layer_id))
-    cells_k, cells_v = scenario.space.k_rows.double(), scenario.space.v_rows.double()
-    out = torch.zeros_like(queries)
+    queries = scenario.q.view(-1, num_q_heads, HEAD_DIM)
+    k_cache, v_cache = scenario.pool.get_kv_buffer(layer.layer_id)
+    outputs = {}
     for request in scenario.segments.forward.requests:
         positions = ranges_to_positions(request.dense_ranges(), torch.device("cpu"))
         slots = scenario.req_to_token[request.row, positions].long()
@@ -189,10 +189,20 @@ def naive_attention(scenario: Scenario, layer) -> torch.Tensor:
                     layer_start = view.layer_offsets[layer.layer_id]
                     start = layer_start + int(view.counts[layer.layer_id, :kv_head].sum())
                     cells = view.cells[start : start + int(view.counts[layer.layer_id, kv_head])]
-                    keys, values = torch.cat([cells_k[cells], keys]), torch.cat([cells_v[cells], values])
-                probs = torch.softmax(keys @ queries[token, head] * layer.scaling, dim=0)
-                out[token, head] = probs @ values
+                    keys = torch.cat([scenario.space.k_rows[cells], keys])
+                    values = torch.cat([scenario.space.v_rows[cells], values])
+                outputs[token, head] = attend(queries[token, head], keys, values)
+    out = torch.stack([torch.stack([outputs[token, head] for head in range(num_q_heads)]) for token in range(len(queries))])
     return out.view(-1, num_q_heads * HEAD_DIM)
+
+
+def naive_attention(scenario: Scenario, layer) -> torch.Tensor:
+    """float64 attention by the formula (``attention_by_entry``)."""
+
+    def attend(query, keys, values):
+        return torch.softmax(keys.double() @ query.double() * layer.scaling, dim=0) @ values.double()
+
+    return attention_by_entry(scenario, layer, attend)
 
 
 def torch_backend(scenario: Scenario) -> KVEvictTorchBackend:

@@ -121,6 +121,21 @@ def test_segment_attention_matches_twin_and_naive(batch: Batch, dtype: torch.dty
     assert_attention_close((out, lse), naive_segment_attention(*inputs), dtype)
 
 
+@on_kernel_devices
+@pytest.mark.parametrize("batch", BATCHES, ids=str)
+def test_an_fp32_out_is_the_same_attention_before_its_rounding(batch: Batch, device: str):
+    """``out_dtype=torch.float32`` with bf16 inputs (the CPU extend merges two parts, then rounds once):
+    the kernel and the twin give what they give in bf16, before its rounding."""
+    inputs = make_batch(batch, torch.bfloat16, device=device)
+    for implementation in (segment_attention_triton, segment_attention_torch):
+        rounded, lse = implementation(*inputs, max(batch.q_lens))
+        unrounded, same_lse = implementation(*inputs, max(batch.q_lens), out_dtype=torch.float32)
+        assert unrounded.dtype == torch.float32 and rounded.dtype == torch.bfloat16
+        assert torch.equal(lse, same_lse)
+        # within one bf16 step of the rounded out (the interpreter's conversion may round toward zero)
+        torch.testing.assert_close(rounded.float(), unrounded, rtol=2**-7, atol=0)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("batch", BATCHES, ids=str)
 def test_torch_twin_matches_naive_on_both_of_its_paths(batch: Batch, dtype: torch.dtype):

@@ -205,8 +205,8 @@ class DecodeKeys:
     rows int64 ``[L, B * H_kv, W]``: the ``k_rows``/``v_rows`` row of each key of each layer; a padded
         entry repeats a real key of its sequence (never the pool's placeholder slot 0, whose content is
         undefined: NaN x 0 would be NaN).
-    mask ``[L, B * H_kv, 1, W]`` in the KV dtype: 0 for a key, -inf for padding (added to the logits,
-        broadcast over the group's queries).
+    mask fp32 ``[L, B * H_kv, 1, W]``: 0 for a key, -inf for padding (added to the fp32 logits, broadcast
+        over the group's queries).
     ends int64 ``[L, B * H_kv]``: the keys of each sequence, i.e. where its next key goes.
     longest: per request, its longest sequence (host ints); ``W - max(longest)`` more steps fit.
     """
@@ -261,7 +261,7 @@ class DecodeKeys:
     def of_rows(cls, rows: torch.Tensor, ends: torch.Tensor, longest: list[int], space: CellSpace) -> "DecodeKeys":
         """The keys ``rows`` ``[L, S, W]`` with ``ends`` ``[L, S]`` keys per sequence; the mask from them."""
         num_layers, sequences, width = rows.shape
-        mask = torch.zeros(num_layers, sequences, 1, width, dtype=space.k_rows.dtype, device=rows.device)
+        mask = torch.zeros(num_layers, sequences, 1, width, dtype=torch.float32, device=rows.device)
         mask.masked_fill_(torch.arange(width, device=rows.device) >= ends.view(num_layers, sequences, 1, 1), float("-inf"))
         return cls(rows, mask, ends, longest, space)
 
@@ -302,15 +302,63 @@ class DecodeKeys:
             self.longest[request] += 1
 
 
+# A bucket is a few tensor calls per layer whatever its size: on CPU their overhead is about that of
+# attending this many more keys, so sequences of nearly one length share one padded call.
+BUCKET_OVERHEAD_KEYS = 1024
+# Before merging, a layer's sequences (sorted by key count) are cut into this many groups of equal size.
+MOST_BUCKETS = 8
+
+
+@dataclass(frozen=True)
+class KeyBucket:
+    """Sequences of one layer attended in one padded call: ``sequences`` int64 ``[n]`` (None: every sequence,
+    in order) and ``width``, the most keys one of them has."""
+
+    sequences: Optional[torch.Tensor]
+    width: int
+
+
+def key_buckets(ends: torch.Tensor) -> list[list[KeyBucket]]:
+    """Per layer, its sequences grouped by key count, each group padded only to its own longest: the cost of a
+    decode step's attention follows the keys kept (a global top-k keeps very different counts per layer and
+    head), not the longest sequence of the batch.
+
+    ends int64 ``[L, S]``: the keys of each sequence. A layer's sequences sorted by count are cut into
+    ``MOST_BUCKETS`` groups of equal size; from the longest down, a group joins the bucket above it where the
+    padding that adds costs no more than a bucket's own overhead (``BUCKET_OVERHEAD_KEYS``)."""
+    num_layers, sequences = ends.shape
+    counts, order = torch.sort(ends, dim=1)
+    groups = min(MOST_BUCKETS, sequences)
+    bounds = [0] + [sequences * (group + 1) // groups for group in range(groups)]  # in sorted order
+    widths = counts[:, [bound - 1 for bound in bounds[1:]]].tolist()  # [L, groups], host ints
+    buckets = []
+    for layer in range(num_layers):
+        merged: list[list[int]] = []  # [start, end, width] in sorted order, the longest first
+        for group in reversed(range(groups)):
+            start, end, width = bounds[group], bounds[group + 1], widths[layer][group]
+            if merged and (end - start) * (merged[-1][2] - width) <= BUCKET_OVERHEAD_KEYS:
+                merged[-1][0] = start
+            else:
+                merged.append([start, end, width])
+        if len(merged) == 1:
+            buckets.append([KeyBucket(None, merged[0][2])])
+        else:
+            buckets.append([KeyBucket(order[layer, start:end], width) for start, end, width in merged])
+    return buckets
+
+
 class DecodeKeysCache:
-    """The last decode forward's ``DecodeKeys`` and what it was built for (per request: its id, path view
-    and length). The next decode step appends each request's new token to them; a request that joins is
-    built from its view, the others' keys carried over. A request is the same one while its id and view
-    are: a path that changed (a new compressed node, or cells moved: the arena's generation gives the
-    request a new view) builds it again, as does a batch out of room."""
+    """The last decode forward's ``DecodeKeys`` and what it was built for (per request: its id, its
+    ``req_to_token`` row, its path view and its length). The next decode step appends each request's new
+    token to them; a request that joins is built from its view, the others' keys carried over. A request
+    is the same one while its id, its row and its view object are: a request retracted and admitted again
+    (a new row), or a path that changed (a new compressed node, or cells moved: the arena's generation gives
+    the request a new view object), builds it again, as does a batch out of room. Views are compared by
+    identity, never by value: two equal-looking views of different placements must not share keys."""
 
     def __init__(self):
-        self._requests: tuple = ()
+        self._requests: list[tuple] = []  # per request (rid, row, id(view))
+        self._views: list[Optional[PathView]] = []  # held, so that no other view takes one of those ids
         self._seq_lens: list[int] = []
         self._keys: Optional[DecodeKeys] = None
         self.builds = 0  # decode forwards whose keys were not all appended to the last ones (tests)
@@ -318,11 +366,11 @@ class DecodeKeysCache:
     def of(self, rids, forward: ForwardRequests, req_to_token: torch.Tensor, space: CellSpace, new_slots: torch.Tensor) -> DecodeKeys:
         """The keys of the decode batch ``forward`` (its requests' ids ``rids``, the slots its new tokens are
         written to ``new_slots`` int ``[B]``)."""
-        requests = tuple(zip(rids, (request.view for request in forward.requests)))
+        requests = [(rid, request.row, id(request.view)) for rid, request in zip(rids, forward.requests)]
         seq_lens = [request.seq_len for request in forward.requests]
         keys = self._keys
-        before = {key: (index, seq_len) for index, (key, seq_len) in enumerate(zip(self._requests, self._seq_lens))}
-        carried = [before.get(key, (None, None)) for key in requests]
+        before = {request: (index, seq_len) for index, (request, seq_len) in enumerate(zip(self._requests, self._seq_lens))}
+        carried = [before.get(request, (None, None)) for request in requests]
         carried = [index if old is not None and old + 1 == seq_len else None for (index, old), seq_len in zip(carried, seq_lens)]
         if carried == list(range(len(self._requests))) and keys.room > 0:
             keys.append(new_slots)
@@ -336,4 +384,5 @@ class DecodeKeysCache:
             if staying:
                 keys.append(new_slots[staying], staying)
         self._requests, self._seq_lens, self._keys = requests, seq_lens, keys
+        self._views = [request.view for request in forward.requests]
         return keys

@@ -36,7 +36,9 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from torch.nn.functional import scaled_dot_product_attention
 
-from sgl_kvevict.engine.batch import CellBatchCache, DecodeKeys, DecodeKeysCache, DenseBatch, RequestSlice, SegmentMetadata
+from sgl_kvevict.engine.batch import (
+    CellBatchCache, DecodeKeys, DecodeKeysCache, DenseBatch, KeyBucket, RequestSlice, SegmentMetadata, key_buckets,
+)  # fmt: skip
 from sgl_kvevict.engine.adapter.pool import cell_space_of
 from sgl_kvevict.engine.cells import CellSpace
 from sgl_kvevict.engine.coordinator import CompressionCoordinator
@@ -58,14 +60,15 @@ def dense_attention(
 
     q ``[B, T, H_q, D]``; keys ``[B, L, H_kv, D]``, values ``[B, L, H_kv, D_v]``; query_positions ``[B, T]``,
     key_positions ``[B, L]``: query ``t`` of request ``b`` sees key ``p`` iff
-    ``key_positions[b, p] <= query_positions[b, t]``. Returns out ``[B, T, H_q, D_v]`` (q's dtype) and
-    natural-log lse fp32 ``[B, T, H_q]`` (``-inf`` without keys).
+    ``key_positions[b, p] <= query_positions[b, t]``. Returns out fp32 ``[B, T, H_q, D_v]`` (rounded only
+    once merged with the cells' part, as stock's SDPA rounds once) and natural-log lse fp32 ``[B, T, H_q]``
+    (``-inf`` without keys).
     """
     batch, num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = keys.shape[2]
     group = num_q_heads // num_kv_heads
     keys, values = keys.float(), values.float()
-    out = q.new_empty(batch, num_tokens, num_q_heads, values.shape[-1])
+    out = torch.empty(batch, num_tokens, num_q_heads, values.shape[-1], dtype=torch.float32, device=q.device)
     lse = torch.empty(batch, num_tokens, num_q_heads, dtype=torch.float32, device=q.device)
     for start in range(0, num_tokens, _QUERY_CHUNK):
         end = min(start + _QUERY_CHUNK, num_tokens)
@@ -82,18 +85,19 @@ def dense_attention(
 
 
 def compressed_attention(
-    segments: SegmentMetadata, queries: torch.Tensor, layer, k_rows: torch.Tensor, v_rows: torch.Tensor
+    segments: SegmentMetadata, queries: torch.Tensor, layer, k_rows: torch.Tensor, v_rows: torch.Tensor, out_dtype=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of the compressed requests' queries over their cells (``kernels.segment_attention``).
 
     queries ``[N, H_q, D]`` (every query of the forward); k_rows, v_rows: the pool's cells
     (``CellSpace``). Returns out ``[N_c, H_q, D_v]`` and natural-log lse fp32 ``[N_c, H_q]`` for
-    ``segments.query_rows`` (``-inf`` and out 0 for a KV head without cells).
+    ``segments.query_rows`` (``-inf`` and out 0 for a KV head without cells); out in ``out_dtype``
+    (None: the queries').
     """
     cells = segments.cells
     return segment_attention(
         queries[segments.query_rows], k_rows, v_rows, segments.qo_indptr, cells.kv_indptr[layer.layer_id],
-        cells.kv_indices, layer.tp_k_head_num, layer.scaling, segments.max_queries, cells.max_cells,
+        cells.kv_indices, layer.tp_k_head_num, layer.scaling, segments.max_queries, cells.max_cells, out_dtype,
     )  # fmt: skip
 
 
@@ -171,8 +175,8 @@ class SegmentAttentionBackend:
             f"not {type(self).__name__}"
         )
 
-    def _compressed_attention(self, segments: SegmentMetadata, queries: torch.Tensor, layer):
-        return compressed_attention(segments, queries, layer, *self.cell_rows)
+    def _compressed_attention(self, segments: SegmentMetadata, queries: torch.Tensor, layer, out_dtype=None):
+        return compressed_attention(segments, queries, layer, *self.cell_rows, out_dtype)
 
     def _init_segment_metadata(self, forward_batch, segments: SegmentMetadata) -> None:
         raise NotImplementedError
@@ -187,6 +191,7 @@ class KVEvictTorchBackend(SegmentAttentionBackend, TorchNativeAttnBackend):
 
     dense: DenseBatch | None = None
     decode_keys: DecodeKeys | None = None
+    decode_buckets: list[list[KeyBucket]] | None = None  # per layer, this decode step's (``key_buckets``)
 
     def __init__(self, model_runner):
         super().__init__(model_runner)
@@ -199,6 +204,7 @@ class KVEvictTorchBackend(SegmentAttentionBackend, TorchNativeAttnBackend):
             self.decode_keys = self._decode_keys.of(
                 forward_batch.rids, forward, to_token, self.cell_space, forward_batch.out_cache_loc
             )
+            self.decode_buckets = key_buckets(self.decode_keys.ends)
         else:
             self.dense = DenseBatch.of(forward.compressed, to_token)
 
@@ -217,29 +223,46 @@ class KVEvictTorchBackend(SegmentAttentionBackend, TorchNativeAttnBackend):
         for request in segments.forward.requests:
             if request.view is None:
                 self._stock_request(request, queries, out, k_cache, v_cache, layer, forward_batch)
-        compressed_out, compressed_lse = self._compressed_attention(segments, queries, layer)
+        # Both parts stay fp32 until merged: the output is rounded to the KV dtype once, as stock's SDPA does.
+        compressed_out, compressed_lse = self._compressed_attention(segments, queries, layer, torch.float32)
         dense_out, dense_lse = self._dense_part(segments, queries, k_cache, v_cache, layer)
         merged, _ = merge_attention_states(compressed_out, compressed_lse, dense_out, dense_lse)
-        out[segments.query_rows] = merged
+        out[segments.query_rows] = merged.to(out.dtype)
         return out.view(-1, num_q_heads * v_head_dim)
 
     def _decode_attention(self, queries: torch.Tensor, layer) -> torch.Tensor:
         """Every request of a decode batch, plain ones included, in one pass over each (request, KV head)'s
         keys (``DecodeKeys``: its cells and its dense positions, padded), the GQA group as the queries of
-        its KV head: no merge of two parts, no loop over requests. queries ``[B, H_q, D]``; returns
-        ``[B, H_q, D_v]``. The logits and the weighted sum run in the KV dtype (as stock's decode SDPA does
-        on CPU), the softmax in fp32."""
+        its KV head: no merge of two parts, no loop over requests. A layer's sequences go in buckets of
+        similar key counts (``key_buckets``), each padded to its own longest, so the work follows the keys
+        kept. queries ``[B, H_q, D]``; returns ``[B, H_q, D_v]``.
+
+        The logits, the softmax and the weighted sum run in fp32 whatever the KV dtype, as stock's SDPA
+        does on CPU (ATen's kernel accumulates QK and PV in fp32): logits rounded to bf16 before the
+        softmax would err several times more than stock does."""
         keys, (k_rows, v_rows) = self.decode_keys, self.cell_rows
-        rows = keys.rows[layer.layer_id]  # [S, W], S = B * H_kv
-        sequences, width = rows.shape
+        rows, mask = keys.rows[layer.layer_id], keys.mask[layer.layer_id]  # [S, W], [S, 1, W]; S = B * H_kv
+        sequences = rows.shape[0]
         group = layer.tp_q_head_num // layer.tp_k_head_num
-        # index_select, not k_rows[rows]: advanced indexing by a 2-D index is several times slower on CPU.
-        k = k_rows.index_select(0, rows.view(-1)).view(sequences, width, -1)
-        v = v_rows.index_select(0, rows.view(-1)).view(sequences, width, -1)
-        q = queries.reshape(sequences, group, -1).to(k.dtype)  # query head h * G + g is KV head h's g-th
-        logits = torch.baddbmm(keys.mask[layer.layer_id], q, k.transpose(1, 2), alpha=layer.scaling)  # [S, G, W]
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(v.dtype)
-        return torch.bmm(probs, v).view(queries.shape[0], layer.tp_q_head_num, -1).to(queries.dtype)
+        q = queries.reshape(sequences, group, -1).float()  # query head h * G + g is KV head h's g-th
+        out = None
+        for bucket in self.decode_buckets[layer.layer_id]:
+            chosen, width = bucket.sequences, bucket.width
+            bucket_rows, bucket_mask, bucket_q = rows[:, :width], mask[..., :width], q
+            if chosen is not None:
+                bucket_rows, bucket_mask, bucket_q = (t.index_select(0, chosen) for t in (bucket_rows, bucket_mask, q))
+            # index_select, not k_rows[rows]: advanced indexing by a 2-D index is several times slower on CPU.
+            flat = bucket_rows.reshape(-1)
+            k = k_rows.index_select(0, flat).view(len(bucket_q), width, -1).float()
+            v = v_rows.index_select(0, flat).view(len(bucket_q), width, -1).float()
+            logits = torch.baddbmm(bucket_mask, bucket_q, k.transpose(1, 2), alpha=layer.scaling)  # [n, G, width]
+            attended = torch.bmm(torch.softmax(logits, dim=-1), v)  # [n, G, D_v]
+            if chosen is None:
+                out = attended
+            else:
+                out = q.new_empty(sequences, group, v.shape[-1]) if out is None else out
+                out.index_copy_(0, chosen, attended)
+        return out.view(queries.shape[0], layer.tp_q_head_num, -1).to(queries.dtype)
 
     def _run_sdpa_forward_extend(
         self, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_prefix_lens,
