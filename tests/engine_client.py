@@ -96,6 +96,22 @@ def abort(server: RunningServer, rid: str) -> None:
         pass
 
 
+def stream(server: RunningServer, payload: dict, abort_after: Optional[int] = None) -> int:
+    """Stream ``/generate`` of ``payload``; with ``abort_after``, abort the request (its ``rid``) once that
+    many chunks arrived. Returns the chunks received."""
+    request = urllib.request.Request(
+        server.base_url + "/generate", data=json.dumps({**payload, "stream": True}).encode(), headers=server.headers()
+    )
+    chunks = 0
+    with urllib.request.urlopen(request, timeout=300) as response:
+        for line in response:
+            if line.startswith(b"data:") and b"[DONE]" not in line:
+                chunks += 1
+                if chunks == abort_after:
+                    abort(server, payload["rid"])
+    return chunks
+
+
 def flush(server: RunningServer, attempts: int = 60) -> None:
     """``/flush_cache``, retried while aborted requests are still draining (SGLang refuses it then)."""
     for _ in range(attempts):
@@ -133,11 +149,13 @@ def assert_strict_idle_check_passed(server: RunningServer) -> None:
 
 
 def assert_same_plan(server_plan: dict, reference_plan) -> None:
-    """A plan the server dumped (``KVEVICT_PLAN_DUMP_DIR``) equals the reference engine's ``CompressionPlan``."""
+    """A plan the server dumped (``KVEVICT_PLAN_DUMP_DIR``) equals the reference engine's ``CompressionPlan``:
+    its segment, its number of layers, and per layer its kept counts per KV head and kept positions."""
     assert (server_plan["segment_start"], server_plan["segment_end"]) == (
         reference_plan.segment_start,
         reference_plan.segment_end,
     )
+    assert len(server_plan["layers"]) == len(reference_plan.layers), "the plans have different numbers of layers"
     for layer, ((kept_positions, head_indptr), expected) in enumerate(zip(server_plan["layers"], reference_plan.layers)):
         assert torch.equal(head_indptr, expected.head_indptr), f"layer {layer}: kept counts per KV head differ"
         assert torch.equal(kept_positions, expected.kept_positions), f"layer {layer}: kept positions differ"

@@ -12,6 +12,7 @@ the same way). A segment ending closer than one minimum pass to the limit stays 
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 
 import pytest
@@ -21,6 +22,7 @@ import engine_client as client
 from sgl_kvevict.config import EvictionConfig, build_policy
 from sgl_kvevict.reference.engine import Prompt
 from sgl_kvevict.reference.schedule import Mode, Schedule
+from sgl_kvevict.scope import DEFAULT_BLOCK_SIZE
 from sgl_kvevict.scoring import SCORES
 from sgl_kvevict.scoring.kvzip import MIN_CHUNK_TOKENS
 
@@ -53,15 +55,39 @@ def served(server, prompt: list[int], rid: str, options: str) -> dict:
     return json.loads(body)
 
 
+def dumped_plans(dump_dir, rid: str, expected: bool) -> list[dict]:
+    """The plans the server dumped for ``rid`` (``<rid>.pt``, or ``<rid>.block<k>.pt`` in block scope), waited
+    for where ``expected`` (KVzip's passes may finish after the reply)."""
+    deadline = time.monotonic() + (60 if expected else 0)
+    while True:
+        paths = sorted(dump_dir.glob(f"{rid}.*pt"))
+        if paths or time.monotonic() >= deadline:
+            return [torch.load(path) for path in paths]
+        time.sleep(0.5)
+
+
 @pytest.mark.parametrize("score", SCORES)
-def test_prompts_up_to_the_context_length_are_served_or_refused(score, scoped_server, learned_weights):
-    server, _, scope = scoped_server
+def test_prompts_up_to_the_context_length_are_served_or_refused(score, scoped_server, learned_weights, tiny_llama_dir):
+    server, dump_dir, scope = scoped_server
+    num_layers = json.loads((tiny_llama_dir / "config.json").read_text())["num_hidden_layers"]
     overrides = {"score": score, **({"learned_weights": learned_weights} if score == "learned" else {})}
     options = client.request_options(EvictionConfig.for_policy("topk", **overrides))
     skipped_before = client.stats(server)["reconstructions_skipped"]
     for length in (SHRUNK_CHUNKS, AT_THE_LIMIT):
-        reply = served(server, client.random_prompt(length, seed=length), f"{scope}-{score}-{length}", options)
+        rid = f"{scope}-{score}-{length}"
+        reply = served(server, client.random_prompt(length, seed=length), rid, options)
         assert reply["meta_info"]["completion_tokens"] >= 1
+        # Every score compresses there (a plan per segment, keeping less than it holds), but for KVzip's
+        # request-scope segment at the limit, which has no room for a pass and stays dense.
+        stays_dense = score == "kvzip" and scope == "request" and length == AT_THE_LIMIT
+        plans = dumped_plans(dump_dir, rid, expected=not stays_dense)
+        segments = 0 if stays_dense else 1 if scope == "request" else (length - 1) // DEFAULT_BLOCK_SIZE  # full blocks
+        assert len(plans) == segments, (rid, len(plans))
+        for plan in plans:
+            assert len(plan["layers"]) == num_layers
+            kept = sum(len(positions) for positions, _ in plan["layers"])
+            heads = len(plan["layers"][0][1]) - 1
+            assert 0 < kept < (plan["segment_end"] - plan["segment_start"]) * num_layers * heads, (rid, kept)
     status, body = client.post_status(server, {"input_ids": client.random_prompt(OVER_THE_LIMIT, 1), "sampling_params": {"max_new_tokens": 1}})
     assert status == 400 and "exceeds the maximum allowed length" in body, body[:500]
     skipped = client.stats(server)["reconstructions_skipped"] - skipped_before

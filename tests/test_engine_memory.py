@@ -9,11 +9,9 @@ test ends with /flush_cache giving every cell and slot back.
 
 from __future__ import annotations
 
-import json
 import random
 import threading
 import urllib.error
-import urllib.request
 
 import pytest
 
@@ -25,6 +23,7 @@ from engine_client import (
     flush,
     generate,
     stats,
+    stream,
 )
 
 pytestmark = pytest.mark.server
@@ -106,21 +105,8 @@ def test_a_tight_pool_serves_concurrent_conversations_and_evicts_without_leaking
 
 def stream_then_abort(server, input_ids: list[int], rid: str) -> int:
     """Stream a long generation, abort it after the first chunks; returns the chunks received."""
-    payload = {
-        "input_ids": input_ids, "rid": rid, "stream": True,
-        "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True},
-    }  # fmt: skip
-    request = urllib.request.Request(
-        server.base_url + "/generate", data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"}
-    )
-    chunks = 0
-    with urllib.request.urlopen(request, timeout=120) as response:
-        for line in response:
-            if line.startswith(b"data:") and b"[DONE]" not in line:
-                chunks += 1
-                if chunks == 3:
-                    abort(server, rid)
-    return chunks
+    payload = {"input_ids": input_ids, "rid": rid, "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}}
+    return stream(server, payload, abort_after=3)
 
 
 def test_client_aborts_in_prefill_and_decode_leak_nothing(server):
