@@ -5,8 +5,9 @@ memory per conversation.
     python -m benchmarks.engine_overhead                                   # SmolLM2, vanilla vs lava@0.25
     python -m benchmarks.engine_overhead --policy snapkv --budget 0.5 --prompts 7
 
-Starts the real launcher (benchmarks/load/servers.py) for vanilla (``--kv-evict-policy none``) and
-then for the policy, one server at a time, both with the same ``--max-total-tokens``. Requests are
+Starts the real launcher (benchmarks/load/servers.py) for vanilla (``--kv-evict-policy none``), for
+``full`` (the plugin's path with nothing evicted) and then for the policy, one server at a time, all
+with the same ``--max-total-tokens``. Requests are
 sent one at a time (nothing else in flight), greedy and streamed, so time to first token (TTFT) is
 measured at the client. Each server answers, in this order:
 
@@ -20,8 +21,9 @@ measured at the client. Each server answers, in this order:
   memory of one conversation: arena cells kept for the compressed segment against its dense
   equivalent (tokens x layers x KV heads), plus the dense slots the tree still holds (window, answer).
 
-Medians over the samples, and ratios policy / vanilla from the same run: the machine is shared and
-noisy (absolute numbers move by tens of percent between runs, ratios much less). Writes
+Medians over the samples, and ratios from the same run: policy / vanilla, policy / full (what eviction
+buys) and full / vanilla (what the plugin's path costs); the machine is shared and noisy (absolute
+numbers move by tens of percent between runs, ratios much less). Writes
 ``<name>.json`` (every sample) and ``<name>.md`` into ``--out``.
 """
 
@@ -42,8 +44,8 @@ import aiohttp
 from benchmarks.load.client import STATS_PATH, StreamedReply, get_json, stream_completion
 from benchmarks.load.conversations import Conversation, ConversationSpec, build_conversations, model_token_counter
 from benchmarks.cli import add_output_args, add_server_args, benchmark_parser, command_line, exits_on, log_folder, parse_command_line, progress
-from benchmarks.load.report import environment, write_report
-from benchmarks.load.servers import VANILLA_POLICY, ServerError, ServerVariant, launched_server
+from benchmarks.load.report import ATTRIBUTION, FULL_NOT_SERVED, environment, ratio, ratios_of, write_report
+from benchmarks.load.servers import FULL_POLICY, VANILLA_POLICY, ServerError, ServerVariant, launched_server
 from benchmarks.load.soak import flush_when_idle, stats_leaks
 
 CHAT_PATH = "/v1/chat/completions"
@@ -70,6 +72,8 @@ class OverheadConfig:
         for name in ("pool_tokens", "prompt_tokens", "prompts", "decode_tokens", "decode_runs", "turn2_runs", "answer_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.policy in (VANILLA_POLICY, FULL_POLICY):
+            raise ValueError(f"--policy {self.policy}: every run serves it already; choose a policy that evicts")
 
     @property
     def documents(self) -> int:
@@ -78,7 +82,7 @@ class OverheadConfig:
 
 @dataclass
 class ServerSamples:
-    """Every measurement of one server; ``memory`` only for a policy server."""
+    """Every measurement of one server; ``memory`` only for a server that evicts."""
 
     label: str
     prefill: list[dict] = field(default_factory=list)  # ttft, prompt_tokens, cached_tokens
@@ -136,7 +140,7 @@ async def _measure(
             await flush(session, base_url)
             turn1 = await ask(session, base_url, chat_payload(first(conversation), config.answer_tokens))
             stats = await get_json(session, base_url + STATS_PATH)
-            if stats and stats.get("policy") != VANILLA_POLICY:
+            if stats and stats.get("policy") not in (VANILLA_POLICY, FULL_POLICY):
                 samples.memory.append({**stats, "turn1_prompt_tokens": turn1.prompt_tokens, "turn1_answer_tokens": turn1.completion_tokens})
             turn2 = first(conversation) + [
                 {"role": "assistant", "content": turn1.text},
@@ -213,16 +217,74 @@ def summarize(samples: ServerSamples) -> dict:
     }
 
 
+# The servers of a run, in order: stock, the plugin's path with nothing evicted, the policy.
+ROLES = ("vanilla", "full", "policy")
+# The medians compared server / baseline.
+RATIO_MEDIANS = ("prefill_ttft", "prefill_tokens_per_second", "decode_tokens_per_second", "turn2_ttft_reuse", "turn2_ttft_no_reuse")
+
+
+def reuse_speedup(summary: dict) -> Optional[float]:
+    """A server's turn-2 TTFT without reuse over its TTFT with reuse."""
+    return ratio(summary["turn2_ttft_no_reuse"], summary["turn2_ttft_reuse"])
+
+
 def ratios(vanilla: dict, policy: dict) -> dict:
     """policy / vanilla of each median, and each server's turn-2 speed-up from reuse."""
     return {
-        "prefill_ttft": policy["prefill_ttft"] / vanilla["prefill_ttft"],
-        "decode_tokens_per_second": policy["decode_tokens_per_second"] / vanilla["decode_tokens_per_second"],
-        "turn2_ttft_reuse": policy["turn2_ttft_reuse"] / vanilla["turn2_ttft_reuse"],
-        "turn2_ttft_no_reuse": policy["turn2_ttft_no_reuse"] / vanilla["turn2_ttft_no_reuse"],
-        "vanilla_turn2_reuse_speedup": vanilla["turn2_ttft_no_reuse"] / vanilla["turn2_ttft_reuse"],
-        "policy_turn2_reuse_speedup": policy["turn2_ttft_no_reuse"] / policy["turn2_ttft_reuse"],
+        **ratios_of(policy, vanilla, RATIO_MEDIANS),
+        "vanilla_turn2_reuse_speedup": reuse_speedup(vanilla),
+        "policy_turn2_reuse_speedup": reuse_speedup(policy),
     }
+
+
+def attribution(vanilla: dict, full: dict, policy: dict) -> dict:
+    """policy / full (what eviction buys) and full / vanilla (what the plugin's path costs) of each median."""
+    return {"policy_vs_full": ratios_of(policy, full, RATIO_MEDIANS), "full_vs_vanilla": ratios_of(full, vanilla, RATIO_MEDIANS)}
+
+
+def attribution_cells(report: dict, median: str) -> list[str]:
+    """The cells ``full``, ``policy / full`` and ``full / vanilla`` of ``median`` (a summary field, or
+    ``turn2_reuse_speedup``); ``FULL_NOT_SERVED`` where the report has no ``full`` server (older runs)."""
+    if "full" not in report:
+        return [FULL_NOT_SERVED, "-", "-"]
+    full = report["full"]["summary"]
+    if median == "turn2_reuse_speedup":
+        return [f"{reuse_speedup(full):.1f}x", "", ""]
+    digits = 0 if median == "prefill_tokens_per_second" else 2
+    shares = report["attribution"]["policy_vs_full"][median], report["attribution"]["full_vs_vanilla"][median]
+    return [f"{full[median]:.{digits}f}", *(f"{value:.2f}" for value in shares)]
+
+
+def speed_table(report: dict) -> list[str]:
+    """The medians of vanilla, ``full`` and the policy with the three ratios, as the report and
+    docs/results.md show them (``full`` columns say so where the run served none)."""
+    meta, v, p, r = report["meta"], report["vanilla"]["summary"], report["policy"]["summary"], report["ratios"]
+    cfg, label = meta["config"], report["policy"]["label"]
+    rows = [
+        (f"prefill: TTFT of a fresh {v['prefill_prompt_tokens']:.0f}-token prompt, max_tokens 1 (s), n={cfg['prompts']}",
+         "prefill_ttft", 2),
+        ("prefill tokens/s", "prefill_tokens_per_second", 0),
+        (f"decode tokens/s after it ({cfg['decode_tokens']} tokens, single stream), n={cfg['decode_runs']}",
+         "decode_tokens_per_second", 2),
+        (f"turn 2 ({v['turn2_prompt_tokens']:.0f} tokens): TTFT with turn 1 cached (s), n={cfg['turn2_runs']}",
+         "turn2_ttft_reuse", 2),
+        ("turn 2: TTFT after /flush_cache, no reuse (s)", "turn2_ttft_no_reuse", 2),
+    ]  # fmt: skip
+    lines = [
+        f"| measure (median) | vanilla | full | {label} | {label} / vanilla | {label} / full | full / vanilla |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for text, median, digits in rows:
+        full, *shares = attribution_cells(report, median)
+        lines.append(
+            f"| {text} | {v[median]:.{digits}f} | {full} | {p[median]:.{digits}f} | **{ratio(p[median], v[median]):.2f}** "
+            f"| {' | '.join(shares)} |"
+        )
+    full = attribution_cells(report, "turn2_reuse_speedup")[0]
+    return lines + [
+        f"| turn 2: speed-up from reuse (no reuse / reuse) | {r['vanilla_turn2_reuse_speedup']:.1f}x | {full} "
+        f"| **{r['policy_turn2_reuse_speedup']:.1f}x** | | | |",
+    ]
 
 
 def model_shape(model: str) -> tuple[int, int]:
@@ -234,8 +296,7 @@ def model_shape(model: str) -> tuple[int, int]:
 
 
 def markdown(report: dict) -> str:
-    meta, v, p, r = report["meta"], report["vanilla"]["summary"], report["policy"]["summary"], report["ratios"]
-    env, cfg, label = meta["environment"], meta["config"], report["policy"]["label"]
+    meta, env, cfg, label = report["meta"], report["meta"]["environment"], report["meta"]["config"], report["policy"]["label"]
     lines = [
         "# Engine overhead: prefill, decode, turn-2 reuse and memory, vanilla vs " + label,
         "",
@@ -244,26 +305,16 @@ def markdown(report: dict) -> str:
         f"Machine: {env['cpu_model']}, {env['cpu_cores']} cores, GPU: {env['gpu']}. SGLang {env['sglang']}, torch "
         f"{env['torch']}, sgl-kvevict {env['git_commit']}{' (uncommitted changes)' if env['git_worktree_dirty'] else ''}, "
         f"{env['date']}. Model `{cfg['model']}` (bf16, {meta['num_layers']} layers x {meta['num_kv_heads']} KV heads). "
-        f"Both servers: `--max-total-tokens {cfg['pool_tokens']}` (the policy server keeps its compressed cells in "
+        f"Every server: `--max-total-tokens {cfg['pool_tokens']}` (the policy server keeps its compressed cells in "
         f"that same pool). One request at a time, greedy, streamed; load average before each server: "
-        f"vanilla {report['vanilla']['load_average'][0]:.2f}, {label} {report['policy']['load_average'][0]:.2f}.",
+        + ", ".join(f"{report[role]['label']} {report[role]['load_average'][0]:.2f}" for role in ROLES if role in report)
+        + f". {ATTRIBUTION}",
         "",
-        f"| measure (median) | vanilla | {label} | {label} / vanilla |",
-        "|---|---|---|---|",
-        f"| prefill: TTFT of a fresh {v['prefill_prompt_tokens']:.0f}-token prompt, max_tokens 1 (s), n={cfg['prompts']} "
-        f"| {v['prefill_ttft']:.2f} | {p['prefill_ttft']:.2f} | **{r['prefill_ttft']:.2f}** |",
-        f"| prefill tokens/s | {v['prefill_tokens_per_second']:.0f} | {p['prefill_tokens_per_second']:.0f} "
-        f"| {p['prefill_tokens_per_second'] / v['prefill_tokens_per_second']:.2f} |",
-        f"| decode tokens/s after a {v['prefill_prompt_tokens']:.0f}-token prompt ({cfg['decode_tokens']} tokens, "
-        f"single stream), n={cfg['decode_runs']} | {v['decode_tokens_per_second']:.2f} | {p['decode_tokens_per_second']:.2f} "
-        f"| **{r['decode_tokens_per_second']:.2f}** |",
-        f"| turn 2 ({v['turn2_prompt_tokens']:.0f} tokens): TTFT with turn 1 cached (s), n={cfg['turn2_runs']} "
-        f"| {v['turn2_ttft_reuse']:.2f} | {p['turn2_ttft_reuse']:.2f} | {r['turn2_ttft_reuse']:.2f} |",
-        f"| turn 2: cached tokens reported | {v['turn2_cached_tokens_reuse']:.0f} | {p['turn2_cached_tokens_reuse']:.0f} | |",
-        f"| turn 2: TTFT after /flush_cache, no reuse (s) | {v['turn2_ttft_no_reuse']:.2f} | {p['turn2_ttft_no_reuse']:.2f} "
-        f"| {r['turn2_ttft_no_reuse']:.2f} |",
-        f"| turn 2: speed-up from reuse (no reuse / reuse) | {r['vanilla_turn2_reuse_speedup']:.1f}x "
-        f"| **{r['policy_turn2_reuse_speedup']:.1f}x** | |",
+        *speed_table(report),
+        "",
+        "Turn 2 cached tokens reported: "
+        + ", ".join(f"{report[role]['label']} {report[role]['summary']['turn2_cached_tokens_reuse']:.0f}" for role in ROLES if role in report)
+        + ".",
     ]
     memory = report["policy"]["memory_per_conversation"]
     if memory:
@@ -282,7 +333,7 @@ def markdown(report: dict) -> str:
             f"{m['dense_slots_held']:.0f} dense tokens still held, window and answer) | {m['conversation_cells_held']:.0f} | "
             f"{m['conversation_dense_equivalent_cells']:.0f} | **{m['conversation_ratio']:.3f}** |",
         ]
-    leaks = report["vanilla"]["leaks_after_flush"] + report["policy"]["leaks_after_flush"]
+    leaks = [leak for role in ROLES for leak in report[role]["leaks_after_flush"]]
     lines += [
         "",
         "Reading it: prefill TTFT includes scoring (the policy's per-layer observation during the extend forward) and "
@@ -312,9 +363,9 @@ def run(config: OverheadConfig, out: Path, name: str, log_dir: Path, argv: Seque
     )
     conversations = build_conversations(spec, count_tokens)
     num_layers, num_kv_heads = model_shape(config.model)
-    variants = (ServerVariant(VANILLA_POLICY), ServerVariant(config.policy, config.budget))
+    variants = (ServerVariant(VANILLA_POLICY), ServerVariant(FULL_POLICY), ServerVariant(config.policy, config.budget))
     results = {}
-    for role, variant in zip(("vanilla", "policy"), variants):
+    for role, variant in zip(ROLES, variants):
         load_average = os.getloadavg()
         log(f"{variant.label}: starting the server (--max-total-tokens {config.pool_tokens}; load average {load_average[0]:.2f})")
         with launched_server(config.model, variant, config.pool_tokens, log_dir, config.launcher_extra) as server:
@@ -339,6 +390,7 @@ def run(config: OverheadConfig, out: Path, name: str, log_dir: Path, argv: Seque
         },
         **results,
         "ratios": ratios(results["vanilla"]["summary"], results["policy"]["summary"]),
+        "attribution": attribution(*(results[role]["summary"] for role in ROLES)),
     }
     write_report(out, name, report, markdown(report), log)
     return report
@@ -349,7 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_args(parser, ("--policy", "lava", "--kv-evict-policy of the compressing server"), "--kv-evict-budget of the compressing server")
     parser.add_argument(
         "--pool-tokens", type=int, default=16384,
-        help="--max-total-tokens of both servers, which must hold one prompt dense (default 16384)",
+        help="--max-total-tokens of every server, which must hold one prompt dense (default 16384)",
     )  # fmt: skip
     parser.add_argument("--prompt-tokens", type=int, default=2000, help="document length in model tokens (default 2000)")
     parser.add_argument("--prompts", type=int, default=5, help="fresh prompts timed for prefill (default 5)")
@@ -358,7 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--turn2-runs", type=int, default=3, help="conversations timed at turn 2, with and without reuse (default 3)")
     parser.add_argument("--answer-tokens", type=int, default=16, help="turn-1 answer cap, part of turn 2's history (default 16)")
     parser.add_argument("--seed", type=int, default=0, help="document seed (default 0)")
-    add_output_args(parser, "engine_overhead", server_arg_for="both servers")
+    add_output_args(parser, "engine_overhead", server_arg_for="every server")
     return parser
 
 
@@ -382,7 +434,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         f"{r['decode_tokens_per_second']:.2f}, turn-2 reuse speed-up {r['policy_turn2_reuse_speedup']:.1f}x "
         f"(vanilla {r['vanilla_turn2_reuse_speedup']:.1f}x)"
     )
-    return 0 if not (report["vanilla"]["leaks_after_flush"] or report["policy"]["leaks_after_flush"]) else 1
+    return 1 if any(report[role]["leaks_after_flush"] for role in ROLES) else 0
 
 
 if __name__ == "__main__":

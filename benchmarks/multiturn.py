@@ -21,6 +21,9 @@ Policy servers are ``name[:score]`` at each budget (``topk:kvzip`` is ``--kv-evi
 and ``--kv-evict-block-size``); ``--server-arg`` passes a flag to every server. In block scope a
 shared prefix that ends inside a block is reused through the split of that block at the divergence;
 the launcher refuses a block size whose budget keeps no more than the window (nothing would compress).
+With any policy, every pool also serves ``full`` (``--kv-evict-policy full``: the plugin's path with
+nothing evicted) in each scope, after vanilla: each policy's ratios are against vanilla and against
+``full`` (what eviction buys), and ``full``'s against vanilla (what the path costs).
 
 ``run`` measures one server that is already running. ``soak`` injects faults and checks for leaks; it
 writes ``<name>.json`` and ``.md``.
@@ -53,7 +56,7 @@ from benchmarks.load.driver import (
 from benchmarks.cli import RESULTS_DIR, add_output_args, add_resume_arg, as_json, benchmark_parser, checkpoint_path
 from benchmarks.cli import command_line, exits_on, log_folder, parse_command_line, progress
 from benchmarks.load.report import environment, heading, load_comparison, write_comparison
-from benchmarks.load.servers import VANILLA_POLICY, ServerError, ServerVariant, launched_server, server_variants
+from benchmarks.load.servers import VANILLA_POLICY, ServerError, ServerVariant, attributed_variants, launched_server, server_variants
 from benchmarks.load.soak import SoakConfig, SoakError, SoakReport, combined_summary, flush_when_idle, run_soak
 from benchmarks.load.users import LoadError, LoadSettings, run_users
 
@@ -231,7 +234,7 @@ def _run_servers(
     spec, settings = _workload(args)
     config = CompareConfig(
         model=args.model,
-        variants=server_variants(_csv(args.policies), _csv(args.budgets), _csv(args.scopes), args.block_size),
+        variants=attributed_variants(_csv(args.policies), _csv(args.budgets), _csv(args.scopes), args.block_size),
         launcher_extra=tuple(args.server_arg),
     )
     count_tokens = model_token_counter(args.model)

@@ -21,8 +21,11 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from benchmarks.engine_overhead import speed_table as engine_overhead_table
 from benchmarks.intervals import wilson
+from benchmarks.load.report import attribution_note, versus_full, versus_full_column, versus_stock
 from benchmarks.load.router import markdown as router_markdown
+from benchmarks.load.servers import FULL_POLICY
 from benchmarks.long_documents import accuracy_table as long_documents_table, asked_how
 from benchmarks.reuse_quality import table_cells as reuse_table_cells, table_row as reuse_table_row
 
@@ -57,25 +60,16 @@ def _provenance(env: dict) -> str:
 
 
 def engine_overhead_part(report: dict) -> list[str]:
-    meta, v, p, r = report["meta"], report["vanilla"]["summary"], report["policy"]["summary"], report["ratios"]
-    label, m = report["policy"]["label"], report["policy"]["memory_per_conversation"]
+    meta, label, m = report["meta"], report["policy"]["label"], report["policy"]["memory_per_conversation"]
     lines = [
         f"### What compression costs and saves on one stream ({label} vs vanilla)",
         "",
         f"`{meta['command']}` ({_provenance(meta['environment'])}; full report: "
         "[results/engine_overhead.md](results/engine_overhead.md))",
         "",
-        f"| median | vanilla | {label} | ratio |",
-        "|---|---|---|---|",
-        f"| prefill TTFT, fresh {v['prefill_prompt_tokens']:.0f}-token prompt (s) | {v['prefill_ttft']:.2f} "
-        f"| {p['prefill_ttft']:.2f} | {r['prefill_ttft']:.2f} |",
-        f"| decode tokens/s after it | {v['decode_tokens_per_second']:.2f} | {p['decode_tokens_per_second']:.2f} "
-        f"| {r['decode_tokens_per_second']:.2f} |",
-        f"| turn 2 TTFT, turn 1 cached (s) | {v['turn2_ttft_reuse']:.2f} | {p['turn2_ttft_reuse']:.2f} "
-        f"| {r['turn2_ttft_reuse']:.2f} |",
-        f"| turn 2 TTFT after /flush_cache (s) | {v['turn2_ttft_no_reuse']:.2f} | {p['turn2_ttft_no_reuse']:.2f} "
-        f"| {r['turn2_ttft_no_reuse']:.2f} |",
-        f"| turn 2 speed-up from reuse | {r['vanilla_turn2_reuse_speedup']:.1f}x | {r['policy_turn2_reuse_speedup']:.1f}x | |",
+        attribution_note("full" in report),
+        "",
+        *engine_overhead_table(report),
     ]
     if m:
         lines += [
@@ -120,6 +114,8 @@ def multiturn_part(report: dict) -> list[str]:
         )
     lines += [
         "",
+        _attribution_note(report),
+        "",
         "| ratio | pool | output tok/s | hit rate | TTFT p50 | accuracy (baseline's) | answers flipped |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -130,6 +126,11 @@ def multiturn_part(report: dict) -> list[str]:
             f"| {row['fact_answers_flipped']} |"
         )
     return lines + ["", "![multi-turn benchmark](results/multiturn.png)"]
+
+
+def _attribution_note(report: dict) -> str:
+    """``attribution_note`` of a ``multiturn`` report."""
+    return attribution_note(any(run["variant"]["policy"] == FULL_POLICY for run in report["runs"]))
 
 
 def _pool_sizes(meta: dict) -> str:
@@ -147,7 +148,6 @@ def sweep_part(report: dict, title: str, name: str) -> list[str]:
     meta, env = report["meta"], report["environment"]
     c = meta["conversations"]
     system = f", after a shared ~{c['system_prompt_tokens']}-token system prompt" if c.get("system_prompt_tokens") else ""
-    ratio_of = {(row["pool_tokens"], row["comparison"].split(" / ")[0]): row for row in report["ratios"]}
     lines = [
         f"### {title}",
         "",
@@ -156,21 +156,22 @@ def sweep_part(report: dict, title: str, name: str) -> list[str]:
         "",
         f"{c['users']} users x {c['turns']} turns over ~{c['document_tokens']}-token documents{system}, "
         f"~{meta['workload']['all_histories']} history tokens in all; pools as a fraction of them: {_pool_sizes(meta)}. "
-        "Every server of a pool gets the same `--max-total-tokens`.",
+        f"Every server of a pool gets the same `--max-total-tokens`. {_attribution_note(report)}",
         "",
         "| pool | server | output tok/s | TTFT p50 (s) | hit rate | facts correct [95% CI] | tok/s vs vanilla "
-        "| TTFT p50 vs vanilla | hit rate vs vanilla |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"| TTFT p50 vs vanilla | hit rate vs vanilla | {versus_full_column()} |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in report["runs"]:
         if run["error"]:
-            lines.append(f"| {run['pool']} | {run['label']} | failed: {run['error'].splitlines()[0]} |" + " |" * 6)
+            lines.append(f"| {run['pool']} | {run['label']} | failed: {run['error'].splitlines()[0]} |" + " |" * 7)
             continue
-        mt, row = run["metrics"], ratio_of.get((run["pool_tokens"], run["label"]), {})
+        mt, row = run["metrics"], versus_stock(report["ratios"], run)
         lines.append(
             f"| {run['pool']} ({run['pool_tokens']}) | {run['label']} | {mt['output_tokens_per_second']:.2f} "
             f"| {_fmt(mt['ttft']['p50'])} | {_fmt(mt['hit_rate'])} | {_facts(mt)} "
-            f"| {_fmt(row.get('output_tokens_per_second'))} | {_fmt(row.get('ttft_p50'))} | {_fmt(row.get('hit_rate'))} |"
+            f"| {_fmt(row.get('output_tokens_per_second'))} | {_fmt(row.get('ttft_p50'))} | {_fmt(row.get('hit_rate'))} "
+            f"| {versus_full(report['ratios'], report['runs'], run)} |"
         )
     return lines + ["", f"![{title}](results/{name}.png)"]
 

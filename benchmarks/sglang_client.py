@@ -2,9 +2,9 @@
 
     python -m benchmarks.sglang_client --policies topk:learned --scopes request,block --block-size 256
 
-Each server (vanilla first, then every policy at every budget in every scope, named like the other
-benchmarks' variants) is started fresh through the launcher with the same ``--max-total-tokens``, one
-at a time, warmed with one short chat and flushed. Then SGLang's client runs against it as SGLang
+Each server (vanilla first, then ``full`` in every scope: the plugin's path with nothing evicted, then
+every policy at every budget in every scope, named like the other benchmarks' variants) is started
+fresh through the launcher with the same ``--max-total-tokens``, one at a time, warmed with one short chat and flushed. Then SGLang's client runs against it as SGLang
 documents it:
 
     python -m sglang.benchmark.serving --backend sglang-oai-chat --dataset-name generated-shared-prefix ...
@@ -17,8 +17,9 @@ prefixes that a compressing server keeps. The plugin's ``/kvevict/stats`` is sam
 (peaks) and read after it (reuse, compressed nodes); then the cache is flushed and the ledger checked.
 
 Writes ``<out>/<name>.json`` (the client's figures per server, its command, the stats), ``.md`` and
-``.png``, with each policy server's ratios against vanilla from the same run (output tokens/s, TTFT,
-ITL). ``--help`` lists every flag.
+``.png``, with ratios from the same run (output tokens/s, TTFT, ITL): each policy server against vanilla
+and against ``full`` in its scope and schedule (what eviction buys), and ``full`` against vanilla (what
+the plugin's path costs). ``--help`` lists every flag.
 """
 
 from __future__ import annotations
@@ -36,13 +37,13 @@ import aiohttp
 
 from benchmarks.load.client import STATS_PATH, StatsSampler, get_json, stream_completion
 from benchmarks.cli import add_output_args, benchmark_parser, command_line, log_folder, parse_command_line, progress, write_result_files
-from benchmarks.load.report import _pyplot, environment, heading, save_figure
+from benchmarks.load.report import ATTRIBUTION, _pyplot, attribution_pairs, environment, heading, ratios_of, save_figure, server_colour
 from benchmarks.load.servers import (
     ServerError,
     ServerVariant,
+    attributed_variants,
     check_launcher_accepts,
     launched_server,
-    server_variants,
     under_schedules,
 )
 from benchmarks.load.soak import flush_when_idle, stats_leaks
@@ -54,12 +55,13 @@ CLIENT_FIELDS = (
     "mean_ttft_ms", "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms",
     "mean_itl_ms", "median_itl_ms", "p90_itl_ms", "p99_itl_ms", "mean_e2e_latency_ms", "median_e2e_latency_ms",
 )  # fmt: skip
-# Policy / vanilla: (client field, what it is in the reports).
+# Server / baseline: (client field, what it is in the reports).
 RATIO_FIELDS = (
     ("output_throughput", "output tok/s"),
     ("median_ttft_ms", "TTFT median"),
     ("p90_ttft_ms", "TTFT p90"),
     ("mean_itl_ms", "ITL mean"),
+    ("median_itl_ms", "ITL median"),
 )
 # /kvevict/stats counters shown beside the client's figures: (field, column).
 STATS_COLUMNS = (
@@ -172,18 +174,17 @@ def run_variant(
 
 
 def ratios(runs: Sequence[dict]) -> list[dict]:
-    """Every finished run against the first vanilla run (stock SGLang under the first schedule), field by
-    field of ``RATIO_FIELDS``."""
-    vanilla = next((r for r in runs if r["variant"]["policy"] == "none" and not r["error"]), None)
-    if vanilla is None:
-        return []
-    rows = []
-    for run in runs:
-        if run is vanilla or run["error"]:
-            continue
-        base, own = vanilla["client"], run["client"]
-        rows.append({"label": run["label"], **{f: own[f] / base[f] if base[f] else None for f, _ in RATIO_FIELDS}})
-    return rows
+    """Field by field of ``RATIO_FIELDS``: every other finished run against the first vanilla run (stock
+    SGLang under the first schedule), and every policy run against ``full`` in its scope and schedule
+    (``attribution_pairs``)."""
+    done = [run for run in runs if not run["error"]]
+    variant_of = lambda run: ServerVariant.from_json(run["variant"])  # noqa: E731
+    vanilla = next((run for run in done if variant_of(run).is_vanilla), None)
+    by_server = {variant_of(run): run for run in done}
+    pairs = [(f"{run['label']} / vanilla", run, vanilla) for run in done if variant_of(run).is_vanilla and run is not vanilla]
+    pairs += attribution_pairs(done, variant_of, lambda run: vanilla, lambda run: by_server.get(variant_of(run).full_counterpart))
+    fields = [name for name, _ in RATIO_FIELDS]
+    return [{"comparison": name, **ratios_of(this["client"], base["client"], fields)} for name, this, base in pairs]
 
 
 def _fmt(value: Optional[float], digits: int = 2) -> str:
@@ -207,7 +208,7 @@ def markdown(report: dict) -> str:
         "",
     ]
     columns = [
-        "server", "output tok/s", "TTFT median (s)", "TTFT p90 (s)", "ITL mean (ms)", "hit rate",
+        "server", "output tok/s", "TTFT median (s)", "TTFT p90 (s)", "ITL mean (ms)", "ITL median (ms)", "hit rate",
         "compressed nodes peak", *(column for _, column in STATS_COLUMNS), "leaks after flush",
     ]  # fmt: skip
     lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
@@ -222,14 +223,15 @@ def markdown(report: dict) -> str:
         leaks = len(run["leaks_after_flush"]) + len(run["log_leak_warnings"])
         lines.append(
             f"| {run['label']} | {c['output_throughput']:.2f} | {c['median_ttft_ms'] / 1000:.2f} | "
-            f"{c['p90_ttft_ms'] / 1000:.2f} | {c['mean_itl_ms']:.1f} | {run['cache_report']['cache_hit_rate_pct'] / 100:.2f} | "
+            f"{c['p90_ttft_ms'] / 1000:.2f} | {c['mean_itl_ms']:.1f} | {c['median_itl_ms']:.1f} | "
+            f"{run['cache_report']['cache_hit_rate_pct'] / 100:.2f} | "
             f"{'-' if peak_nodes is None else int(peak_nodes)} | {' | '.join(counters)} | {leaks} |"
         )
     if report["ratios"]:
-        lines += ["", "| policy / vanilla | " + " | ".join(name for _, name in RATIO_FIELDS) + " |"]
-        lines.append("|---|" + "---|" * len(RATIO_FIELDS))
+        lines += ["", f"Ratios from this run (first / second). {ATTRIBUTION}", ""]
+        lines += ["| comparison | " + " | ".join(name for _, name in RATIO_FIELDS) + " |", "|---|" + "---|" * len(RATIO_FIELDS)]
         for row in report["ratios"]:
-            lines.append(f"| {row['label']} | " + " | ".join(_fmt(row[f]) for f, _ in RATIO_FIELDS) + " |")
+            lines.append(f"| {row['comparison']} | " + " | ".join(_fmt(row[f]) for f, _ in RATIO_FIELDS) + " |")
     lines += [
         "",
         f"![SGLang's benchmark client]({meta['name']}.png)",
@@ -248,7 +250,7 @@ def plot(report: dict, path: Path) -> None:
     plt = _pyplot()
     done = [r for r in report["runs"] if not r["error"]]
     labels = [r["label"] for r in done]
-    colours = ["tab:grey" if r["variant"]["policy"] == "none" else "tab:blue" for r in done]
+    colours = [server_colour(ServerVariant.from_json(r["variant"])) for r in done]
     panels = (
         ("output_throughput", 1.0, "output tokens / s (higher is better)"),
         ("median_ttft_ms", 1e-3, "TTFT median, s (lower is better)"),
@@ -309,7 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = Workload()
     parser.add_argument("--model", default="smollm2", help="bundled model name or HF folder (default smollm2)")
     parser.add_argument(
-        "--policies", default="topk:learned", help="comma-separated name[:score] compared with vanilla (default topk:learned)"
+        "--policies", default="topk:learned",
+        help="comma-separated name[:score] compared with vanilla and with full, which every run serves (default topk:learned)",
     )
     parser.add_argument("--budgets", default="0.25", help="comma-separated budgets for every policy (default 0.25)")
     parser.add_argument("--scopes", default="request", help="comma-separated scopes: request, block (default request)")
@@ -345,7 +348,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             system_prompt_tokens=args.system_prompt_tokens, question_tokens=args.question_tokens,
             output_tokens=args.output_tokens, concurrency=args.concurrency, seed=args.seed,
         )  # fmt: skip
-        variants = server_variants(_csv(args.policies), _csv(args.budgets), _csv(args.scopes), args.block_size)
+        variants = attributed_variants(_csv(args.policies), _csv(args.budgets), _csv(args.scopes), args.block_size)
         variants = under_schedules(variants, _csv(args.schedules))
         for variant in variants:  # every refusal before the first server starts
             check_launcher_accepts(args.model, variant, args.pool_tokens, tuple(args.server_arg))

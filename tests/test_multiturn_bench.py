@@ -119,6 +119,38 @@ def test_server_variants_carry_score_scope_and_block_size():
         server_variants(["lava"], ["0.25"], ["request"], 128)
 
 
+def test_ratios_attribute_each_policy_to_eviction_and_to_the_path():
+    """At each pool: full / vanilla, policy / vanilla and policy / full of the policy's scope (made-up
+    metrics); a scope whose full failed gives no policy / full row."""
+    from benchmarks.load.driver import RunResult
+    from benchmarks.load.metrics import RunMetrics
+    from benchmarks.load.report import ratios
+    from benchmarks.load.servers import attributed_variants
+    from benchmarks.load.users import RunOutcome
+
+    def outcome(output_tps, ttft, hit):
+        metrics = RunMetrics(
+            requests=4, failed_requests=0, malformed_replies=0, wall_seconds=10.0, requests_per_second=0.4,
+            output_tokens_per_second=output_tps, ttft={"p50": ttft, "p90": ttft, "p99": ttft},
+            latency={"p50": 1.0, "p90": 1.0, "p99": 1.0}, fact_questions=0, fact_correct=0, accuracy=None,
+            prompt_tokens=1000, cached_tokens=int(1000 * hit), prompt_tokens_recomputed=1000 - int(1000 * hit),
+            hit_rate=hit, hit_rate_by_turn=[hit],
+        )  # fmt: skip
+        return RunOutcome([], metrics, None, 4000)
+
+    vanilla, full, full_block, lava, lava_block = attributed_variants(["lava"], ["0.25"], ["request", "block"])
+    figures = {vanilla: (4.0, 2.0, 0.5), full: (2.0, 4.0, 0.5), lava: (8.0, 0.5, 0.8), lava_block: (6.0, 1.0, 0.8)}
+    results = [RunResult("tight", 3000, v, outcome(*figures[v]), None, 1.0, (0, 0, 0)) for v in figures]
+    results.insert(2, RunResult("tight", 3000, full_block, None, "the launcher exited", 0.0, (0, 0, 0)))
+    rows = {row["comparison"]: row for row in ratios(results)}
+    assert list(rows) == ["full / vanilla", "lava@0.25 / vanilla", "lava@0.25 / full", "lava@0.25 block / vanilla"]
+    assert (rows["full / vanilla"]["output_tokens_per_second"], rows["full / vanilla"]["ttft_p50"]) == (0.5, 2.0)
+    assert (rows["lava@0.25 / full"]["output_tokens_per_second"], rows["lava@0.25 / full"]["ttft_p50"]) == (4.0, 0.125)
+    assert rows["lava@0.25 / full"]["hit_rate"] == pytest.approx(1.6)
+    for field in ("output_tokens_per_second", "ttft_p50", "hit_rate"):
+        assert rows["lava@0.25 / vanilla"][field] == pytest.approx(rows["lava@0.25 / full"][field] * rows["full / vanilla"][field])
+
+
 def test_engine_stats_are_read_generically():
     stats = {"policy": "lava", "slots_borrowed": 12, "evictions": {"dense": 3, "compressed": 1}, "ok": True, "x": [1]}
     assert numeric_fields(stats) == {"slots_borrowed": 12, "evictions.dense": 3, "evictions.compressed": 1}
@@ -221,17 +253,23 @@ def test_sweep_end_to_end_then_resume_keeps_every_finished_server(tiny_llama_dir
     report = json.loads((tmp_path / "sweep.json").read_text())
     assert report["meta"]["kind"] == "sweep" and report["meta"]["conversations"]["system_prompt_tokens"] == 100
     runs = [(r["pool_tokens"], r["label"], r["error"]) for r in report["runs"]]
-    assert runs == [(4096, "vanilla", None), (4096, "snapkv@0.5 block 80", None), (1536, "vanilla", None),
-                    (1536, "snapkv@0.5 block 80", None)]  # fmt: skip
+    assert runs == [(4096, "vanilla", None), (4096, "full block 80", None), (4096, "snapkv@0.5 block 80", None),
+                    (1536, "vanilla", None), (1536, "full block 80", None), (1536, "snapkv@0.5 block 80", None)]  # fmt: skip
     assert all(r["metrics"]["requests"] == 4 and r["metrics"]["failed_requests"] == 0 for r in report["runs"])
-    ratios = sorted((row["comparison"].split(" / ")[0], row["pool_tokens"]) for row in report["ratios"])
-    assert ratios == [("snapkv@0.5 block 80", 1536), ("snapkv@0.5 block 80", 4096), (f"vanilla {report['runs'][2]['pool']}", 1536)]
-    policy = report["runs"][1]
+    ratios = sorted((row["comparison"], row["pool_tokens"]) for row in report["ratios"])
+    assert ratios == sorted(
+        [(comparison, pool) for pool in (4096, 1536) for comparison in
+         ("full block 80 / vanilla", "snapkv@0.5 block 80 / vanilla", "snapkv@0.5 block 80 / full block 80")]
+        + [(f"vanilla {report['runs'][3]['pool']} / vanilla {report['runs'][0]['pool']}", 1536)]
+    )  # fmt: skip
+    assert report["runs"][1]["kvevict_stats"]["peaks"]["compressed_nodes"] == 0  # full keeps every block dense
+    policy = report["runs"][2]
     assert policy["kvevict_stats"]["available"] and policy["kvevict_stats"]["peaks"]
     assert policy["kvevict_stats"]["peaks"]["compressed_nodes"] > 0  # the blocks were compressed, not left dense
     assert report["runs"][0]["kvevict_stats"]["peaks"] == {}  # vanilla's /kvevict/stats is {"policy": "none"}
     text = (tmp_path / "sweep.md").read_text()
     assert "| vanilla |" in text and "Engine stats of snapkv@0.5 block 80" in text and "facts correct [95% CI]" in text
+    assert "| snapkv@0.5 block 80 / full block 80 |" in text and "vs full: tok/s / TTFT p50 / hit rate" in text
     assert (tmp_path / "sweep.png").stat().st_size > 10_000
     _no_server_left(tmp_path / "logs")
     logs = sorted((tmp_path / "logs").iterdir())
@@ -239,7 +277,7 @@ def test_sweep_end_to_end_then_resume_keeps_every_finished_server(tiny_llama_dir
 
     assert multiturn.main([*argv, "--resume"]) == 0
     assert sorted((tmp_path / "logs").iterdir()) == logs  # no server started again
-    assert capsys.readouterr().out.count("done before, kept") == 4
+    assert capsys.readouterr().out.count("done before, kept") == 6
     assert json.loads((tmp_path / "sweep.json").read_text())["runs"] == report["runs"]
     with pytest.raises(SystemExit):
         multiturn.main([*argv, "--resume", "--users", "3"])

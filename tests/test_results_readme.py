@@ -23,6 +23,10 @@ def test_rewrite_replaces_only_the_marked_part(tmp_path):
     for name in ("engine_overhead", "multiturn", "soak"):
         assert json.loads((RESULTS / f"{name}.json").read_text())["meta"]["command"] in text
     assert "![multi-turn benchmark](results/multiturn.png)" in text  # relative to docs/, where results.md lives
+    # The committed runs predate the full server: the tables say so instead of a ratio.
+    assert "| full: not in this run | 6.04 | **0.73** | - | - |" in text
+    assert text.count("`full` (the plugin's path with nothing evicted) is not in this run") >= 3
+    assert "| 1.00 (12353) | lava:learned@0.25 | 11.66 | 0.49 | 0.75 | 12/24 (50 [31, 69]) | 2.24 | 0.12 | 0.99 | full: not in this run |" in text
 
 
 def test_the_committed_results_page_is_up_to_date(tmp_path):
@@ -77,9 +81,10 @@ def test_optional_parts_render_when_their_outputs_exist(tmp_path):
 
     for name in ("engine_overhead", "multiturn", "soak"):
         shutil.copy(RESULTS / f"{name}.json", tmp_path)
-    vanilla, lava = ServerVariant("none"), ServerVariant("lava", "0.25")
+    vanilla, full, lava = ServerVariant("none"), ServerVariant("full"), ServerVariant("lava", "0.25")
     runs = [
         RunResult("1.00", 4000, vanilla, _outcome(10.0, 1.0, 0.7, 6), None, 20.0, (1.0, 1.0, 1.0)),
+        RunResult("1.00", 4000, full, _outcome(8.0, 0.4, 0.7, 6), None, 20.0, (1.0, 1.0, 1.0)),
         RunResult("1.00", 4000, lava, _outcome(12.0, 0.5, 0.7, 3), None, 20.0, (1.0, 1.0, 1.0)),
         RunResult("0.25", 1000, vanilla, _outcome(5.0, 4.0, 0.1, 6), None, 20.0, (1.0, 1.0, 1.0)),
         RunResult("0.25", 1000, lava, None, "the launcher exited", 0.0, (1.0, 1.0, 1.0)),
@@ -114,7 +119,10 @@ def test_optional_parts_render_when_their_outputs_exist(tmp_path):
     assert "| lava@0.25 | all (clients) | 16 | 0.75 | 9.50 | p50 0.30 |" in text
     assert "| lava@0.25 | http://127.0.0.1:41000 | 8 | 0.90 | 5.00 | mean 0.40 |" in text
     assert "### KV pool sweep at equal memory" in text and "### A shared system prompt: block scope vs request scope" in text
-    assert "| 1.00 (4000) | lava@0.25 | 12.00 | 0.50 | 0.70 | 3/8 (38 [14, 69]) | 1.20 | 0.50 | 1.00 |" in text
+    # vs vanilla: 12 / 10, 0.5 / 1, 0.7 / 0.7; vs full: 12 / 8, 0.5 / 0.4, 0.7 / 0.7
+    assert "| 1.00 (4000) | lava@0.25 | 12.00 | 0.50 | 0.70 | 3/8 (38 [14, 69]) | 1.20 | 0.50 | 1.00 | 1.50 / 1.25 / 1.00 |" in text
+    assert "| 1.00 (4000) | full | 8.00 | 0.40 | 0.70 | 6/8 (75 [41, 93]) | 0.80 | 0.40 | 1.00 | - |" in text
+    assert "policy / full is what eviction buys" in text
     assert "| 0.25 | lava@0.25 | failed: the launcher exited |" in text
     assert "after a shared ~200-token system prompt" in text and "![KV pool sweep at equal memory](results/sweep.png)" in text
     # accuracy, vs stock, reuse rate, TTFT 1 and its ratio, TTFT 2 and its ratio, net cost: (2-2) - (1-0.5)

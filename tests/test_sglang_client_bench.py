@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import asdict
 
 import pytest
 
 from benchmarks import sglang_client
-from benchmarks.load.servers import ServerError, server_variants, under_schedules
+from benchmarks.load.servers import ServerError, attributed_variants, server_variants, under_schedules
 from benchmarks.sglang_client import Workload
 from engine_client import MEMORY_FLAGS
 
@@ -37,33 +38,49 @@ def test_workload_is_validated_and_becomes_the_clients_flags():
     assert flags["--warmup-requests"] == "0"  # the driver warms up and flushes itself
 
 
-def test_ratios_are_against_the_vanilla_run_of_the_same_report():
-    def finished(policy, label, throughput, ttft):
-        client = {"output_throughput": throughput, "median_ttft_ms": ttft, "p90_ttft_ms": ttft, "mean_itl_ms": 10.0}
-        return {"label": label, "variant": {"policy": policy}, "error": None, "client": client}
+def test_ratios_split_each_policy_into_eviction_and_path():
+    """policy / vanilla, policy / full of its scope and schedule, full / vanilla: field by field, and
+    policy / vanilla = policy / full x full / vanilla."""
 
+    def finished(variant, throughput, ttft, itl):
+        client = {"output_throughput": throughput, "median_ttft_ms": ttft, "p90_ttft_ms": 2 * ttft, "mean_itl_ms": itl,
+                  "median_itl_ms": itl / 2}  # fmt: skip
+        return {"label": variant.label, "variant": asdict(variant), "error": None, "client": client}
+
+    variants = under_schedules(attributed_variants(["topk:learned"], ["0.25"], ["block"]), ["overlap", "serial"])
+    vanilla, vanilla_serial, full, full_serial, policy, policy_serial = variants
     runs = [
-        finished("none", "vanilla", 4.0, 2000.0),
-        finished("topk:learned", "topk:learned@0.25", 6.0, 500.0),
-        {"label": "lava@0.25", "variant": {"policy": "lava"}, "error": "the launcher exited"},
+        finished(vanilla, 4.0, 2000.0, 10.0),
+        finished(vanilla_serial, 3.0, 2000.0, 10.0),
+        finished(full, 2.0, 2500.0, 20.0),
+        finished(full_serial, 1.0, 4000.0, 40.0),
+        finished(policy, 6.0, 500.0, 12.0),
+        {**finished(policy_serial, 0, 0, 0), "error": "the launcher exited"},
     ]
-    [row] = sglang_client.ratios(runs)
-    assert row["label"] == "topk:learned@0.25"
-    assert (row["output_throughput"], row["median_ttft_ms"], row["mean_itl_ms"]) == (1.5, 0.25, 1.0)
-    assert sglang_client.ratios(runs[1:]) == []  # no vanilla run: nothing to compare with
+    rows = {row["comparison"]: row for row in sglang_client.ratios(runs)}
+    assert list(rows) == ["vanilla serial / vanilla", "full block / vanilla", "full block serial / vanilla",
+                          "topk:learned@0.25 block / vanilla", "topk:learned@0.25 block / full block"]  # fmt: skip
+    assert rows["full block / vanilla"] == {
+        "comparison": "full block / vanilla", "output_throughput": 0.5, "median_ttft_ms": 1.25, "p90_ttft_ms": 1.25,
+        "mean_itl_ms": 2.0, "median_itl_ms": 2.0,
+    }  # fmt: skip
+    by_stock, by_full = rows["topk:learned@0.25 block / vanilla"], rows["topk:learned@0.25 block / full block"]
+    assert (by_stock["output_throughput"], by_stock["median_ttft_ms"], by_stock["mean_itl_ms"]) == (1.5, 0.25, 1.2)
+    assert (by_full["output_throughput"], by_full["median_ttft_ms"], by_full["median_itl_ms"]) == (3.0, 0.2, 0.6)
+    for field, _ in sglang_client.RATIO_FIELDS:
+        assert by_stock[field] == pytest.approx(by_full[field] * rows["full block / vanilla"][field])
+    assert sglang_client.ratios(runs[2:]) == [rows["topk:learned@0.25 block / full block"]]  # no vanilla: only vs full
 
 
-def test_every_variant_runs_under_every_schedule_in_turn():
-    variants = server_variants(["topk:learned"], ["0.25"], ["request", "block"])
-    both = under_schedules(variants, ["overlap", "serial"])
-    assert [v.label for v in both] == [
-        "vanilla", "vanilla serial", "topk:learned@0.25", "topk:learned@0.25 serial",
-        "topk:learned@0.25 block", "topk:learned@0.25 block serial",
+def test_full_is_served_in_every_scope_after_vanilla():
+    variants = attributed_variants(["topk:learned", "full"], ["0.25", "0.5"], ["request", "block"], 128)
+    assert [v.label for v in variants] == [
+        "vanilla", "full", "full block 128", "topk:learned@0.25", "topk:learned@0.25 block 128",
+        "topk:learned@0.5", "topk:learned@0.5 block 128",
     ]  # fmt: skip
-    assert both[1].launcher_flags()[-1] == "--disable-overlap-schedule" and "--disable-overlap-schedule" not in both[0].launcher_flags()
-    assert under_schedules(variants, ["overlap"]) == variants
-    with pytest.raises(ServerError, match="choose from overlap, serial"):
-        under_schedules(variants, ["eager"])
+    assert variants[2].launcher_flags() == ["--kv-evict-policy", "full", "--kv-evict-scope", "block", "--kv-evict-block-size", "128"]
+    assert all(v.full_counterpart == variants[1 + (v.tag != "")] for v in variants[3:])
+    assert attributed_variants([], ["0.25"]) == server_variants([], ["0.25"])  # vanilla alone: nothing to attribute
 
 
 @pytest.mark.server
@@ -80,16 +97,19 @@ def test_client_runs_against_stock_and_plugin_servers(tiny_llama_dir, tmp_path):
         ]
     )  # fmt: skip
     report = json.loads((out / "client.json").read_text())
-    vanilla, policy = report["runs"]
+    vanilla, full, policy = report["runs"]
     assert code == 0, [run["error"] for run in report["runs"]]
-    assert (vanilla["label"], policy["label"]) == ("vanilla", "topk:attn@0.5")
+    assert (vanilla["label"], full["label"], policy["label"]) == ("vanilla", "full", "topk:attn@0.5")
     for run in report["runs"]:
         assert run["client"]["completed"] == 4 and run["client"]["output_throughput"] > 0
         assert run["cache_report"]["total_cached_tokens"] > 0  # turn 2 re-sends turn 1
         assert run["leaks_after_flush"] == [] and run["log_leak_warnings"] == []
     assert vanilla["kvevict_stats"]["last"] == {"policy": "none"}
+    assert full["kvevict_stats"]["last"]["policy"] == "full" and full["kvevict_stats"]["peaks"]["compressed_nodes"] == 0
     assert policy["kvevict_stats"]["last"]["requests_compressed"] >= 1
     assert policy["kvevict_stats"]["peaks"]["compressed_nodes"] >= 1
-    [ratio] = report["ratios"]
-    assert ratio["label"] == "topk:attn@0.5" and ratio["output_throughput"] > 0
-    assert "| topk:attn@0.5 |" in (out / "client.md").read_text() and (out / "client.png").stat().st_size > 0
+    comparisons = [row["comparison"] for row in report["ratios"]]
+    assert comparisons == ["full / vanilla", "topk:attn@0.5 / vanilla", "topk:attn@0.5 / full"]
+    assert all(row["output_throughput"] > 0 and row["median_itl_ms"] > 0 for row in report["ratios"])
+    text = (out / "client.md").read_text()
+    assert "| topk:attn@0.5 / full |" in text and "| full / vanilla |" in text and (out / "client.png").stat().st_size > 0

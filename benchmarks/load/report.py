@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict
 from importlib import metadata
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterable, Mapping, Optional, Sequence, TypeVar
 
 from benchmarks.cli import command_line, write_result_files
 from benchmarks.intervals import wilson
@@ -28,6 +28,26 @@ from benchmarks.load.servers import ServerVariant
 from benchmarks.load.users import outcome_from_json, outcome_to_json
 
 REPO = Path(__file__).resolve().parents[2]
+Run = TypeVar("Run")
+# How a speed table's three ratios read.
+ATTRIBUTION = (
+    "`full` is the plugin's path with nothing evicted, in the policy's scope: policy / full is what eviction buys "
+    "(capacity, hits, fewer keys), full / vanilla what the path costs, and policy / vanilla is their product."
+)
+# What a speed table says where a run served no ``full`` in a policy's scope (older result files).
+FULL_NOT_SERVED = "full: not in this run"
+
+
+def attribution_note(full_served: bool) -> str:
+    """What a speed table's ratios attribute (``ATTRIBUTION``), or that its run served no ``full``."""
+    if full_served:
+        return ATTRIBUTION
+    return (
+        "`full` (the plugin's path with nothing evicted) is not in this run, which predates it: only policy / "
+        "vanilla is shown, not split into what eviction buys (policy / full) and what the path costs (full / vanilla)."
+    )
+
+
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -112,29 +132,86 @@ def result_to_json(result: RunResult) -> dict:
 
 
 def result_from_json(run: dict) -> RunResult:
-    variant = ServerVariant(**{**run["variant"], "extra": tuple(run["variant"].get("extra", ()))})
+    variant = ServerVariant.from_json(run["variant"])
     outcome = outcome_from_json(run) if "records" in run else None
     return RunResult(
         run["pool"], run["pool_tokens"], variant, outcome, run["error"], run["startup_seconds"], tuple(run["load_average"])
     )
 
 
-def _ratio(numerator: Optional[float], denominator: Optional[float]) -> Optional[float]:
+def ratio(numerator: Optional[float], denominator: Optional[float]) -> Optional[float]:
+    """``numerator / denominator``; None where either is missing or the denominator is 0."""
     return numerator / denominator if numerator is not None and denominator else None
 
 
+def ratios_of(this: Mapping, base: Mapping, fields: Iterable[str]) -> dict[str, Optional[float]]:
+    """``this / base`` of each of ``fields`` (``ratio``)."""
+    return {name: ratio(this.get(name), base.get(name)) for name in fields}
+
+
+def attribution_pairs(
+    runs: Sequence[Run], variant_of: Callable[[Run], ServerVariant], stock_of: Callable[[Run], Optional[Run]],
+    full_of: Callable[[Run], Optional[Run]],
+) -> list[tuple[str, Run, Run]]:  # fmt: skip
+    """The comparisons of a speed result, each ``("<server> / <baseline>", run, baseline run)``: every
+    finished ``runs`` server but stock against stock (``stock_of``), and every policy server against
+    ``full`` in its scope (``full_of``): policy / stock = policy / full (what eviction buys: capacity,
+    hits, fewer keys) x full / stock (what the plugin's path costs). A baseline that is None (failed,
+    or not served in this run) gives no comparison."""
+    pairs = []
+    for run in runs:
+        variant = variant_of(run)
+        bases = [] if variant.is_vanilla else [stock_of(run)] if variant.is_full else [stock_of(run), full_of(run)]
+        pairs += [(f"{variant.label} / {variant_of(base).label}", run, base) for base in bases if base is not None]
+    return pairs
+
+
+def versus_stock(rows: Sequence[dict], run: dict) -> dict:
+    """The ratio row of ``run`` (as a result file holds it) against vanilla at its pool; {} for vanilla."""
+    comparison = f"{run['label']} / vanilla"
+    return next((r for r in rows if r["comparison"] == comparison and r["pool_tokens"] == run["pool_tokens"]), {})
+
+
+# The sweep tables' ratios against full: (ratio row field, what it is).
+VERSUS_FULL = (("output_tokens_per_second", "tok/s"), ("ttft_p50", "TTFT p50"), ("hit_rate", "hit rate"))
+
+
+def versus_full_column() -> str:
+    return "vs full: " + " / ".join(name for _, name in VERSUS_FULL)
+
+
+def versus_full(rows: Sequence[dict], runs: Sequence[dict], run: dict) -> str:
+    """A policy run's ``VERSUS_FULL`` fields of its ratio row against ``full`` in its scope and pool (``a / b / c``), or
+    why there is none: ``-`` for stock and ``full`` themselves. ``rows`` and ``runs`` as a result file
+    holds them (``comparison``, ``pool_tokens``; ``label``, ``variant``)."""
+    variant = ServerVariant.from_json(run["variant"])
+    if variant.is_vanilla or variant.is_full:
+        return "-"
+    full = variant.full_counterpart.label
+    comparison = f"{variant.label} / {full}"
+    row = next((r for r in rows if r["comparison"] == comparison and r["pool_tokens"] == run["pool_tokens"]), None)
+    if row is not None:
+        return " / ".join(_fmt(row[name]) for name, _ in VERSUS_FULL)
+    served = any(r["label"] == full and r["pool_tokens"] == run["pool_tokens"] for r in runs)
+    return f"{full}: failed" if served else FULL_NOT_SERVED
+
+
 def ratios(results: Sequence[RunResult]) -> list[dict]:
-    """Each policy run against vanilla at the same pool, and vanilla at each smaller pool against
-    vanilla at the largest (what eviction costs the stock server)."""
-    vanilla = {r.pool_tokens: r for r in results if r.variant.is_vanilla and r.outcome}
-    pairs = [(f"{r.variant.label} / vanilla", r, vanilla.get(r.pool_tokens)) for r in results if not r.variant.is_vanilla]
+    """Each policy run against vanilla and against ``full`` in its scope at the same pool, ``full``
+    against vanilla (``attribution_pairs``), and vanilla at each smaller pool against vanilla at the
+    largest (what eviction costs the stock server)."""
+    done = [r for r in results if r.outcome]
+    vanilla = {r.pool_tokens: r for r in done if r.variant.is_vanilla}
+    by_server = {(r.pool_tokens, r.variant): r for r in done}
+    pairs = attribution_pairs(
+        done, lambda r: r.variant, lambda r: vanilla.get(r.pool_tokens),
+        lambda r: by_server.get((r.pool_tokens, r.variant.full_counterpart)),
+    )  # fmt: skip
     if vanilla:
         largest = vanilla[max(vanilla)]
         pairs += [(f"vanilla {r.pool} / vanilla {largest.pool}", r, largest) for r in vanilla.values() if r is not largest]
     rows = []
     for name, this, base in pairs:
-        if this.outcome is None or base is None:
-            continue
         a, b = this.outcome.metrics, base.outcome.metrics
         flips = sum(
             1
@@ -146,13 +223,13 @@ def ratios(results: Sequence[RunResult]) -> list[dict]:
                 "comparison": name,
                 "pool": this.pool,
                 "pool_tokens": this.pool_tokens,
-                "requests_per_second": _ratio(a.requests_per_second, b.requests_per_second),
-                "output_tokens_per_second": _ratio(a.output_tokens_per_second, b.output_tokens_per_second),
-                "hit_rate": _ratio(a.hit_rate, b.hit_rate),
-                "ttft_p50": _ratio(a.ttft["p50"], b.ttft["p50"]),
-                "ttft_p90": _ratio(a.ttft["p90"], b.ttft["p90"]),
-                "latency_p50": _ratio(a.latency["p50"], b.latency["p50"]),
-                "prompt_tokens_recomputed": _ratio(a.prompt_tokens_recomputed, b.prompt_tokens_recomputed),
+                "requests_per_second": ratio(a.requests_per_second, b.requests_per_second),
+                "output_tokens_per_second": ratio(a.output_tokens_per_second, b.output_tokens_per_second),
+                "hit_rate": ratio(a.hit_rate, b.hit_rate),
+                "ttft_p50": ratio(a.ttft["p50"], b.ttft["p50"]),
+                "ttft_p90": ratio(a.ttft["p90"], b.ttft["p90"]),
+                "latency_p50": ratio(a.latency["p50"], b.latency["p50"]),
+                "prompt_tokens_recomputed": ratio(a.prompt_tokens_recomputed, b.prompt_tokens_recomputed),
                 "accuracy": a.accuracy,
                 "baseline_accuracy": b.accuracy,
                 "fact_answers_flipped": flips,
@@ -198,7 +275,8 @@ def _ratio_table(rows: Sequence[dict]) -> list[str]:
     lines = [
         "",
         "Ratios (first / second; throughput and hit rate: higher is better, TTFT and recomputed tokens: lower is "
-        "better). Flipped = fact answers scored differently from the baseline's answer to the same question.",
+        f"better). {ATTRIBUTION} Flipped = fact answers scored differently from the baseline's answer to the same "
+        "question.",
         "",
         "| comparison | pool | output tok/s | req/s | hit rate | TTFT p50 | TTFT p90 | latency p50 | recomputed tokens "
         "| accuracy (vs baseline) | flipped |",
@@ -284,21 +362,20 @@ def sweep_markdown(payload: dict, results: Sequence[RunResult]) -> str:
         + ".",
         "",
         "| pool | server | output tok/s | req/s | TTFT p50 / p90 (s) | hit rate | facts correct [95% CI] "
-        "| tok/s vs vanilla | req/s vs vanilla | TTFT p50 vs vanilla | hit rate vs vanilla | failed |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| tok/s vs vanilla | req/s vs vanilla | TTFT p50 vs vanilla | hit rate vs vanilla | {versus_full_column()} | failed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    by_run = {(row["pool_tokens"], row["comparison"].split(" / ")[0]): row for row in payload["ratios"]}
-    for r in results:
+    for r, run in zip(results, payload["runs"]):
         if r.outcome is None:
-            lines.append(f"| {r.pool} ({r.pool_tokens}) | {r.variant.label} | failed: {r.error.splitlines()[0]} |" + " |" * 9)
+            lines.append(f"| {r.pool} ({r.pool_tokens}) | {r.variant.label} | failed: {r.error.splitlines()[0]} |" + " |" * 10)
             continue
-        m = r.outcome.metrics
-        row = {} if r.variant.is_vanilla else by_run.get((r.pool_tokens, r.variant.label), {})
+        m, row = r.outcome.metrics, versus_stock(payload["ratios"], run)
         lines.append(
             f"| {r.pool} ({r.pool_tokens}) | {r.variant.label} | {m.output_tokens_per_second:.2f} | {m.requests_per_second:.3f} "
             f"| {_fmt(m.ttft['p50'])} / {_fmt(m.ttft['p90'])} | {_fmt(m.hit_rate)} | {facts(m)} "
             f"| {_fmt(row.get('output_tokens_per_second'))} | {_fmt(row.get('requests_per_second'))} "
-            f"| {_fmt(row.get('ttft_p50'))} | {_fmt(row.get('hit_rate'))} | {m.failed_requests} |"
+            f"| {_fmt(row.get('ttft_p50'))} | {_fmt(row.get('hit_rate'))} | {versus_full(payload['ratios'], payload['runs'], run)} "
+            f"| {m.failed_requests} |"
         )
     lines += _ratio_table(payload["ratios"]) + _stats_tables(results)
     lines += ["", "![pool-size sweep](" + meta["name"] + ".png)", "", READING]
@@ -311,7 +388,7 @@ def compare_plot(results: Sequence[RunResult], path: Path) -> None:
     plt = _pyplot()
     done = [r for r in results if r.outcome is not None]
     labels = [f"{r.variant.label}\n{r.pool}" for r in done]
-    colours = ["tab:grey" if r.variant.is_vanilla else "tab:blue" for r in done]
+    colours = [server_colour(r.variant) for r in done]
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
     bars = [
         (axes[0][0], [r.outcome.metrics.output_tokens_per_second for r in done], "output tokens / s (higher is better)"),
@@ -402,6 +479,11 @@ def sweep_plot(payload: dict, results: Sequence[RunResult], path: Path) -> None:
     axes[1][0].set_ylim(-0.03, 1.03)
     axes[1][1].set_ylim(-3, 103)
     save_figure(plt, fig, path)
+
+
+def server_colour(variant: ServerVariant) -> str:
+    """A server's bar colour: stock grey, ``full`` orange, a policy blue."""
+    return "tab:grey" if variant.is_vanilla else "tab:orange" if variant.is_full else "tab:blue"
 
 
 def titled_with_legend(axis, title: str) -> None:

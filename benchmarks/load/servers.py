@@ -31,6 +31,9 @@ from sgl_kvevict.server.processes import (
 )
 
 VANILLA_POLICY = "none"
+# The plugin's path with nothing evicted: every speed comparison with stock serves it too, so a policy's
+# ratio splits into what eviction buys (policy / full) and what the path costs (full / stock).
+FULL_POLICY = "full"
 STOP_TIMEOUT_SECONDS = 90.0  # the launcher's own SIGTERM grace is 30 s, SGLang needs ~10 s
 # What SGLang's idle self-check logs (as a warning, unless strict mode is on) when a pool leaks.
 LEAK_LOG_PATTERN = re.compile(r"memory leak detected|use-after-free")
@@ -56,6 +59,15 @@ class ServerVariant:
         return self.policy == VANILLA_POLICY
 
     @property
+    def is_full(self) -> bool:
+        return self.policy == FULL_POLICY
+
+    @property
+    def full_counterpart(self) -> "ServerVariant":
+        """``full`` with this variant's scope, schedule and other flags: its reference with nothing evicted."""
+        return ServerVariant(FULL_POLICY, None, self.extra, self.tag)
+
+    @property
     def label(self) -> str:
         base = "vanilla" if self.is_vanilla else f"{self.policy}@{self.budget}" if self.budget else self.policy
         return f"{base} {self.tag}" if self.tag else base
@@ -64,6 +76,11 @@ class ServerVariant:
         name, _, score = self.policy.partition(":")
         flags = ["--kv-evict-policy", name] + (["--kv-evict-score", score] if score else [])
         return flags + (["--kv-evict-budget", self.budget] if self.budget is not None else []) + list(self.extra)
+
+    @classmethod
+    def from_json(cls, fields: dict) -> "ServerVariant":
+        """A variant as a result file holds it (``asdict``: ``extra`` a list)."""
+        return cls(**{**fields, "extra": tuple(fields.get("extra", ()))})
 
     @classmethod
     def from_flags(cls, label: str, flags: Sequence[str]) -> "ServerVariant":
@@ -113,6 +130,17 @@ def server_variants(
         for scope in scopes
     ]
     return (ServerVariant(VANILLA_POLICY),) + tuple(chosen)
+
+
+def attributed_variants(
+    policies: Sequence[str], budgets: Sequence[str], scopes: Sequence[str] = ("request",), block_size: Optional[int] = None
+) -> tuple[ServerVariant, ...]:
+    """``server_variants`` with ``full`` (no budget) in every scope after vanilla, where any policy is
+    compared; ``full`` among ``policies`` is that same server, not a second one."""
+    chosen = server_variants([p for p in policies if p != FULL_POLICY], budgets, scopes, block_size)
+    if len(chosen) == 1:
+        return chosen
+    return chosen[:1] + server_variants([FULL_POLICY], [None], scopes, block_size)[1:] + chosen[1:]
 
 
 # SGLang's schedules: its default overlaps a batch's result processing with the next batch's launch.
