@@ -47,7 +47,7 @@ DEFAULT_FLAG = "--kv-evict-default"
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """workers: SGLang servers to start; more than one puts SGLang's cache-aware router on ``port``
+    """workers: SGLang servers to start; more than one puts SGLang's cache-aware router behind ``port``
     and the workers on free loopback ports (``sgl_kvevict.server.scale_out``). stats_port: where
     that launcher serves the workers' aggregated ``/kvevict/stats`` (None with one worker, which
     serves its own)."""

@@ -3,11 +3,14 @@
 * Workers: N SGLang servers with the same flags (each its own process group, its own KV pool of
   ``--max-total-tokens``, its own stats socket) on free loopback ports, served model name
   ``--model`` unless given (so clients' ``"model"`` matches what the router lists).
-* Router: ``sglang-router``'s Rust router (``router_entry``) on ``--host``/``--port`` with the
+* Router: ``sglang-router``'s Rust router (``router_entry``) on a free loopback port with the
   ``cache_aware`` policy: it keeps an approximate radix tree of the request texts it sent to each
   worker and sends a request to the worker whose tree shares the longest prefix with it (above 30%
   of the text; else the worker with the smallest tree). A compressed prefix lives on one worker
   only, so that affinity is what makes a conversation's later turns reuse it.
+* Public port: ``--host``/``--port`` opens once the router routes to every worker, relayed to the
+  router's port (``port_relay``: the router answers ``/health`` before it can route, a client must
+  not see it then).
 * Stats: the router does not forward ``/kvevict/stats``; the launcher serves the aggregate on
   ``--stats-port`` (``stats_aggregate``).
 * Keys: ``--api-key`` goes to every worker, to the router (which then checks it on its routes and
@@ -38,6 +41,7 @@ from typing import Optional
 
 from sgl_kvevict.server.capacity import available_host_bytes, check_gpus, check_host_memory, worker_footprint
 from sgl_kvevict.server.flags import LaunchConfig
+from sgl_kvevict.server.port_relay import PortRelay
 from sgl_kvevict.server.processes import (
     HEALTH_POLL_SECONDS,
     SHUTDOWN_GRACE_SECONDS,
@@ -58,7 +62,7 @@ from sgl_kvevict.server.worker import server_env, sglang_args, sglang_command, s
 
 ROUTER_PACKAGE = "sglang_router"
 ROUTER_REQUIREMENT = "sglang-router==0.3.2"
-WORKER_HOST = "127.0.0.1"
+LOOPBACK_HOST = "127.0.0.1"  # the workers, the router and its metrics: never exposed
 SUPERVISE_SECONDS = 1.0
 # The router's own settings, on top of its defaults (sglang_router/router_args.py):
 ROUTER_FLAGS = (
@@ -131,7 +135,8 @@ def _without_flag(args: list[str], flag: str) -> list[str]:
     return kept
 
 
-def router_command(config: LaunchConfig, worker_urls: list[str], metrics_port: int) -> list[str]:
+def router_command(config: LaunchConfig, worker_urls: list[str], port: int, metrics_port: int) -> list[str]:
+    """The router on ``LOOPBACK_HOST:port``; clients reach it through the public port (``PortRelay``)."""
     keys = []
     if config.api_key is not None:
         keys += ["--api-key", config.api_key]
@@ -139,9 +144,9 @@ def router_command(config: LaunchConfig, worker_urls: list[str], metrics_port: i
         keys += ["--control-plane-api-keys", CONTROL_PLANE_KEY_ENTRY.format(key=config.admin_api_key)]
     return [
         sys.executable, "-m", "sgl_kvevict.server.router_entry", *ROUTER_FLAGS,
-        "--host", config.host, "--port", str(config.port),
+        "--host", LOOPBACK_HOST, "--port", str(port),
         # Its Prometheus exporter would take port 29000 on every interface; a free loopback port instead.
-        "--prometheus-host", WORKER_HOST, "--prometheus-port", str(metrics_port),
+        "--prometheus-host", LOOPBACK_HOST, "--prometheus-port", str(metrics_port),
         *keys, "--worker-urls", *worker_urls,
     ]  # fmt: skip
 
@@ -161,7 +166,8 @@ def wait_until_routed(
     router: ChildGroup, router_url: str, worker_urls: list[str], key: Optional[str], timeout: float, stop
 ) -> None:
     """The router answers /health before it has registered its workers (a background job queue in
-    0.3.2; requests meanwhile get 503): wait until it lists every worker as healthy."""
+    0.3.2; requests meanwhile get 503): wait until it lists every worker as healthy. It marks a worker
+    healthy last, after its routing policy took the worker in, so from then on it routes to each."""
     wait_until_healthy(router, router_url, timeout, stop)
     deadline = time.monotonic() + timeout
     while not stop.is_set():
@@ -213,11 +219,18 @@ def start_workers(
     for index, port in enumerate(free_loopback_ports(config.workers)):
         worker = worker_config(config, index, cpu_mode)
         address = resources.enter_context(stats_socket_address(config.serving.enabled))
-        command = sglang_command(worker, str(model_dir), cpu_mode, WORKER_HOST, port)
+        command = sglang_command(worker, str(model_dir), cpu_mode, LOOPBACK_HOST, port)
         child = ChildGroup(f"worker {index}", command, server_env(worker, cpu_mode, address))
         children.append(child)
-        workers.append(Worker(index, f"http://{WORKER_HOST}:{port}", child))
+        workers.append(Worker(index, f"http://{LOOPBACK_HOST}:{port}", child))
     return workers
+
+
+def open_public_port(config: LaunchConfig, router_port: int) -> PortRelay:
+    try:
+        return PortRelay(config.host, config.port, LOOPBACK_HOST, router_port)
+    except OSError as error:  # taken since the launcher looked
+        raise StartupError(f"cannot listen on {config.host}:{config.port}: {error.strerror}") from None
 
 
 def serve_stats(config: LaunchConfig, workers: list[Worker]) -> StatsServer:
@@ -228,7 +241,6 @@ def serve_stats(config: LaunchConfig, workers: list[Worker]) -> StatsServer:
 
 
 def run(config: LaunchConfig, model_dir: Path, cpu_mode: bool, signals: StopSignals) -> int:
-    router_url = f"http://{config.host}:{config.port}"
     children: list[ChildGroup] = []
     with contextlib.ExitStack() as resources:
         try:
@@ -239,26 +251,31 @@ def run(config: LaunchConfig, model_dir: Path, cpu_mode: bool, signals: StopSign
                 return 0
             for worker in workers:
                 freeze_gc(worker.url, config.api_key)  # the workers' admin routes take the API key
-            [metrics_port] = free_loopback_ports(1)
+            router_port, metrics_port = free_loopback_ports(2)
+            router_url = f"http://{LOOPBACK_HOST}:{router_port}"
             urls = [w.url for w in workers]
-            router = ChildGroup("the router", router_command(config, urls, metrics_port))
+            router = ChildGroup("the router", router_command(config, urls, router_port, metrics_port))
             children.append(router)
             wait_until_routed(router, router_url, urls, config.control_key, config.startup_timeout, signals.event)
+            if signals.event.is_set():
+                return 0
+            # Closed after stop_all (below), so the requests in flight drain through it.
+            resources.callback(open_public_port(config, router_port).close)
             resources.callback(serve_stats(config, workers).close)
-            if not signals.event.is_set():
-                log_serving(config, workers, router_url, metrics_port)
+            log_serving(config, workers, metrics_port)
             return supervise(workers, router, router_url, config.control_key, signals)
         finally:
             stop_all(children)
             log("stopped")
 
 
-def log_serving(config: LaunchConfig, workers: list[Worker], router_url: str, metrics_port: int) -> None:
+def log_serving(config: LaunchConfig, workers: list[Worker], metrics_port: int) -> None:
+    router_url = f"http://{config.host}:{config.port}"
     for worker in workers:
         log(f"{worker.name}: {STATS_ROUTE} at {worker.url}{STATS_ROUTE}")
     log(
         f"serving {config.model} with {len(workers)} workers behind the cache-aware router at {router_url} "
         f"(OpenAI API at {router_url}/v1, {config.serving.describe()}; all workers' {STATS_ROUTE} at "
         f"http://{config.host}:{config.stats_port}{STATS_ROUTE}; router metrics at "
-        f"http://{WORKER_HOST}:{metrics_port}/metrics)"
+        f"http://{LOOPBACK_HOST}:{metrics_port}/metrics)"
     )

@@ -55,11 +55,15 @@ class RunningServer:
 
 @contextlib.contextmanager
 def running_server(
-    model: str | Path, tmp_path: Path, *extra: str, startup_timeout: float = STARTUP_TIMEOUT_SECONDS
+    model: str | Path,
+    tmp_path: Path,
+    *extra: str,
+    startup_timeout: float = STARTUP_TIMEOUT_SECONDS,
+    port: Optional[int] = None,
 ) -> Iterator[RunningServer]:
     """The launcher in its own session (``serving_launcher``: a test accounts for every process it
-    started); a failed start raises with the end of its log."""
-    port = free_port()
+    started) on ``port`` (a free one by default); a failed start raises with the end of its log."""
+    port = port or free_port()
     log_path = tmp_path / f"server-{port}.log"
     argv = ["--model", str(model), "--port", str(port), *extra]
     try:

@@ -434,8 +434,10 @@ def test_each_worker_gets_the_same_flags_its_served_name_and_on_cuda_its_own_gpu
     assert all(sum(a.startswith("--base-gpu-id") for a in w.sglang_args) == 1 for w in gpu_workers)
     named = worker_config(parse("--workers", "2", "--served-model-name", "mine"), 0, cpu_mode=True)
     assert flag_value(named.sglang_args, "--served-model-name") == "mine"
-    command = router_command(config, ["http://127.0.0.1:1", "http://127.0.0.1:2"], metrics_port=3)
-    assert flag_value(command, "--policy") == "cache_aware" and flag_value(command, "--port") == "30000"
+    command = router_command(config, ["http://127.0.0.1:1", "http://127.0.0.1:2"], port=4, metrics_port=3)
+    assert flag_value(command, "--policy") == "cache_aware"
+    # The router on loopback: the launcher opens --host:--port once it routes (scale_out.open_public_port).
+    assert (flag_value(command, "--host"), flag_value(command, "--port")) == ("127.0.0.1", "4")
     assert command[command.index("--worker-urls") + 1 :] == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
     assert flag_value(command, "--prometheus-port") == "3"
     assert "--api-key" not in command and "--control-plane-api-keys" not in command
@@ -450,7 +452,7 @@ def test_the_router_checks_the_api_key_and_takes_the_admin_key_for_its_control_p
     from sgl_kvevict.server.scale_out import router_command, worker_config
 
     config = parse("--workers", "2", "--kv-evict-policy", "lava", "--api-key", "k:1", "--admin-api-key", "a:2")
-    command = router_command(config, ["http://127.0.0.1:1"], metrics_port=3)
+    command = router_command(config, ["http://127.0.0.1:1"], port=4, metrics_port=3)
     module = command.index("sgl_kvevict.server.router_entry")
     router = RouterArgs.from_cli_args(router_parser().parse_args(command[module + 1 :]), use_router_prefix=False)
     assert router.api_key == "k:1"

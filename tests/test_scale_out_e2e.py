@@ -3,7 +3,8 @@ HTTP on loopback, the tiny model, ``--api-key`` and ``--admin-api-key`` set. Eve
 exposes needs its key; conversations keep their compressed prefixes on their own worker; a killed
 worker is reported and taken out of the router, its client gets an error (no hang) and the other
 worker keeps serving from its compressed prefixes; SIGTERM drains the request in flight through the
-router. The tests share one fleet and run in file order: the last two kill a worker and stop it."""
+router. A request sent the moment ``/health`` first answers 200 is served (two starts of their own).
+The other tests share one fleet and run in file order: the last two kill a worker and stop it."""
 
 from __future__ import annotations
 
@@ -14,13 +15,15 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
 
 import psutil
 import pytest
 
-from engine_client import TINY_SERVER_FLAGS, assert_no_leak_after_flush, stats, status_of
+from engine_client import TINY_SERVER_FLAGS, assert_no_leak_after_flush, reply_of, stats, status_of
 from serving import RunningServer, running_server
-from sgl_kvevict.server.processes import SHUTDOWN_GRACE_SECONDS
+from sgl_kvevict.server.processes import SHUTDOWN_GRACE_SECONDS, free_port, is_healthy
 
 pytestmark = pytest.mark.server
 
@@ -30,6 +33,10 @@ REQUEST_TIMEOUT_SECONDS = 120
 WORKER_LINE = re.compile(r"\] worker (\d+) \((http://[\d.:]+)\): ")
 API_KEY = "fleet-api-key"
 ADMIN_KEY = "fleet-admin-key"
+# The router's own /health answered 200 about a second before it could route: a client polling this
+# often could not miss that window.
+CLIENT_POLL_SECONDS = 0.02
+STARTS = 2
 
 
 def document(index: int) -> str:
@@ -72,6 +79,36 @@ def run_conversation(server: RunningServer, index: int, start: threading.Barrier
             {"role": "assistant", "content": response["choices"][0]["message"]["content"]},
             {"role": "user", "content": f"question {turn} about document {index}?"},
         ]
+
+
+def first_answer_after_health(base_url: str, stop: threading.Event) -> Optional[tuple[int, str]]:
+    """Poll ``base_url``'s ``/health`` as a client would until it answers 200, then at once send a chat
+    request: its HTTP status and body (None when ``stop`` is set first)."""
+    while not is_healthy(base_url):
+        if stop.wait(CLIENT_POLL_SECONDS):
+            return None
+    payload = {"model": "default", "messages": [{"role": "user", "content": "a first question"}], "max_tokens": 2}
+    return reply_of(base_url + "/v1/chat/completions", "POST", payload=payload)
+
+
+def test_a_request_sent_the_moment_health_answers_200_is_served(tiny_llama_dir, tmp_path):
+    """First, before the fleet starts: at each start a client polls ``/health`` from the launcher's
+    first instant and sends a chat request the moment it answers 200 (the router's own /health said
+    200 before the router had registered its workers, and that request got 503)."""
+    flags = ("--workers", "2", "--max-total-tokens", "2000", *TINY_SERVER_FLAGS)
+    for start in range(STARTS):
+        port = free_port()
+        log_dir = tmp_path / f"start-{start}"
+        log_dir.mkdir()
+        stop = threading.Event()
+        with ThreadPoolExecutor(max_workers=1) as client:
+            first_answer = client.submit(first_answer_after_health, f"http://127.0.0.1:{port}", stop)
+            try:
+                with running_server(tiny_llama_dir, log_dir, *flags, port=port):
+                    answer = first_answer.result(timeout=REQUEST_TIMEOUT_SECONDS)
+            finally:
+                stop.set()
+        assert answer is not None and answer[0] == 200, (start, answer)
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,11 @@
-"""Scale-out pieces in-process: the aggregated /kvevict/stats and the capacity checks."""
+"""Scale-out pieces in-process: the aggregated /kvevict/stats, the public port's relay and the
+capacity checks."""
 
 from __future__ import annotations
 
+import http.client
 import json
+import socket
 import threading
 import urllib.error
 import urllib.request
@@ -11,6 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from sgl_kvevict.server.capacity import GIB, WorkerFootprint, check_gpus, check_host_memory, worker_footprint
+from sgl_kvevict.server.port_relay import PortRelay
 from sgl_kvevict.server.processes import StartupError, free_loopback_ports
 from sgl_kvevict.server.stats_aggregate import StatsServer, aggregate
 
@@ -19,6 +23,19 @@ def worker_stats(reuse_hits: int, served: dict, served_max: int) -> dict:
     return {"policy": "lava", "budget": "0.25", "window": 32, "reuse_hits": reuse_hits, "kv_slots_total": 1000,
             "requests_served_per_node": served, "requests_served_per_node_max": served_max,
             "requests_served_per_node_mean": 1.5}  # fmt: skip
+
+
+class QuietHandler(BaseHTTPRequestHandler):
+    def log_message(self, *_args):  # one line per request on the test's stderr otherwise
+        pass
+
+
+def serve_in_thread(handler: type[BaseHTTPRequestHandler]) -> tuple[ThreadingHTTPServer, int]:
+    """``handler`` served on a free loopback port from a daemon thread; the server and its port."""
+    [port] = free_loopback_ports(1)
+    server = ThreadingHTTPServer(("127.0.0.1", port), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, port
 
 
 def test_the_aggregate_sums_counters_keeps_settings_once_and_skips_a_silent_worker():
@@ -55,7 +72,7 @@ def test_the_stats_port_asks_for_the_api_key_and_presents_it_to_the_workers():
     """A worker that answers only with the key (as an SGLang worker started with --api-key does)."""
     seen = []
 
-    class Worker(BaseHTTPRequestHandler):
+    class Worker(QuietHandler):
         def do_GET(self):  # noqa: N802 (the standard library's name)
             seen.append(self.headers.get("Authorization"))
             allowed = self.headers.get("Authorization") == "Bearer s3cret"
@@ -65,12 +82,8 @@ def test_the_stats_port_asks_for_the_api_key_and_presents_it_to_the_workers():
             self.end_headers()
             self.wfile.write(body)
 
-        def log_message(self, *_args):
-            pass
-
-    worker_port, port = free_loopback_ports(2)
-    worker = ThreadingHTTPServer(("127.0.0.1", worker_port), Worker)
-    threading.Thread(target=worker.serve_forever, daemon=True).start()
+    worker, worker_port = serve_in_thread(Worker)
+    [port] = free_loopback_ports(1)
     server = StatsServer("127.0.0.1", port, lambda: [f"http://127.0.0.1:{worker_port}"], key="s3cret")
     url = f"http://127.0.0.1:{port}/kvevict/stats"
     try:
@@ -88,6 +101,57 @@ def test_the_stats_port_asks_for_the_api_key_and_presents_it_to_the_workers():
         server.close()
         worker.shutdown()
         worker.server_close()
+
+
+def test_the_relay_passes_bytes_as_they_arrive_on_one_kept_alive_connection_and_refuses_once_closed(caplog):
+    """Each answer's first half reaches the client while the target still holds back the second (a
+    relay that waited for the whole answer would time the client out); both requests share one target
+    connection; with the target gone a new connection ends at once; ``close`` ends an idle one quietly,
+    and the port refuses from then on."""
+    first_half_read = threading.Event()
+    peers = set()
+
+    class Target(QuietHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive
+
+        def do_POST(self):  # noqa: N802 (the standard library's name)
+            peers.add(self.client_address)
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Length", str(2 * len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            self.wfile.flush()
+            first_half_read.wait(60)
+            self.wfile.write(body)
+
+    target, target_port = serve_in_thread(Target)
+    [port] = free_loopback_ports(1)
+    relay = PortRelay("127.0.0.1", port, "127.0.0.1", target_port)
+    idle = socket.create_connection(("127.0.0.1", port), timeout=10)
+    try:
+        client = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        for body in (b"a first request", b"a second request"):
+            first_half_read.clear()
+            client.request("POST", "/", body=body)
+            response = client.getresponse()
+            assert response.read(len(body)) == body
+            first_half_read.set()
+            assert response.read() == body
+        client.close()
+        assert len(peers) == 1, peers  # the request's connection; the idle one sent nothing
+        target.shutdown()
+        target.server_close()
+        orphan = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        orphan.request("GET", "/")
+        with pytest.raises(http.client.RemoteDisconnected):
+            orphan.getresponse()
+    finally:
+        relay.close()
+    assert idle.recv(1) == b"" and not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+    idle.close()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=10)
 
 
 def test_the_footprint_of_a_worker_follows_its_pool_dtype_and_weights(tmp_path):
