@@ -1,30 +1,39 @@
 """The per-step cost of decode through the real server: inter-token latency at equal batch and context,
 stock SGLang against the plugin's paths, and where a step's host time goes.
 
-    python -m benchmarks.decode_step                   # batches 1,4,8,16; stock, keep-99, the default (block, request)
+    python -m benchmarks.decode_step                   # batches 1,4,8,16; stock, full, keep-99, the default (block, request)
     python -m benchmarks.decode_step --quick           # ~2 minutes on a GPU: batches 1,4; stock, keep-99, default block
     python -m benchmarks.decode_step --profile-batch 8 # + py-spy on the scheduler during a batch-8 decode
+    python -m benchmarks.decode_step --score attn      # a model without learned weights (a random one)
     python -m benchmarks.decode_step --server-arg=--attention-backend=flashinfer   # flags for every server (GPU)
 
 Servers (``--variants``, all with the same ``--max-total-tokens``): ``stock`` (``--kv-evict-policy none``),
-``keep-99`` (the plugin's path keeping 99%: topk + learned, request scope; every prompt becomes a
-compressed node, so its decode goes through segment attention), ``default-block`` and
-``default-request`` (``make serve``'s topk + learned at 25%, in block and in request scope), and on
-request ``full`` (``--kv-evict-policy full``: a segment kept whole stays dense, so its decode is stock's
-through the plugin's backend). ``/kvevict/stats`` after the prefills says how many tokens each compressed. Each is started through the launcher, one at a time, for ``--rounds`` rounds (the
-order reversed every other round, so a drift of the shared machine's load does not favour one).
+``full`` (``--kv-evict-policy full``: a segment kept whole stays dense, so its decode is stock's through
+the plugin's backend), ``keep-99`` (the plugin's path keeping 99%: topk, request scope; every prompt
+becomes a compressed node, so its decode goes through segment attention with nothing meaningful
+evicted), ``default-block`` and ``default-request`` (``make serve``'s topk at 25%, in block and in
+request scope). The compressing ones rank by ``--score`` (default ``learned``, as ``make serve``; it
+needs weights for the model, checked before any server starts). ``/kvevict/stats`` after the prefills
+says how many tokens each compressed. Each is started through the launcher, one at a time, for
+``--rounds`` rounds; every round runs every variant, round ``r`` in the order rotated by ``r``, so a
+drift of the shared machine's load does not favour one.
 
 Per server: ``max(batches)`` documents of ``--prompt-tokens`` are prefilled once each (``max_tokens``
 1), so their prefixes are in the cache (compressed, for the plugin); then for each batch size ``B``
 the first ``B`` of them are sent again at once, greedy, ``ignore_eos``, ``--decode-tokens`` each: ``B``
 requests of equal context decoding together (their prefixes cached, they are prefilled in one batch).
 A stream's step time is the time from its first token to its last over its tokens after the first;
-the batch's step time is the median over its streams, and its tokens/s ``B`` over that. Ratios are against stock in the same round.
+the batch's step time is the median over its streams, and its tokens/s ``B`` over that. Ratios are
+tokens/s against stock's and against keep-99's in the same round (a round is summarized once its
+stock run has succeeded). Recorded with them: each server's dtype (``/server_info``; CPU mode picks
+bf16 or fp32 by the CPU's flags) and its KV pool's (its log), the CPU flags that decide it, and the
+load average before each server.
 
-``--profile-batch B`` adds one pass of batch ``B`` per server (after the timed ones, not timed) with
-``py-spy record`` sampling SGLang's scheduler process (py-spy must be on PATH: ``pip install py-spy``);
-its samples are sorted into the parts of a decode step (``STEP_PARTS``) by the innermost frame that
-names one. Writes ``<name>.json`` (every sample), ``<name>.md`` and ``<name>.png`` into ``--out``.
+``--profile-batch B`` adds one pass of batch ``B`` per server (after the timed ones, not timed, first
+round only) with ``py-spy record`` sampling SGLang's scheduler process (py-spy must be on PATH: ``pip
+install py-spy``); its samples are sorted into the parts of a decode step (``STEP_PARTS``) by the
+innermost frame that names one, and the summary keeps each variant's ms per part and its attention
+ms per step. Writes ``<name>.json`` (every sample), ``<name>.md`` and ``<name>.png`` into ``--out``.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -50,38 +60,64 @@ from benchmarks.engine_overhead import CHAT_PATH, WARM_UP_MESSAGE, MeasurementEr
 from benchmarks.load.client import STATS_PATH, StreamedReply, get_json, stream_completion
 from benchmarks.load.conversations import ConversationSpec, build_conversations, model_token_counter
 from benchmarks.load.report import _pyplot, environment, heading, save_figure, write_report
-from benchmarks.load.servers import ServerError, ServerVariant, launched_server
+from benchmarks.load.servers import ServerError, ServerVariant, check_launcher_accepts, launched_server
+from sgl_kvevict.models import ModelError, resolve_model
+from sgl_kvevict.scoring import SCORES
+from sgl_kvevict.scoring.learned import LEARNED_SCORE
+from sgl_kvevict.server.launcher import with_learned_weights
+from sgl_kvevict.server.refusals import FlagError
+from sgl_kvevict.server.sglang_args import host_cpu_flags
 
-# make serve's compression (Makefile): topk ranked by the learned score, 25% kept.
-DEFAULT_FLAGS = ("--kv-evict-policy", "topk", "--kv-evict-default", "budget=0.25", "--kv-evict-default", "score=learned")
-VARIANTS = {
-    "stock": ServerVariant.from_flags("stock", ("--kv-evict-policy", "none")),
+BASELINE = "stock"
+KEEP_ALL = "keep-99"  # the compressed path with nothing meaningful evicted: against it, what eviction buys
+REFERENCES = (BASELINE, KEEP_ALL)  # every variant's tokens/s is taken against each, round by round
+# make serve's compression (Makefile): topk at 25% kept (ranked by the learned score there, by --score here).
+DEFAULT_FLAGS = ("--kv-evict-policy", "topk", "--kv-evict-default", "budget=0.25")
+VARIANT_FLAGS = {
+    BASELINE: ("--kv-evict-policy", "none"),
+    "full": ("--kv-evict-policy", "full"),
     # The plugin's path at (nearly) 100% kept: a segment the policy keeps whole stays dense (``full`` compresses
     # nothing, so its decode is stock's), so 99% is the most that goes through segment attention.
-    "keep-99": ServerVariant.from_flags(
-        "keep-99", ("--kv-evict-policy", "topk", "--kv-evict-default", "budget=0.99", "--kv-evict-default", "score=learned")
-    ),
-    "default-block": ServerVariant.from_flags("default-block", (*DEFAULT_FLAGS, "--kv-evict-scope", "block")),
-    "default-request": ServerVariant.from_flags("default-request", (*DEFAULT_FLAGS, "--kv-evict-scope", "request")),
-    "full": ServerVariant.from_flags("full", ("--kv-evict-policy", "full")),
+    KEEP_ALL: ("--kv-evict-policy", "topk", "--kv-evict-default", "budget=0.99"),
+    "default-block": (*DEFAULT_FLAGS, "--kv-evict-scope", "block"),
+    "default-request": (*DEFAULT_FLAGS, "--kv-evict-scope", "request"),
 }
-DEFAULT_VARIANTS = ("stock", "keep-99", "default-block", "default-request")
-BASELINE = "stock"
+RANKED_BY_SCORE = (KEEP_ALL, "default-block", "default-request")
+DEFAULT_VARIANTS = tuple(VARIANT_FLAGS)
+# The CPU flags that decide CPU mode's dtype (bf16 where the CPU multiplies it natively) and its speed.
+RECORDED_CPU_FLAGS = ("avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 SCHEDULER_PROCESS = "sglang::scheduler"
+SERVER_INFO_PATH = "/server_info"  # SGLang's resolved server arguments: --dtype, --kv-cache-dtype
+# SGLang's log line when it allocates the KV pool (memory_pool.py; "VA upper bound" where decode graphs
+# are captured): the dtype the KV cache really has ("auto" in the flags is resolved by then).
+KV_POOL_LINE = re.compile(r"KV Cache (?:is allocated|VA upper bound)\. dtype: (?:torch\.)?(\w+)")
 PROFILE_START_TOKENS = 4  # the profile starts once a stream of the pass has this many tokens
-# The parts of a decode step, by the innermost frame of a sample that names one: (part, frame substrings).
+# The parts of a decode step, by the innermost frame of a sample that names one: (part, frame substrings,
+# whether the part is the attention backend's).
 STEP_PARTS = (
-    ("compressed part: segment attention over cells", ("segment_attention.py",)),
-    ("dense part: attention over dense keys", ("dense_attention", "_dense_part")),
-    ("merge of the two parts", ("merge_states.py",)),
-    ("decode attention (one pass over cells and dense keys)", ("decode_attention", "DecodeKeys")),
-    ("stock SDPA decode (per request)", ("_run_sdpa_forward_decode",)),
-    ("per-forward metadata (requests, views, cell index, dense layout)", ("batch.py", "forward_begin", "paths.py", "_init_segment_metadata")),
-    ("rest of the attention backend", ("attention.py", "torch_native_backend.py")),
-    ("model: projections, MLP, norms, rotary, logits", ("forward_batch_generation", "model_runner.py")),
-    ("sampling", ("sampler.py",)),
-    ("scheduler: batches, results, streaming out", ("scheduler",)),
+    ("compressed part: segment attention over cells", ("segment_attention.py",), True),
+    ("dense part: attention over dense keys", ("dense_attention", "_dense_part"), True),
+    ("merge of the two parts", ("merge_states.py",), True),
+    ("decode attention (one pass over cells and dense keys)", ("decode_attention", "DecodeKeys"), True),
+    ("stock SDPA decode (per request)", ("_run_sdpa_forward_decode",), True),
+    ("per-forward metadata (requests, views, cell index, dense layout)", ("batch.py", "forward_begin", "paths.py", "_init_segment_metadata"), True),
+    ("rest of the attention backend", ("attention.py", "torch_native_backend.py"), True),
+    ("model: projections, MLP, norms, rotary, logits", ("forward_batch_generation", "model_runner.py"), False),
+    ("sampling", ("sampler.py",), False),
+    ("scheduler: batches, results, streaming out", ("scheduler",), False),
 )
+ATTENTION_PARTS = frozenset(part for part, _, is_attention in STEP_PARTS if is_attention)
+OTHER_PART = "other (idle, IPC)"
+
+
+def server_variant(name: str, score: str) -> ServerVariant:
+    """The server ``name`` (of ``VARIANT_FLAGS``), a compressing one ranking by ``score``."""
+    scored = ("--kv-evict-default", f"score={score}") if name in RANKED_BY_SCORE else ()
+    return ServerVariant.from_flags(name, (*VARIANT_FLAGS[name], *scored))
+
+
+class SummaryError(ValueError):
+    """Runs that cannot be summarized: a round without its stock run has nothing to take ratios against."""
 
 
 @dataclass(frozen=True)
@@ -96,11 +132,14 @@ class DecodeStepConfig:
     seed: int
     profile_batch: Optional[int] = None
     launcher_extra: tuple[str, ...] = ()
+    score: str = LEARNED_SCORE  # what the compressing variants rank by
 
     def __post_init__(self):
-        unknown = [name for name in self.variants if name not in VARIANTS]
-        if unknown or BASELINE not in self.variants:
-            raise ValueError(f"variants {list(self.variants)}: choose from {', '.join(VARIANTS)}, {BASELINE} among them")
+        unknown = [name for name in self.variants if name not in VARIANT_FLAGS]
+        if unknown or BASELINE not in self.variants or len(set(self.variants)) != len(self.variants):
+            raise ValueError(f"variants {list(self.variants)}: choose from {', '.join(VARIANT_FLAGS)}, {BASELINE} among them, each once")
+        if self.score not in SCORES:
+            raise ValueError(f"--score {self.score}: choose from {', '.join(SCORES)}")
         if not self.batches or min(self.batches) < 1:
             raise ValueError("--batches must be positive integers")
         if self.decode_tokens <= PROFILE_START_TOKENS + 2:
@@ -113,6 +152,12 @@ class DecodeStepConfig:
     @property
     def documents(self) -> int:
         return max(self.batches + ((self.profile_batch,) if self.profile_batch else ()))
+
+    def round_order(self, round_index: int) -> tuple[str, ...]:
+        """The variants in the order round ``round_index`` runs them: rotated by the round, so that every
+        variant runs in every round and none always runs first, or after the same one."""
+        shift = round_index % len(self.variants)
+        return self.variants[shift:] + self.variants[:shift]
 
 
 def step_seconds(reply: StreamedReply) -> float:
@@ -138,6 +183,10 @@ async def _measure(base_url: str, config: DecodeStepConfig, prompts: Sequence[li
     ``(scheduler pid, work folder)`` for the profile pass."""
     samples: dict = {"batches": {}, "stats": None, "profile": None}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
+        info = await get_json(session, base_url + SERVER_INFO_PATH)
+        if info is None:
+            raise MeasurementError(f"no {SERVER_INFO_PATH}: the dtype the server runs with is unknown")
+        samples["dtypes"] = {"dtype": info.get("dtype"), "kv_cache_dtype": info.get("kv_cache_dtype")}
         await ask(session, base_url, chat_payload([{"role": "user", "content": WARM_UP_MESSAGE}], 4))
         await flush(session, base_url)
         for messages in prompts:
@@ -157,6 +206,14 @@ async def _measure(base_url: str, config: DecodeStepConfig, prompts: Sequence[li
     return samples
 
 
+def kv_pool_dtype(log_text: str) -> str:
+    """The KV pool's dtype (``bfloat16``, ``float32``, ...) from a server's log."""
+    found = KV_POOL_LINE.search(log_text)
+    if found is None:
+        raise MeasurementError("no 'KV Cache is allocated. dtype: ...' line in the server's log: its KV dtype is unknown")
+    return found[1]
+
+
 def _scheduler_pid(descendants: Sequence[psutil.Process]) -> int:
     for process in descendants:
         try:
@@ -169,12 +226,12 @@ def _scheduler_pid(descendants: Sequence[psutil.Process]) -> int:
 
 def step_part(stack: str) -> str:
     """The ``STEP_PARTS`` part of one collapsed py-spy stack (frames root first, ``;``-separated): the
-    part named by its innermost frame that names one; ``other`` when none does."""
+    part named by its innermost frame that names one; ``OTHER_PART`` when none does."""
     for frame in reversed(stack.split(";")):
-        for part, markers in STEP_PARTS:
+        for part, markers, _ in STEP_PARTS:
             if any(marker in frame for marker in markers):
                 return part
-    return "other (idle, IPC)"
+    return OTHER_PART
 
 
 def profile_parts(collapsed: str) -> dict[str, int]:
@@ -215,105 +272,177 @@ async def _profile_pass(session, base_url: str, prompts: Sequence[list], config:
     return {"samples": profile_parts(raw.read_text()), "step_seconds": [step_seconds(r) for r in replies], "batch": len(prompts)}
 
 
+def round_step(run: dict, batch: int) -> float:
+    """A run's step time at ``batch``: the median over its streams."""
+    return statistics.median(run["samples"]["batches"][batch]["step_seconds"])
+
+
+def rounds_with_baseline(runs: Sequence[dict]) -> list[int]:
+    """The rounds whose stock run succeeded: those a summary can take ratios in."""
+    return sorted({run["round"] for run in runs if run["variant"] == BASELINE and not run["error"]})
+
+
 def summarize(runs: Sequence[dict], config: DecodeStepConfig) -> dict:
-    """Per variant and batch size: the step time of each round (median over its streams), its median and
-    range over rounds, tokens/s, and tokens/s against stock's in the same round (median and range)."""
+    """``rounds``: the rounds summarized. ``steps``: per variant and batch size, the step time of each
+    round (median over its streams), its median over rounds and its tokens/s, and per reference of
+    ``ratio_pairs`` the tokens/s against the reference's in the same round (``vs[reference]``: rounds,
+    by round, median). ``profile``: ``profile_summary``. Raises ``SummaryError`` for a round with a
+    successful run but no successful stock run (its ratios would be missing, not zero)."""
     by_round = {(run["round"], run["variant"]): run for run in runs if not run["error"]}
-    summary: dict = {}
+    rounds = sorted({round_index for round_index, _ in by_round})
+    missing = [round_index + 1 for round_index in rounds if (round_index, BASELINE) not in by_round]
+    if missing:
+        raise SummaryError(
+            f"round(s) {', '.join(map(str, missing))} have no successful {BASELINE} run: every ratio is taken "
+            f"against {BASELINE} in the same round; rerun them, or summarize only rounds with one (rounds_with_baseline)"
+        )
+    pairs = ratio_pairs(config.variants)
+    steps: dict = {}
     for variant in config.variants:
         rows = {}
-        for batch in config.batches:
-            steps, ratios = [], []
-            for round_index in range(config.rounds):
-                run, base = by_round.get((round_index, variant)), by_round.get((round_index, BASELINE))
-                if run is None:
-                    continue
-                step = statistics.median(run["samples"]["batches"][batch]["step_seconds"])
-                steps.append(step)
-                if base is not None:
-                    ratios.append(statistics.median(base["samples"]["batches"][batch]["step_seconds"]) / step)
-            if steps:
-                rows[batch] = {
-                    "step_ms_by_round": [step * 1000 for step in steps],
-                    "step_ms": statistics.median(steps) * 1000,
-                    "tokens_per_second": batch / statistics.median(steps),
-                    "vs_stock_by_round": ratios,
-                    "vs_stock": statistics.median(ratios) if ratios else None,
-                }
-        summary[variant] = rows
-    return summary
+        ran = [round_index for round_index in rounds if (round_index, variant) in by_round]
+        for batch in config.batches if ran else ():
+            by_round_steps = [round_step(by_round[(r, variant)], batch) for r in ran]
+            ratios = {}
+            for reference in [reference for paired, reference in pairs if paired == variant]:
+                both = [r for r in ran if (r, reference) in by_round]
+                values = [round_step(by_round[(r, reference)], batch) / round_step(by_round[(r, variant)], batch) for r in both]
+                if values:
+                    ratios[reference] = {"rounds": both, "by_round": values, "median": statistics.median(values)}
+            rows[batch] = {
+                "rounds": ran,
+                "step_ms_by_round": [step * 1000 for step in by_round_steps],
+                "step_ms": statistics.median(by_round_steps) * 1000,
+                "tokens_per_second": batch / statistics.median(by_round_steps),
+                "vs": ratios,
+            }
+        steps[variant] = rows
+    return {"rounds": rounds, "steps": steps, "profile": profile_summary(runs, config.variants)}
+
+
+def profile_summary(runs: Sequence[dict], variants: Sequence[str]) -> dict:
+    """Per variant, from its first profiled run: the pass's batch and step time (median over its
+    streams), each step part's ms per step (its share of the samples times the step) and the attention
+    backend's ms per step (its parts together), so that e.g. attention at the default over attention at
+    keep-99 reads off two numbers."""
+    summary: dict = {}
+    for run in runs:
+        profile = None if run["error"] else run["samples"]["profile"]
+        if not profile or run["variant"] in summary:
+            continue
+        total, step_ms = sum(profile["samples"].values()), statistics.median(profile["step_seconds"]) * 1000
+        ms_per_part = {part: count / total * step_ms for part, count in profile["samples"].items()} if total else {}
+        summary[run["variant"]] = {
+            "round": run["round"], "batch": profile["batch"], "step_ms": step_ms, "samples": total, "ms_per_part": ms_per_part,
+            "attention_ms": sum(ms for part, ms in ms_per_part.items() if part in ATTENTION_PARTS),
+        }  # fmt: skip
+    return {variant: summary[variant] for variant in variants if variant in summary}
 
 
 def _range(values: Sequence[float], digits: int) -> str:
     return f"{min(values):.{digits}f}-{max(values):.{digits}f}" if len(values) > 1 else ""
 
 
-def _profile_rows(runs: Sequence[dict], variants: Sequence[str]) -> list[str]:
-    """Share of the sampled host time per step part and its ms per step, per variant (the first round's profile)."""
-    profiles = {}
-    for run in runs:
-        profile = None if run["error"] else run["samples"]["profile"]
-        if profile and run["variant"] not in profiles:
-            profiles[run["variant"]] = profile
+def _profile_rows(profiles: dict) -> list[str]:
+    """Share of the sampled host time per step part and its ms per step, per profiled variant."""
     if not profiles:
         return []
-    shown = [v for v in variants if v in profiles]
+    shown = list(profiles)
     batch = next(iter(profiles.values()))["batch"]
     lines = [
         "",
         f"Where a decode step's host time goes at batch {batch} (py-spy on SGLang's scheduler process, 200 Hz, "
-        "samples sorted by the innermost frame that names a part; ms per step = share x the profiled pass's step time):",
+        "samples sorted by the innermost frame that names a part; ms per step = share x the profiled pass's step time; "
+        "the JSON's `summary.profile` holds each variant's ms per part and `attention_ms`):",
         "",
         "| part | " + " | ".join(shown) + " |",
         "|---|" + "---|" * len(shown),
     ]
-    parts = [part for part, _ in STEP_PARTS] + ["other (idle, IPC)"]
-    for part in parts:
+    for part in [part for part, _, _ in STEP_PARTS] + [OTHER_PART]:
         cells = []
         for variant in shown:
-            profile = profiles[variant]
-            total = sum(profile["samples"].values())
-            share = profile["samples"].get(part, 0) / total if total else 0.0
-            cells.append(f"{share * 100:.0f}% ({share * statistics.median(profile['step_seconds']) * 1000:.1f} ms)" if share else "-")
+            ms, step_ms = profiles[variant]["ms_per_part"].get(part, 0.0), profiles[variant]["step_ms"]
+            cells.append(f"{ms / step_ms * 100:.0f}% ({ms:.1f} ms)" if ms else "-")
         if any(cell != "-" for cell in cells):
             lines.append(f"| {part} | " + " | ".join(cells) + " |")
-    steps = [f"{statistics.median(profiles[v]['step_seconds']) * 1000:.1f} ms" for v in shown]
-    lines.append("| **step (the profiled pass)** | " + " | ".join(steps) + " |")
+    attention = [f"{profiles[v]['attention_ms']:.1f} ms" for v in shown]
+    lines.append("| **attention backend (the parts above the model's)** | " + " | ".join(attention) + " |")
+    lines.append("| **step (the profiled pass)** | " + " | ".join(f"{profiles[v]['step_ms']:.1f} ms" for v in shown) + " |")
     return lines
+
+
+def _ratio_cell(row: dict, reference: str) -> str:
+    ratio = row["vs"].get(reference)
+    return "-" if ratio is None else f"**{ratio['median']:.2f}** {_range(ratio['by_round'], 2)}".strip()
+
+
+def ratio_pairs(variants: Sequence[str]) -> list[tuple[str, str]]:
+    """(variant, reference): each variant against each of ``REFERENCES`` that ran too, but not itself
+    (nor stock against keep-99: keep-99 against stock says it)."""
+    references = [reference for reference in REFERENCES if reference in variants]
+    return [(variant, reference) for variant in variants for reference in references
+            if variant != reference and not (variant == BASELINE and reference == KEEP_ALL)]  # fmt: skip
+
+
+def _columns(variants: Sequence[str]) -> list[tuple[str, str, Optional[str]]]:
+    """The step table's columns: (header, variant, reference or None for the step time)."""
+    pairs = ratio_pairs(variants)
+    columns = []
+    for variant in variants:
+        columns.append((f"{variant} step (ms)", variant, None))
+        columns += [(f"{variant} / {reference} tok/s", variant, reference) for paired, reference in pairs if paired == variant]
+    return columns
+
+
+def _dtypes_text(runs: Sequence[dict]) -> str:
+    """Each server's dtype, ``--kv-cache-dtype`` and KV pool dtype, grouped by value."""
+    groups: dict[str, list[str]] = {}
+    for run in runs:
+        if not run["error"]:
+            dtypes = run["samples"]["dtypes"]
+            value = f"`--dtype {dtypes['dtype']} --kv-cache-dtype {dtypes['kv_cache_dtype']}`, KV pool {dtypes['kv_pool']}"
+            groups.setdefault(value, []).append(run["label"])
+    return "; ".join(f"{value} ({', '.join(labels)})" for value, labels in groups.items())
 
 
 def markdown(report: dict) -> str:
     meta, summary = report["meta"], report["summary"]
     env, cfg = meta["environment"], meta["config"]
     variants = cfg["variants"]
+    flags = ", ".join(f"{flag} {'yes' if present else 'no'}" for flag, present in meta["cpu_flags"].items())
+    summarized = ", ".join(str(round_index + 1) for round_index in summary["rounds"]) or "none"
     lines = [
         *heading("Decode step: inter-token latency at equal batch and context, stock vs the plugin", meta),
-        f"Machine: {env['cpu_model']}, {env['cpu_cores']} cores, GPU: {env['gpu']}. SGLang {env['sglang']}, torch "
-        f"{env['torch']}, sgl-kvevict {env['git_commit']}{' (uncommitted changes)' if env['git_worktree_dirty'] else ''}, "
-        f"{env['date']}. Model `{cfg['model']}`, every server `--max-total-tokens {cfg['pool_tokens']}`; "
-        f"{cfg['prompt_tokens']}-token documents prefilled once, then B of them decoded at once for "
-        f"{cfg['decode_tokens']} tokens (EOS ignored); {cfg['rounds']} round(s), one server at a time. Load average "
+        f"Machine: {env['cpu_model']}, {env['cpu_cores']} cores (CPU flags: {flags}), GPU: {env['gpu']}. SGLang "
+        f"{env['sglang']}, torch {env['torch']}, sgl-kvevict {env['git_commit']}"
+        f"{' (uncommitted changes)' if env['git_worktree_dirty'] else ''}, {env['date']}. Model `{cfg['model']}`, "
+        f"every server `--max-total-tokens {cfg['pool_tokens']}`; {cfg['prompt_tokens']}-token documents prefilled "
+        f"once, then B of them decoded at once for {cfg['decode_tokens']} tokens (EOS ignored); {cfg['rounds']} "
+        f"round(s), each running every server, one at a time, in an order rotated by the round; rounds summarized "
+        f"(those whose stock run succeeded): {summarized}.",
+        "",
+        "Dtypes (`/server_info`; the KV pool's from the server's log): " + (_dtypes_text(report["runs"]) or "no server ran")
+        + ". Load average "
         "before each server: " + ", ".join(f"{run['label']} {run['load_average'][0]:.1f}" for run in report["runs"]) + ".",
         "",
-        "Variants: " + "; ".join(f"`{name}`: `{' '.join(VARIANTS[name].launcher_flags())}`" for name in variants) + ".",
+        "Variants: " + "; ".join(f"`{name}`: `{' '.join(server_variant(name, cfg['score']).launcher_flags())}`" for name in variants) + ".",
         "",
-        "Step time (ms, median over rounds of each round's median over its streams; range over rounds) and "
-        "tokens/s against stock's in the same round (median, range):",
+        "Step time (ms, median over rounds of each round's median over its streams; range over rounds) and tokens/s "
+        "against stock's and against keep-99's in the same round (median, range over rounds):",
         "",
-        "| batch | " + " | ".join(f"{v} step (ms)" + ("" if v == BASELINE else f" | {v} / stock tok/s") for v in variants) + " |",
-        "|---|" + "---|" * (2 * len(variants) - 1),
     ]
+    columns = _columns(variants)
+    lines += ["| batch | " + " | ".join(header for header, _, _ in columns) + " |", "|---|" + "---|" * len(columns)]
     for batch in cfg["batches"]:
         cells = []
-        for variant in variants:
-            row = summary[variant].get(batch)
+        for _, variant, reference in columns:
+            row = summary["steps"][variant].get(batch)
             if row is None:
-                cells += ["-"] if variant == BASELINE else ["-", "-"]
-                continue
-            cells.append(f"{row['step_ms']:.1f} {_range(row['step_ms_by_round'], 0)}".strip())
-            if variant != BASELINE:
-                ratio = row["vs_stock"]
-                cells.append("-" if ratio is None else f"**{ratio:.2f}** {_range(row['vs_stock_by_round'], 2)}".strip())
+                cells.append("-")
+            elif reference is None:
+                cells.append(f"{row['step_ms']:.1f} {_range(row['step_ms_by_round'], 0)}".strip())
+            else:
+                cells.append(_ratio_cell(row, reference))
         lines.append(f"| {batch} | " + " | ".join(cells) + " |")
     compressed = [
         f"{run['variant']} {run['samples']['stats'].get('compressed_tokens', 0)}"
@@ -325,18 +454,21 @@ def markdown(report: dict) -> str:
     failed = [f"{run['label']}: {run['error']}" for run in report["runs"] if run["error"]]
     if failed:
         lines += ["", "Failed: " + "; ".join(failed)]
-    lines += _profile_rows(report["runs"], variants)
+    lines += _profile_rows(summary["profile"])
     lines += [
         "",
         f"![decode step]({meta['name']}.png)",
         "",
         "Reading it: a step is one forward of the whole batch (every stream one token), measured at the client "
         "from each stream's first token to its last, so it includes the scheduler and the streaming out as well "
-        "as the model and its attention. The ratio column is stock's step over the variant's in the same round, "
-        "i.e. the variant's tokens/s over stock's. The machine is shared with other sessions' servers and tests "
-        "(see the load averages): absolute step times move by tens of percent between rounds; the per-round "
-        "ratios, taken from servers run minutes apart, move less, and their range over rounds is shown. The "
-        "profile is one pass per server (not timed), so its step times are from another moment than the table's.",
+        "as the model and its attention. A ratio is the reference's step over the variant's in the same round, "
+        "i.e. the variant's tokens/s over the reference's: `full / stock` is what the plugin's backend costs with "
+        "nothing compressed, `keep-99 / stock` what the compressed path costs or buys with nothing meaningful "
+        "evicted, and a policy's `/ keep-99` what its eviction itself buys per step. The machine is shared with "
+        "other sessions' servers and tests (see the load averages): absolute step times move by tens of percent "
+        "between rounds; the per-round ratios, taken from servers run minutes apart, move less, and their range "
+        "over rounds is shown. The profile is one pass per server (not timed, first round), so its step times "
+        "are from another moment than the table's.",
     ]
     return "\n".join(lines) + "\n"
 
@@ -344,10 +476,10 @@ def markdown(report: dict) -> str:
 def plot(report: dict, path: Path) -> None:
     """Step time and tokens/s against stock by batch size, one line per variant (range over rounds)."""
     plt = _pyplot()
-    cfg, summary = report["meta"]["config"], report["summary"]
+    cfg, steps_by_variant = report["meta"]["config"], report["summary"]["steps"]
     fig, (steps_axis, ratio_axis) = plt.subplots(1, 2, figsize=(11, 3.8))
     for variant in cfg["variants"]:
-        rows = [(batch, summary[variant][batch]) for batch in cfg["batches"] if batch in summary[variant]]
+        rows = [(batch, steps_by_variant[variant][batch]) for batch in cfg["batches"] if batch in steps_by_variant[variant]]
         if not rows:
             continue
         batches = [batch for batch, _ in rows]
@@ -356,53 +488,70 @@ def plot(report: dict, path: Path) -> None:
                   [max(r["step_ms_by_round"]) - s for s, (_, r) in zip(steps, rows)]]  # fmt: skip
         steps_axis.errorbar(batches, steps, yerr=spread, marker="o", capsize=3, label=variant)
         if variant != BASELINE:
-            ratio_axis.plot(batches, [row["vs_stock"] for _, row in rows], marker="o", label=variant)
+            ratio_axis.plot(batches, [row["vs"][BASELINE]["median"] for _, row in rows], marker="o", label=variant)
     ratio_axis.axhline(1.0, color="grey", linewidth=0.8)
     steps_axis.set(xlabel="batch (streams decoding at once)", ylabel="ms per step", title="decode step (lower is better)")
     ratio_axis.set(xlabel="batch", ylabel="tokens/s / stock's", title="against stock, same round (higher is better)")
     for axis in (steps_axis, ratio_axis):
         axis.grid(alpha=0.3)
-        axis.legend(fontsize=8)
+        if axis.get_legend_handles_labels()[0]:  # none on the ratio axis while only stock has run
+            axis.legend(fontsize=8)
     save_figure(plt, fig, path)
 
 
 def run(config: DecodeStepConfig, out: Path, name: str, log_dir: Path, argv: Sequence[str], log: Callable[[str], None]) -> dict:
-    """Every round, every variant in turn (reversed every other round); the report is rewritten after
-    each server, so an interrupted run keeps the servers it finished."""
+    """Every round, every variant (``DecodeStepConfig.round_order``); the report is rewritten after each
+    server, so an interrupted run keeps the servers it finished. Its summary holds the rounds whose stock
+    run has succeeded (``rounds_with_baseline``); the other runs stay in the report, listed."""
     if config.profile_batch and shutil.which("py-spy") is None:
         raise MeasurementError("--profile-batch needs py-spy on PATH (pip install py-spy)")
     spec = ConversationSpec(
         users=config.documents, turns=1, document_tokens=config.prompt_tokens, fact_every=1, shared_document=False, seed=config.seed
     )
     prompts = [[{"role": "user", "content": c.user_message(0)}] for c in build_conversations(spec, model_token_counter(config.model))]
+    cpu_flags = host_cpu_flags()
     meta = {
         "command": command_line("decode_step", argv),
         "name": name,
         "config": asdict(config),
         "environment": environment(),
+        "cpu_flags": {flag: flag in cpu_flags for flag in RECORDED_CPU_FLAGS},
     }
     runs: list[dict] = []
     for round_index in range(config.rounds):
-        order = config.variants if round_index % 2 == 0 else tuple(reversed(config.variants))
-        for variant_name in order:
-            variant = VARIANTS[variant_name]
+        for variant_name in config.round_order(round_index):
             entry = {"round": round_index, "variant": variant_name, "label": f"{variant_name} r{round_index}",
                      "load_average": os.getloadavg(), "error": None}  # fmt: skip
             log(f"round {round_index + 1}/{config.rounds}, {variant_name}: starting the server (load average {entry['load_average'][0]:.2f})")
             try:
+                variant = server_variant(variant_name, config.score)
                 with launched_server(config.model, variant, config.pool_tokens, log_dir, config.launcher_extra) as server:
                     profiled = None
                     if config.profile_batch and round_index == 0:
                         profiled = (_scheduler_pid(server.descendants), log_dir)
                     entry["samples"] = asyncio.run(_measure(server.base_url, config, prompts, log, profiled))
+                    entry["samples"]["dtypes"]["kv_pool"] = kv_pool_dtype(server.child.output())
             except (ServerError, MeasurementError) as error:
                 entry["error"] = str(error)
                 log(f"  failed: {error}")
             runs.append(entry)
-            report = {"meta": meta, "runs": runs, "summary": summarize(runs, config)}
+            summarized = set(rounds_with_baseline(runs))
+            report = {"meta": meta, "runs": runs, "summary": summarize([r for r in runs if r["round"] in summarized], config)}
             write_report(out, name, report, markdown(report), log)
             plot(report, out / f"{name}.png")
     return report
+
+
+def check_servers(config: DecodeStepConfig) -> None:
+    """Every variant through the launcher's own checks, learned weights included, before any server
+    starts (a learned score on a model without weights would fail every compressing server)."""
+    model_dir = resolve_model(config.model, log=progress)
+    for name in config.variants:
+        launch = check_launcher_accepts(config.model, server_variant(name, config.score), config.pool_tokens, config.launcher_extra)
+        try:
+            with_learned_weights(launch, model_dir)
+        except FlagError as error:
+            raise ServerError(f"{name}: {error}; or rank by a score that needs no weights (--score attn)") from None
 
 
 QUICK = dict(batches="1,4", variants="stock,keep-99,default-block", prompt_tokens=1000, decode_tokens=16, rounds=1)
@@ -417,7 +566,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default="smollm2", help="bundled model name or HF folder (default smollm2)")
     parser.add_argument(
         "--variants", default=",".join(DEFAULT_VARIANTS),
-        help=f"comma-separated servers of {', '.join(VARIANTS)} (default {','.join(DEFAULT_VARIANTS)})",
+        help=f"comma-separated servers of {', '.join(VARIANT_FLAGS)} (default {','.join(DEFAULT_VARIANTS)})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--score", default=LEARNED_SCORE,
+        help=f"what {', '.join(RANKED_BY_SCORE)} rank by, of {', '.join(SCORES)} (default {LEARNED_SCORE}: needs weights for the model)",
     )  # fmt: skip
     parser.add_argument("--batches", default="1,4,8,16", help="comma-separated batch sizes (default 1,4,8,16)")
     parser.add_argument("--prompt-tokens", type=int, default=2000, help="document length in model tokens (default 2000)")
@@ -437,6 +590,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def config_from_args(args: argparse.Namespace) -> DecodeStepConfig:
+    """The run's configuration from the parsed command line (``ValueError`` for a bad value)."""
+    batches = _csv_ints(args.batches)
+    documents = max(batches + ((args.profile_batch,) if args.profile_batch else ()))
+    pool = args.pool_tokens or int(documents * (args.prompt_tokens + 100 + args.decode_tokens) * 1.1)
+    return DecodeStepConfig(
+        model=args.model, variants=tuple(v.strip() for v in args.variants.split(",") if v.strip()), batches=batches,
+        prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens, rounds=args.rounds, pool_tokens=pool,
+        seed=args.seed, profile_batch=args.profile_batch, launcher_extra=tuple(args.server_arg), score=args.score,
+    )  # fmt: skip
+
+
 @exits_on(MeasurementError, code=2)
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser, argv, args = parse_command_line(build_parser, argv)
@@ -444,22 +609,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.set_defaults(**QUICK)
         args = parser.parse_args(argv)
     try:
-        batches = _csv_ints(args.batches)
-        documents = max(batches + ((args.profile_batch,) if args.profile_batch else ()))
-        pool = args.pool_tokens or int(documents * (args.prompt_tokens + 100 + args.decode_tokens) * 1.1)
-        config = DecodeStepConfig(
-            model=args.model, variants=tuple(v.strip() for v in args.variants.split(",") if v.strip()), batches=batches,
-            prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens, rounds=args.rounds, pool_tokens=pool,
-            seed=args.seed, profile_batch=args.profile_batch, launcher_extra=tuple(args.server_arg),
-        )  # fmt: skip
-    except ValueError as error:
+        config = config_from_args(args)
+        check_servers(config)
+    except (ValueError, ServerError, ModelError) as error:
         parser.error(str(error))
     log_dir = log_folder(args.log_dir, "decode-step")
     report = run(config, args.out, args.name, log_dir, argv, progress)
-    for variant, rows in report["summary"].items():
-        if variant != BASELINE:
-            ratios = ", ".join(f"B={b} {row['vs_stock']:.2f}" for b, row in rows.items() if row["vs_stock"] is not None)
-            print(f"{variant} / stock tokens/s: {ratios}")
+    for variant, reference in ratio_pairs(config.variants):
+        rows = report["summary"]["steps"][variant].items()
+        ratios = ", ".join(f"B={b} {row['vs'][reference]['median']:.2f}" for b, row in rows if reference in row["vs"])
+        print(f"{variant} / {reference} tokens/s: {ratios or 'none measured'}")
     return 1 if any(run["error"] for run in report["runs"]) else 0
 
 

@@ -9,7 +9,8 @@
   wheels rewritten with a RECORD that matches their files.
 * ``tools/gpu_smoke.py``: the report of a dry run names every check; the step runner reports a failure
   and goes on; the token comparison's verdicts; the random checkpoint loads in transformers; the
-  capture log lines parse.
+  capture log lines parse; a rehearsal reports what needs a GPU as NOT ON CPU and exits 0 without a
+  FAIL; the decode-step slot's servers need no learned weights.
 """
 
 from __future__ import annotations
@@ -408,7 +409,7 @@ def test_the_checks_judge_what_the_servers_measured():
                    "syncs": {"forwards": 63, "calls_per_forward": 7.5, "compressed_nodes": 1}, "itl": {"batch_1_ms": 5.0, "batch_8_ms": 5.0}},
         "snapkv-eager": {"tokens": tokens, "stats": {**stats, "graph_decodes": 0, "decode_graph_fallbacks": 2}},
     }  # fmt: skip
-    lines = {line.check: line for check in gpu_smoke.CHECKS for line in check(results)}
+    lines = {line.check: line for line in gpu_smoke.checks(results, on_gpu=True)}
     assert {check: line.status for check, line in lines.items()} == {
         "(a) capture full": "PASS", "(a) capture snapkv": "FAIL", "(b) tokens full vs stock": "PASS",
         "(b) tokens snapkv-eager vs snapkv": "PASS", "(b) stats snapkv": "PASS", "(b) stats snapkv-eager": "FAIL",
@@ -423,15 +424,67 @@ def test_the_checks_judge_what_the_servers_measured():
     assert gpu_smoke.check_syncs(results)[0].status == "FAIL"
 
 
+def test_a_rehearsal_reports_what_needs_a_gpu_as_not_on_cpu_and_passes_on_the_rest(tmp_path):
+    """On CPU: no capture and no graph replays to judge, the kernel tests not run; what a CPU runs is still
+    judged. On a GPU the same measurements FAIL. The exit code counts FAIL lines only."""
+    tokens = replies(([1, 2], [-1.0, -1.0], [[-1.0, -2.0], [-1.0, -2.0]]))
+    eager = {"requests_compressed": 4, "graph_decodes": 0, "decode_graph_fallbacks": 0, "overlap_waits": 4}
+    results = {
+        "stock": {"capture": {"captured": False}, "tokens": tokens},
+        "full": {"capture": {"captured": False}, "tokens": tokens},
+        "snapkv": {"capture": {"captured": False}, "tokens": tokens, "stats": eager},
+        "snapkv-eager": {"tokens": tokens, "stats": eager},
+    }  # fmt: skip
+    on_cpu = {line.check: line for line in gpu_smoke.checks(results, on_gpu=False)}
+    on_gpu = {line.check: line for line in gpu_smoke.checks(results, on_gpu=True)}
+    assert [on_cpu[f"(a) capture {name}"].status for name in ("full", "snapkv")] == [gpu_smoke.NOT_ON_CPU] * 2
+    assert [on_gpu[f"(a) capture {name}"].status for name in ("full", "snapkv")] == ["FAIL"] * 2
+    assert on_cpu["(b) stats snapkv"].status == "PASS" and "graph replays: not on CPU" in on_cpu["(b) stats snapkv"].detail
+    assert on_gpu["(b) stats snapkv"].status == "FAIL"  # a GPU server with graphs on must replay them
+    results["snapkv"]["stats"] = {**eager, "decode_graph_fallbacks": 1}
+    assert {line.check: line.status for line in gpu_smoke.checks(results, on_gpu=False)}["(b) stats snapkv"] == "FAIL"
+
+    smoke = gpu_smoke.Smoke(out=tmp_path, work=tmp_path, model=tmp_path, workload=None, rehearsal=True, budget=gpu_smoke.Budget(60))
+    kernels = gpu_smoke.kernel_tests_step(smoke)  # returns at once: no pytest started
+    assert [(line.check, line.status) for line in kernels] == [("(e) kernel tests", gpu_smoke.NOT_ON_CPU)]
+
+    Line = gpu_smoke.Line
+    rehearsal = [Line("imports", "PASS", ""), Line("model", "INFO", ""), *on_cpu.values(), *kernels]
+    assert {line.status for line in rehearsal} == {"PASS", "INFO", "NOT RUN", gpu_smoke.NOT_ON_CPU}  # (c), (d): not measured here
+    assert gpu_smoke.exit_code(rehearsal) == 0
+    assert gpu_smoke.exit_code([*rehearsal, Line("(c) syncs", "FAIL", "")]) == 1
+
+
+def random_model(folder: Path) -> Path:
+    """A tiny Llama with random weights, as the smoke run writes its own: no learned weights fit it."""
+    (folder / "config").mkdir(parents=True)
+    (folder / "config" / "config.json").write_text(json.dumps(TINY_LLAMA))
+    return gpu_smoke.write_random_checkpoint(folder / "config", folder / "model")
+
+
 def test_the_decode_step_slot_runs_the_quick_benchmark_on_the_smoke_model_with_the_gpu_flags(tmp_path):
     """Issue 38's per-step benchmark in the smoke run: its command parses in the benchmark's own parser,
-    short (--quick), on the run's model, every server with the smoke servers' GPU flags, report in $OUT."""
+    short (--quick), on the run's model, every server with the smoke servers' GPU flags, report in $OUT;
+    its compressing servers rank by a score that needs no weights, so the launcher's checks (learned
+    weights included) accept every server on a random model, where the default learned score is refused."""
     from benchmarks import decode_step
 
-    smoke = gpu_smoke.Smoke(out=tmp_path / "out", work=tmp_path / "work", model=tmp_path / "model", workload=None,
+    smoke = gpu_smoke.Smoke(out=tmp_path / "out", work=tmp_path / "work", model=random_model(tmp_path), workload=None,
                             rehearsal=False, budget=gpu_smoke.Budget(60))  # fmt: skip
     command = gpu_smoke.decode_step_command(smoke)
     assert command[1:3] == ["-m", "benchmarks.decode_step"]
-    args = decode_step.build_parser().parse_args(command[3:])
-    assert args.quick and args.model == str(tmp_path / "model") and args.out == tmp_path / "out"
+    parser = decode_step.build_parser()
+    args = parser.parse_args(command[3:])
+    assert args.quick and args.model == str(smoke.model) and args.out == tmp_path / "out"
     assert args.server_arg == gpu_smoke.common_flags(rehearsal=False)
+    parser.set_defaults(**decode_step.QUICK)
+    config = decode_step.config_from_args(parser.parse_args(command[3:]))
+    assert config.score == gpu_smoke.DECODE_STEP_SCORE != decode_step.LEARNED_SCORE
+    assert {decode_step.KEEP_ALL, "default-block"} <= set(config.variants)  # the ratios against keep-99 need it
+    decode_step.check_servers(config)
+    for name in config.variants:
+        flags = decode_step.server_variant(name, config.score).launcher_flags()
+        assert not any("learned" in flag for flag in flags), flags
+    learned = decode_step.config_from_args(parser.parse_args([*command[3:], "--score", "learned"]))
+    with pytest.raises(decode_step.ServerError, match="keep-99: --kv-evict-score learned: score 'learned' has no bundled weights"):
+        decode_step.check_servers(learned)
