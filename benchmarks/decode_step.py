@@ -405,6 +405,27 @@ def _dtypes_text(runs: Sequence[dict]) -> str:
     return "; ".join(f"{value} ({', '.join(labels)})" for value, labels in groups.items())
 
 
+def step_table(report: dict) -> list[str]:
+    """Per batch size, each variant's step and its tokens/s against stock's and keep-99's (markdown lines;
+    also docs/results.md's)."""
+    cfg, summary = report["meta"]["config"], report["summary"]
+    columns = _columns(cfg["variants"])
+    lines = ["| batch | " + " | ".join(header for header, _, _ in columns) + " |", "|---|" + "---|" * len(columns)]
+    for batch in cfg["batches"]:
+        cells = []
+        for _, variant, reference in columns:
+            rows = summary["steps"][variant]
+            row = rows.get(batch, rows.get(str(batch)))  # int keys in a run, strings once read back from its JSON
+            if row is None:
+                cells.append("-")
+            elif reference is None:
+                cells.append(f"{row['step_ms']:.1f} {_range(row['step_ms_by_round'], 0)}".strip())
+            else:
+                cells.append(_ratio_cell(row, reference))
+        lines.append(f"| {batch} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def markdown(report: dict) -> str:
     meta, summary = report["meta"], report["summary"]
     env, cfg = meta["environment"], meta["config"]
@@ -431,19 +452,7 @@ def markdown(report: dict) -> str:
         "against stock's and against keep-99's in the same round (median, range over rounds):",
         "",
     ]
-    columns = _columns(variants)
-    lines += ["| batch | " + " | ".join(header for header, _, _ in columns) + " |", "|---|" + "---|" * len(columns)]
-    for batch in cfg["batches"]:
-        cells = []
-        for _, variant, reference in columns:
-            row = summary["steps"][variant].get(batch)
-            if row is None:
-                cells.append("-")
-            elif reference is None:
-                cells.append(f"{row['step_ms']:.1f} {_range(row['step_ms_by_round'], 0)}".strip())
-            else:
-                cells.append(_ratio_cell(row, reference))
-        lines.append(f"| {batch} | " + " | ".join(cells) + " |")
+    lines += step_table(report)
     compressed = [
         f"{run['variant']} {run['samples']['stats'].get('compressed_tokens', 0)}"
         for run in report["runs"]

@@ -191,27 +191,13 @@ def _fmt(value: Optional[float], digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def markdown(report: dict) -> str:
-    meta, env = report["meta"], report["meta"]["environment"]
-    w = meta["workload"]
-    dirty = " (uncommitted changes)" if env.get("git_worktree_dirty") else ""
-    lines = [
-        *heading("SGLang's benchmark client: stock SGLang vs the plugin at equal KV memory", meta),
-        f"Machine: {env['cpu_model']}, {env['cpu_cores']} cores, GPU: {env['gpu']}. SGLang {env['sglang']}, "
-        f"torch {env['torch']}, sgl-kvevict {env['git_commit']}{dirty}, {env['date']}. Model `{meta['model']}`, "
-        f"every server with `--max-total-tokens {meta['pool_tokens']}`, one server at a time.",
-        "",
-        f"Client: `python -m sglang.benchmark.serving {' '.join(meta['client_args'])}`: {w['groups']} groups x "
-        f"{w['prompts_per_group']} chats x {w['turns']} turns ({w['groups'] * w['prompts_per_group'] * w['turns']} "
-        f"requests), {w['system_prompt_tokens']}-token shared system prompts, {w['question_tokens']}-token questions, "
-        f"{w['output_tokens']} output tokens, {w['concurrency']} chats in flight.",
-        "",
-    ]
+def tables(report: dict) -> list[str]:
+    """The per-server table and the ratios of this run (``ratios``), as markdown lines (also docs/results.md's)."""
     columns = [
         "server", "output tok/s", "TTFT median (s)", "TTFT p90 (s)", "ITL mean (ms)", "ITL median (ms)", "hit rate",
         "compressed nodes peak", *(column for _, column in STATS_COLUMNS), "leaks after flush",
     ]  # fmt: skip
-    lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for run in report["runs"]:
         if run["error"]:
             lines.append(f"| {run['label']} | failed: {run['error'].splitlines()[0]} |" + " |" * (len(columns) - 2))
@@ -232,6 +218,26 @@ def markdown(report: dict) -> str:
         lines += ["| comparison | " + " | ".join(name for _, name in RATIO_FIELDS) + " |", "|---|" + "---|" * len(RATIO_FIELDS)]
         for row in report["ratios"]:
             lines.append(f"| {row['comparison']} | " + " | ".join(_fmt(row[f]) for f, _ in RATIO_FIELDS) + " |")
+    return lines
+
+
+def markdown(report: dict) -> str:
+    meta, env = report["meta"], report["meta"]["environment"]
+    w = meta["workload"]
+    dirty = " (uncommitted changes)" if env.get("git_worktree_dirty") else ""
+    lines = [
+        *heading("SGLang's benchmark client: stock SGLang vs the plugin at equal KV memory", meta),
+        f"Machine: {env['cpu_model']}, {env['cpu_cores']} cores, GPU: {env['gpu']}. SGLang {env['sglang']}, "
+        f"torch {env['torch']}, sgl-kvevict {env['git_commit']}{dirty}, {env['date']}. Model `{meta['model']}`, "
+        f"every server with `--max-total-tokens {meta['pool_tokens']}`, one server at a time.",
+        "",
+        f"Client: `python -m sglang.benchmark.serving {' '.join(meta['client_args'])}`: {w['groups']} groups x "
+        f"{w['prompts_per_group']} chats x {w['turns']} turns ({w['groups'] * w['prompts_per_group'] * w['turns']} "
+        f"requests), {w['system_prompt_tokens']}-token shared system prompts, {w['question_tokens']}-token questions, "
+        f"{w['output_tokens']} output tokens, {w['concurrency']} chats in flight.",
+        "",
+    ]
+    lines += tables(report)
     lines += [
         "",
         f"![SGLang's benchmark client]({meta['name']}.png)",

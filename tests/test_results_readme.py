@@ -27,6 +27,15 @@ def test_rewrite_replaces_only_the_marked_part(tmp_path):
     assert "| full: not in this run | 6.04 | **0.73** | - | - |" in text
     assert text.count("`full` (the plugin's path with nothing evicted) is not in this run") >= 3
     assert "| 1.00 (12353) | lava:learned@0.25 | 11.66 | 0.49 | 0.75 | 12/24 (50 [31, 69]) | 2.24 | 0.12 | 0.99 | full: not in this run |" in text
+    # SGLang's client and the decode step: runs with full and keep-99, so the three ratios are shown.
+    client = json.loads((RESULTS / "sglang_client.json").read_text())
+    assert [row["comparison"] for row in client["ratios"]] == [
+        "full block / vanilla", "topk:learned@0.25 block / vanilla", "topk:learned@0.25 block / full block",
+    ]  # fmt: skip
+    for row in client["ratios"]:
+        assert f"| {row['comparison']} | {row['output_throughput']:.2f} |" in text
+    assert "### One decode step at equal batch and context" in text and "default-block / keep-99 tok/s" in text
+    assert "Attention backend per step against keep-99's (py-spy profile, batch 8): default-block" in text
 
 
 def test_the_committed_results_page_is_up_to_date(tmp_path):
