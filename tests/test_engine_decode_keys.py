@@ -148,10 +148,21 @@ def test_decode_in_buckets_attends_as_the_formula(monkeypatch, overhead):
     scenario = build_scenario(DECODE, ForwardMode.DECODE, NUM_KV_HEADS, GROUP)
     backend = torch_backend(scenario)
     assert_attends_as_the_formula(backend, scenario)
-    most_calls = max(len(buckets) for buckets in backend.decode_buckets)
+    most_calls = max(len(backend.decode_keys.layer_buckets(layer)) for layer in range(NUM_LAYERS))
     assert most_calls == 1 if overhead else most_calls > 2
-    scenario = next_step(scenario, backend, seed=1)
+    for step in (1, 2):  # appended to: the buckets are carried, each one key wider, and stay exact
+        scenario = next_step(scenario, backend, seed=step)
+        assert backend._decode_keys.builds == 1 and backend.decode_keys.buckets is not None
+        assert_attends_as_the_formula(backend, scenario)
+        assert_same_buckets(backend.decode_keys.buckets, batch_module.key_buckets(backend.decode_keys.ends))
+    scenario = next_step(scenario, backend, seed=3, keep=[0, 2])  # carried over, appended to in part
     assert_attends_as_the_formula(backend, scenario)
+    assert_same_buckets(backend.decode_keys.buckets, batch_module.key_buckets(backend.decode_keys.ends))
+
+
+def assert_same_buckets(kept, fresh) -> None:
+    as_lists = lambda layers: [[(None if b.sequences is None else b.sequences.tolist(), b.width) for b in layer] for layer in layers]  # noqa: E731
+    assert as_lists(kept) == as_lists(fresh)
 
 
 def recorded_builds(monkeypatch) -> list[list[int]]:

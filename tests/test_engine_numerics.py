@@ -33,7 +33,7 @@ def test_decode_errs_against_float64_no_more_than_stock_sdpa(dtype):
     slots = torch.arange(length)
     rows = space.entry_rows(torch.zeros(1, 1, 1), slots.view(1, 1, -1), torch.arange(heads).view(1, -1, 1))  # [1, H_kv, L]
     decode_keys = batch_module.DecodeKeys.of_rows(rows, torch.full((1, heads), length), [length], space)
-    backend = SimpleNamespace(decode_keys=decode_keys, decode_buckets=batch_module.key_buckets(decode_keys.ends), cell_rows=(space.k_rows, space.v_rows))
+    backend = SimpleNamespace(decode_keys=decode_keys, cell_rows=(space.k_rows, space.v_rows))
     layer = SimpleNamespace(layer_id=0, tp_q_head_num=heads * group, tp_k_head_num=heads, scaling=dim**-0.5)
     ours = KVEvictTorchBackend._decode_attention(backend, queries.unsqueeze(0), layer)[0]
     stock = scaled_dot_product_attention(

@@ -192,6 +192,51 @@ class DenseBatch:
         return cls(slots, positions, query_positions)
 
 
+# A bucket is a few tensor calls per layer whatever its size: on CPU their overhead is about that of
+# attending this many more keys, so sequences of nearly one length share one padded call.
+BUCKET_OVERHEAD_KEYS = 1024
+# Before merging, a layer's sequences (sorted by key count) are cut into this many groups of equal size.
+MOST_BUCKETS = 8
+
+
+@dataclass(frozen=True)
+class KeyBucket:
+    """Sequences of one layer attended in one padded call: ``sequences`` int64 ``[n]`` (None: every sequence,
+    in order) and ``width``, the most keys one of them has."""
+
+    sequences: Optional[torch.Tensor]
+    width: int
+
+
+def key_buckets(ends: torch.Tensor) -> list[list[KeyBucket]]:
+    """Per layer, its sequences grouped by key count, each group padded only to its own longest: the cost of a
+    decode step's attention follows the keys kept (a global top-k keeps very different counts per layer and
+    head), not the longest sequence of the batch.
+
+    ends int64 ``[L, S]``: the keys of each sequence. A layer's sequences sorted by count are cut into
+    ``MOST_BUCKETS`` groups of equal size; from the longest down, a group joins the bucket above it where the
+    padding that adds costs no more than a bucket's own overhead (``BUCKET_OVERHEAD_KEYS``)."""
+    num_layers, sequences = ends.shape
+    counts, order = torch.sort(ends, dim=1, stable=True)  # ties in sequence order: the same groups every step
+    groups = min(MOST_BUCKETS, sequences)
+    bounds = [0] + [sequences * (group + 1) // groups for group in range(groups)]  # in sorted order
+    widths = counts[:, [bound - 1 for bound in bounds[1:]]].tolist()  # [L, groups], host ints
+    buckets = []
+    for layer in range(num_layers):
+        merged: list[list[int]] = []  # [start, end, width] in sorted order, the longest first
+        for group in reversed(range(groups)):
+            start, end, width = bounds[group], bounds[group + 1], widths[layer][group]
+            if merged and (end - start) * (merged[-1][2] - width) <= BUCKET_OVERHEAD_KEYS:
+                merged[-1][0] = start
+            else:
+                merged.append([start, end, width])
+        if len(merged) == 1:
+            buckets.append([KeyBucket(None, merged[0][2])])
+        else:
+            buckets.append([KeyBucket(order[layer, start:end], width) for start, end, width in merged])
+    return buckets
+
+
 @dataclass
 class DecodeKeys:
     """Every request of a decode batch as ``B * H_kv`` key sequences in the pool's cell space (``CellSpace``),
@@ -209,6 +254,9 @@ class DecodeKeys:
         over the group's queries).
     ends int64 ``[L, B * H_kv]``: the keys of each sequence, i.e. where its next key goes.
     longest: per request, its longest sequence (host ints); ``W - max(longest)`` more steps fit.
+    buckets: per layer, its sequences grouped by key count (``key_buckets``), computed when first asked for
+        (a host read of ``ends``) and kept while every sequence grows by one key per step, so that a
+        decode step of the same requests reads nothing back from the device.
     """
 
     rows: torch.Tensor
@@ -216,6 +264,13 @@ class DecodeKeys:
     ends: torch.Tensor
     longest: list[int]
     space: CellSpace
+    buckets: Optional[list[list[KeyBucket]]] = None
+
+    def layer_buckets(self, layer: int) -> list[KeyBucket]:
+        """Layer ``layer``'s buckets (``key_buckets``)."""
+        if self.buckets is None:
+            self.buckets = key_buckets(self.ends)
+        return self.buckets[layer]
 
     @property
     def room(self) -> int:
@@ -300,51 +355,10 @@ class DecodeKeys:
         self.ends.view(-1).index_add_(0, flat.view(-1), torch.ones_like(flat.view(-1)))
         for request in requests:
             self.longest[request] += 1
-
-
-# A bucket is a few tensor calls per layer whatever its size: on CPU their overhead is about that of
-# attending this many more keys, so sequences of nearly one length share one padded call.
-BUCKET_OVERHEAD_KEYS = 1024
-# Before merging, a layer's sequences (sorted by key count) are cut into this many groups of equal size.
-MOST_BUCKETS = 8
-
-
-@dataclass(frozen=True)
-class KeyBucket:
-    """Sequences of one layer attended in one padded call: ``sequences`` int64 ``[n]`` (None: every sequence,
-    in order) and ``width``, the most keys one of them has."""
-
-    sequences: Optional[torch.Tensor]
-    width: int
-
-
-def key_buckets(ends: torch.Tensor) -> list[list[KeyBucket]]:
-    """Per layer, its sequences grouped by key count, each group padded only to its own longest: the cost of a
-    decode step's attention follows the keys kept (a global top-k keeps very different counts per layer and
-    head), not the longest sequence of the batch.
-
-    ends int64 ``[L, S]``: the keys of each sequence. A layer's sequences sorted by count are cut into
-    ``MOST_BUCKETS`` groups of equal size; from the longest down, a group joins the bucket above it where the
-    padding that adds costs no more than a bucket's own overhead (``BUCKET_OVERHEAD_KEYS``)."""
-    num_layers, sequences = ends.shape
-    counts, order = torch.sort(ends, dim=1)
-    groups = min(MOST_BUCKETS, sequences)
-    bounds = [0] + [sequences * (group + 1) // groups for group in range(groups)]  # in sorted order
-    widths = counts[:, [bound - 1 for bound in bounds[1:]]].tolist()  # [L, groups], host ints
-    buckets = []
-    for layer in range(num_layers):
-        merged: list[list[int]] = []  # [start, end, width] in sorted order, the longest first
-        for group in reversed(range(groups)):
-            start, end, width = bounds[group], bounds[group + 1], widths[layer][group]
-            if merged and (end - start) * (merged[-1][2] - width) <= BUCKET_OVERHEAD_KEYS:
-                merged[-1][0] = start
-            else:
-                merged.append([start, end, width])
-        if len(merged) == 1:
-            buckets.append([KeyBucket(None, merged[0][2])])
-        else:
-            buckets.append([KeyBucket(order[layer, start:end], width) for start, end, width in merged])
-    return buckets
+        if len(requests) * heads < sequences:
+            self.buckets = None  # some sequences grew, others did not: grouped again when next asked
+        elif self.buckets is not None:  # every sequence one key longer: each bucket's longest too
+            self.buckets = [[dataclasses.replace(bucket, width=bucket.width + 1) for bucket in layer] for layer in self.buckets]
 
 
 class DecodeKeysCache:

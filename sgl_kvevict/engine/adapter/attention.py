@@ -36,9 +36,7 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from torch.nn.functional import scaled_dot_product_attention
 
-from sgl_kvevict.engine.batch import (
-    CellBatchCache, DecodeKeys, DecodeKeysCache, DenseBatch, KeyBucket, RequestSlice, SegmentMetadata, key_buckets,
-)  # fmt: skip
+from sgl_kvevict.engine.batch import CellBatchCache, DecodeKeys, DecodeKeysCache, DenseBatch, RequestSlice, SegmentMetadata
 from sgl_kvevict.engine.adapter.pool import cell_space_of
 from sgl_kvevict.engine.cells import CellSpace
 from sgl_kvevict.engine.coordinator import CompressionCoordinator
@@ -191,7 +189,6 @@ class KVEvictTorchBackend(SegmentAttentionBackend, TorchNativeAttnBackend):
 
     dense: DenseBatch | None = None
     decode_keys: DecodeKeys | None = None
-    decode_buckets: list[list[KeyBucket]] | None = None  # per layer, this decode step's (``key_buckets``)
 
     def __init__(self, model_runner):
         super().__init__(model_runner)
@@ -204,7 +201,6 @@ class KVEvictTorchBackend(SegmentAttentionBackend, TorchNativeAttnBackend):
             self.decode_keys = self._decode_keys.of(
                 forward_batch.rids, forward, to_token, self.cell_space, forward_batch.out_cache_loc
             )
-            self.decode_buckets = key_buckets(self.decode_keys.ends)
         else:
             self.dense = DenseBatch.of(forward.compressed, to_token)
 
@@ -246,7 +242,7 @@ class KVEvictTorchBackend(SegmentAttentionBackend, TorchNativeAttnBackend):
         group = layer.tp_q_head_num // layer.tp_k_head_num
         q = queries.reshape(sequences, group, -1).float()  # query head h * G + g is KV head h's g-th
         out = None
-        for bucket in self.decode_buckets[layer.layer_id]:
+        for bucket in keys.layer_buckets(layer.layer_id):
             chosen, width = bucket.sequences, bucket.width
             bucket_rows, bucket_mask, bucket_q = rows[:, :width], mask[..., :width], q
             if chosen is not None:
