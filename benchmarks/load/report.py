@@ -166,10 +166,14 @@ def attribution_pairs(
     return pairs
 
 
+def _ratio_row(rows: Sequence[dict], comparison: str, pool_tokens: int) -> Optional[dict]:
+    """The row of ``rows`` (``ratios``, as a result file holds them) comparing ``comparison`` at ``pool_tokens``."""
+    return next((r for r in rows if r["comparison"] == comparison and r["pool_tokens"] == pool_tokens), None)
+
+
 def versus_stock(rows: Sequence[dict], run: dict) -> dict:
     """The ratio row of ``run`` (as a result file holds it) against vanilla at its pool; {} for vanilla."""
-    comparison = f"{run['label']} / vanilla"
-    return next((r for r in rows if r["comparison"] == comparison and r["pool_tokens"] == run["pool_tokens"]), {})
+    return _ratio_row(rows, f"{run['label']} / vanilla", run["pool_tokens"]) or {}
 
 
 # The sweep tables' ratios against full: (ratio row field, what it is).
@@ -188,8 +192,7 @@ def versus_full(rows: Sequence[dict], runs: Sequence[dict], run: dict) -> str:
     if variant.is_vanilla or variant.is_full:
         return "-"
     full = variant.full_counterpart.label
-    comparison = f"{variant.label} / {full}"
-    row = next((r for r in rows if r["comparison"] == comparison and r["pool_tokens"] == run["pool_tokens"]), None)
+    row = _ratio_row(rows, f"{variant.label} / {full}", run["pool_tokens"])
     if row is not None:
         return " / ".join(_fmt(row[name]) for name, _ in VERSUS_FULL)
     served = any(r["label"] == full and r["pool_tokens"] == run["pool_tokens"] for r in runs)
