@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 # Layer kinds of ``layer_types`` that hold attention KV; any other kind (linear_attention, mamba,
 # conv, ...) keeps recurrent state.
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
+# Model types whose local layers SGLang 0.5.23 keeps in the one KV pool (not a hybrid SWA pool), which
+# the plugin serves by trimming those layers to their window (``sgl_kvevict.local_layers``): Gemma 3,
+# text-only and multimodal. Gemma 2 is not among them (see ``model_facts``).
+ONE_POOL_LOCAL_LAYER_MODELS = frozenset({"gemma3", "gemma3_text"})
 # Config fields of the state-space and linear-attention families (Jamba, Falcon-H1, Nemotron-H:
 # mamba_*; Qwen3-Next: linear_conv_kernel_dim; Kimi Linear: linear_attn_config).
 STATE_SPACE_FIELD_PREFIXES = ("mamba_", "ssm_", "linear_conv", "linear_attn")
@@ -35,10 +39,14 @@ def model_facts(config: Mapping[str, Any]) -> dict[str, bool]:
         # Local layers: layer_types (Gemma 3, gpt-oss, Cohere 2 as transformers 5 saves them), Gemma's
         # older pattern field, HF's hybrid cache marker (Gemma 2), Llama 4's chunked attention. A bare
         # sliding_window (Mistral, Phi-3) is not one: SGLang's models for those attend globally.
-        "sliding_window_layers": bool(layer_types & {"sliding_attention", "chunked_attention"})
-        or text.get("sliding_window_pattern") is not None
-        or text.get("cache_implementation") == "hybrid"
-        or text.get("attention_chunk_size") is not None,
+        # Gemma 3's are served (``local_attention_layers``).
+        "sliding_window_layers": (
+            bool(layer_types & {"sliding_attention", "chunked_attention"})
+            or text.get("sliding_window_pattern") is not None
+            or text.get("cache_implementation") == "hybrid"
+            or text.get("attention_chunk_size") is not None
+        )
+        and config.get("model_type") not in ONE_POOL_LOCAL_LAYER_MODELS,
         "state_space_layers": bool(layer_types - ATTENTION_LAYER_TYPES)
         or any(key.startswith(STATE_SPACE_FIELD_PREFIXES) for key in text),
     }
@@ -47,3 +55,24 @@ def model_facts(config: Mapping[str, Any]) -> dict[str, bool]:
 def model_facts_of(model_dir: Path) -> dict[str, bool]:
     """``model_facts`` of the config.json in ``model_dir``."""
     return model_facts(json.loads((Path(model_dir) / "config.json").read_text()))
+
+
+def local_layers_of_config(config: Mapping[str, Any]) -> Optional[tuple[tuple[int, ...], int]]:
+    """``(local layer indices, window)`` of a model whose local layers the plugin trims (Gemma 3), from its
+    parsed config.json; None for any other model. A config without ``layer_types`` (as the Hub ships
+    Gemma 3) derives them from ``sliding_window_pattern`` as transformers does: every ``pattern``-th layer
+    is global."""
+    if config.get("model_type") not in ONE_POOL_LOCAL_LAYER_MODELS:
+        return None
+    text = config.get("text_config") or config
+    layer_types = text.get("layer_types")
+    if not layer_types:
+        pattern = int(text.get("sliding_window_pattern", 6))
+        layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(text["num_hidden_layers"])]
+    local = tuple(index for index, kind in enumerate(layer_types) if kind == "sliding_attention")
+    return (local, int(text["sliding_window"])) if local and text.get("sliding_window") else None
+
+
+def local_attention_layers(model_dir: Path) -> Optional[tuple[tuple[int, ...], int]]:
+    """``local_layers_of_config`` of the config.json in ``model_dir``."""
+    return local_layers_of_config(json.loads((Path(model_dir) / "config.json").read_text()))

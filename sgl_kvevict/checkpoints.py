@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Mapping
 
 import torch
@@ -100,8 +101,12 @@ class TinyArchitecture:
     head_dim: int = 16
     fields: Mapping[str, Any] = field(default_factory=dict)
 
-    def config(self, num_layers: int = 2, num_q_heads: int = 4, num_kv_heads: int = 2, vocab_size: int = 512):
-        """Its transformers config at these sizes, with the tiny tokenizer's vocabulary and special tokens."""
+    def config(
+        self, num_layers: int = 2, num_q_heads: int = 4, num_kv_heads: int = 2, vocab_size: int = 512,
+        overrides: Mapping[str, Any] = MappingProxyType({}),
+    ):  # fmt: skip
+        """Its transformers config at these sizes, with the tiny tokenizer's vocabulary and special tokens;
+        ``overrides``: config fields over the architecture's own (e.g. Gemma 3's ``layer_types``)."""
         import transformers
 
         tokenizer = tiny_tokenizer(vocab_size)
@@ -121,7 +126,7 @@ class TinyArchitecture:
             tie_word_embeddings=False,
             dtype="float32",
         )
-        return getattr(transformers, self.config_class)(**{**common, **self.fields})
+        return getattr(transformers, self.config_class)(**{**common, **self.fields, **overrides})
 
 
 # The model most tests run: head dim 16, hidden size 64.
@@ -146,7 +151,7 @@ COMPATIBILITY_MATRIX = (
     TinyArchitecture("phi3", "Phi-3", "Phi-3-mini-4k-instruct", "Phi3Config", "Phi3ForCausalLM",
                      head_dim=96, fields=dict(sliding_window=2047)),
     TinyArchitecture("gemma3", "Gemma 3", "gemma-3-1b-it (text)", "Gemma3TextConfig", "Gemma3ForCausalLM",
-                     head_dim=256, fields=dict(hidden_size=128, sliding_window=64, query_pre_attn_scalar=256,
+                     head_dim=256, fields=dict(hidden_size=128, sliding_window=64, query_pre_attn_scalar=256, tie_word_embeddings=True,
                                                layer_types=["sliding_attention", "full_attention"])),
     TinyArchitecture("gpt-oss", "gpt-oss", "gpt-oss-20b, gpt-oss-120b", "GptOssConfig", "GptOssForCausalLM",
                      fields=dict(sliding_window=64, num_local_experts=2, num_experts_per_tok=1,
@@ -174,13 +179,14 @@ def build_tiny_model(
     num_kv_heads: int = 2,
     vocab_size: int = 512,
     seed: int = 0,
+    overrides: Mapping[str, Any] = MappingProxyType({}),
 ) -> Path:
     """A random-weight fp32 model of ``TINY_ARCHITECTURES[architecture]`` with a real tokenizer, for
-    fast tests. Returns ``out_dir``."""
+    fast tests (``overrides``: config fields, ``TinyArchitecture.config``). Returns ``out_dir``."""
     import transformers
 
     arch = TINY_ARCHITECTURES[architecture]
-    config = arch.config(num_layers, num_q_heads, num_kv_heads, vocab_size)
+    config = arch.config(num_layers, num_q_heads, num_kv_heads, vocab_size, overrides)
     torch.manual_seed(seed)
     model = getattr(transformers, arch.model_class)(config).to(torch.float32)
     model.save_pretrained(out_dir, safe_serialization=True)

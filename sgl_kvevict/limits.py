@@ -72,7 +72,9 @@ class SetupFacts:
     attention_backend_wrapped: bool = True
     # The model's KV: decided by its architecture (``architectures.model_facts`` reads them from config.json).
     mla_model: bool = False  # multi-head latent attention: one latent per token, not K and V per KV head
-    sliding_window_layers: bool = False  # local (sliding-window or chunked) attention layers
+    sliding_window_layers: bool = False  # local (sliding-window or chunked) attention layers, but Gemma 3's
+    # Gemma 3's local layers (trimmed to their window, ``local_layers.py``) under the CUDA backend or TP
+    local_layers_elsewhere: bool = False
     state_space_layers: bool = False  # Mamba or linear-attention layers beside attention
 
 
@@ -139,9 +141,13 @@ _MLA = (
     "KV head: there is nothing to keep per head, and their pool is not the per-head layout cells address"
 )
 _SLIDING_WINDOW_LAYERS = (
-    "local attention layers (Gemma 2/3, gpt-oss, Llama 4's chunked layers) attend over the last positions' dense "
-    "slots, or a pool of their own, and a compressed segment has given its slots back; compressing only the global "
-    "layers is not implemented"
+    "local attention layers in a pool of their own (gpt-oss, Llama 4's chunked layers: SGLang's hybrid SWA pools) "
+    "or with Gemma 2's soft-capped attention are not served; Gemma 3's, in the one pool, are (trimmed to their "
+    "window)"
+)
+_LOCAL_LAYERS_ELSEWHERE = (
+    "Gemma 3's local layers are trimmed to their window and attended by position only in the torch backend "
+    "(torch_native) on one rank; the FlashInfer path and tensor parallelism do not window them yet"
 )
 
 # The first-version limits (page size 1, no prefill graphs),
@@ -205,6 +211,7 @@ LIMITS = (
           lambda f: not f.attention_backend_wrapped),
     Limit("MLA models", _MLA, (), lambda f: f.mla_model),
     Limit("sliding-window layers", _SLIDING_WINDOW_LAYERS, (), lambda f: f.sliding_window_layers),
+    Limit("local layers off the torch backend", _LOCAL_LAYERS_ELSEWHERE, (), lambda f: f.local_layers_elsewhere),
     Limit("state-space layers",
           "Mamba and linear-attention layers (Qwen3-Next, Falcon-H1, Jamba, Nemotron-H) keep a recurrent state per "
           "request beside the KV pool, which the compressed tree neither stores nor restores",

@@ -118,6 +118,11 @@ class RankCounts:
         window = self.cumulative[:, start - self.start : end - self.start + 1]
         return RankCounts(start, window - window[:, :1], self.entries_per_position)
 
+    def plus(self, other: "RankCounts") -> "RankCounts":
+        """The counts of both sets of entries of the same segment, on the same ranks."""
+        assert self.start == other.start and self.cumulative.shape == other.cumulative.shape
+        return RankCounts(self.start, self.cumulative + other.cumulative, self.entries_per_position)
+
     def keeps_everything(self) -> bool:
         """Whether the ranks together keep every entry of the segment (nothing to compress)."""
         return int(self.per_rank().sum()) == self.length * self.entries_per_position

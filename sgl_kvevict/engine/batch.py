@@ -8,6 +8,8 @@ the attention backends build from them once per forward.
   and the ``CellBatch`` of their cells of every layer. The torch backend adds a ``DenseBatch`` in an
   extend and ``DecodeKeys`` in a decode; the FlashInfer backend plans its own dense layout. All read a
   request's dense keys through ``RequestSlice.dense_keys``.
+* ``WindowKeys`` (the torch backend's, for a model with local attention layers): per request, the keys
+  its local layers read, every position of its queries' windows.
 * ``DecodeKeys`` (the torch backend's decode): every request's keys, cells and dense positions alike,
   as rows of the pool's cell space, kept across decode steps (``DecodeKeysCache``): a step appends each
   request's new token in place.
@@ -28,6 +30,7 @@ import torch
 from sgl_kvevict.engine.cells import CellSpace
 from sgl_kvevict.engine.host_copies import to_device
 from sgl_kvevict.engine.segments import PathView, ranges_to_positions
+from sgl_kvevict.local_layers import LocalLayers
 
 # Decode steps a ``DecodeKeys`` has room for before it is built again (its padding past the longest sequence).
 DECODE_STEPS_OF_ROOM = 64
@@ -190,6 +193,62 @@ class DenseBatch:
             [torch.arange(r.first_query_position, r.seq_len, device=device) for r in requests]
         )
         return cls(slots, positions, query_positions)
+
+
+@dataclass(frozen=True)
+class WindowKeys:
+    """The keys local (sliding-window) layers read in one forward (the torch backend's, for a model with
+    ``LocalLayers``): per request, every position from its first query's window start to its last query,
+    dense slots and compressed cells alike, as rows of the pool's cell space. A compressed node keeps the
+    same positions in every KV head of a local layer, its last ``window`` (``sgl_kvevict.local_layers``),
+    so every position a local query reads is a dense slot or one of those cells.
+
+    rows int64 ``[L_local, B, H_kv, K]``; positions int64 ``[B, K]``: a padded key repeats its request's
+    last key at its request's length, past every query, so the causal mask hides it; layer_rows: a
+    model layer's index into ``rows``.
+    """
+
+    rows: torch.Tensor
+    positions: torch.Tensor
+    layer_rows: dict[int, int]
+
+    @classmethod
+    def of(cls, requests: tuple[RequestSlice, ...], req_to_token: torch.Tensor, space: CellSpace, local: LocalLayers) -> "WindowKeys":
+        device = req_to_token.device
+        layers = torch.tensor(local.layers, device=device).view(-1, 1, 1)
+        heads = torch.arange(space.num_kv_heads, device=device).view(1, -1, 1)
+        spans = [(max(0, request.first_query_position - local.window + 1), request.seq_len) for request in requests]
+        width = max(end - start for start, end in spans)
+        rows, positions = [], []
+        for request, (start, end) in zip(requests, spans):
+            own = torch.arange(start, end, device=device)
+            request_rows = space.entry_rows(layers, req_to_token[request.row, own].to(torch.int64).view(1, 1, -1), heads)
+            if request.view is not None:
+                _read_compressed(request_rows, request.view, own, local.layers)
+            padding = width - (end - start)
+            rows.append(torch.cat([request_rows, request_rows[..., -1:].expand(-1, -1, padding)], dim=2))
+            positions.append(torch.cat([own, torch.full((padding,), end, device=device)]))
+        return cls(torch.stack(rows, dim=1), torch.stack(positions), {layer: index for index, layer in enumerate(local.layers)})
+
+
+def _read_compressed(rows: torch.Tensor, view: PathView, positions: torch.Tensor, local_layers: tuple[int, ...]) -> None:
+    """Point ``rows`` ``[L_local, H_kv, n]`` at the cells of ``view`` wherever ``positions`` ``[n]`` fall in one
+    of its compressed segments (every KV head of a local layer keeps the same positions there)."""
+    inside = torch.zeros_like(positions, dtype=torch.bool)
+    for start, end in view.ranges:
+        inside |= (positions >= start) & (positions < end)
+    wanted = positions[inside]
+    if not len(wanted):
+        return
+    num_kv_heads = view.counts.shape[1]
+    for index, layer in enumerate(local_layers):
+        first, last = view.layer_offsets[layer], view.layer_offsets[layer + 1]
+        cells = view.cells[first:last].view(num_kv_heads, -1)  # [H_kv, kept], the same positions per head
+        kept = view.positions[first : first + cells.shape[1]]
+        found = torch.searchsorted(kept, wanted).clamp(max=max(len(kept) - 1, 0))
+        if not len(kept) or not torch.equal(kept[found], wanted):
+            raise RuntimeError(f"layer {layer}: a local query's window reads a position its compressed node dropped")
+        rows[index][:, inside] = cells[:, found]
 
 
 # A bucket is a few tensor calls per layer whatever its size: on CPU their overhead is about that of

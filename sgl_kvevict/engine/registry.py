@@ -18,6 +18,7 @@ from sgl_kvevict.engine.cells import CellSpace
 from sgl_kvevict.engine.coordinator import CompressionCoordinator
 from sgl_kvevict.engine.setups import Setups
 from sgl_kvevict.engine.stats import EngineStats
+from sgl_kvevict.local_layers import LocalLayers
 
 
 class SegmentStore(Protocol):
@@ -44,6 +45,7 @@ class Engine:
     space: CellSpace
     setups: Setups
     stats: EngineStats
+    local_layers: Optional[LocalLayers] = None  # the model's local attention layers (Gemma 3), read by the backends
 
 
 _ENGINES: "weakref.WeakKeyDictionary[object, Engine]" = weakref.WeakKeyDictionary()

@@ -85,6 +85,13 @@ class CompressedSegment:
         num_kv_heads = self.counts.shape[1]
         return torch.repeat_interleave(torch.arange(num_kv_heads).repeat(self.counts.shape[0]), self.counts.flatten())
 
+    def layer_positions(self, layer: int, head: int = 0) -> torch.Tensor:
+        """int64: the positions KV head ``head`` of ``layer`` keeps, ascending."""
+        flat = self.counts.flatten()
+        group = layer * self.counts.shape[1] + head
+        first = int(flat[:group].sum())
+        return self.positions[first : first + int(flat[group])]
+
     def relocate(self, indices: torch.Tensor, cells: torch.Tensor) -> None:
         """Entries ``indices`` now live in ``cells`` (called by the arena)."""
         self.cells[indices] = cells
@@ -110,6 +117,21 @@ class CompressedSegment:
             taken.append(torch.cat([mask.nonzero().squeeze(1), spares[:wanted]]))
             spares = spares[wanted:]
         return Split(parts, tuple(taken))
+
+    def merged(self, other: "CompressedSegment") -> tuple["CompressedSegment", torch.Tensor, torch.Tensor]:
+        """This segment's entries and ``other``'s (the same range, no entry in both, no spare cells) as one
+        segment, cells not yet assigned; and where each one's entries are in it (int64 ``[n]``, ``[m]``):
+        a split head gaining the local layers' window before the split (``local_layers.window_before``)."""
+        assert (self.start, self.length) == (other.start, other.length) and self.num_cells == self.num_entries
+        num_kv_heads = self.counts.shape[1]
+        groups = torch.cat([self.layer_ids() * num_kv_heads + self.head_ids(), other.layer_ids() * num_kv_heads + other.head_ids()])
+        positions = torch.cat([self.positions, other.positions])
+        order = torch.argsort(groups * (self.end + 1) + positions)  # layer-major, then head, then position
+        where = torch.empty_like(order)
+        where[order] = torch.arange(len(order))
+        counts = self.counts + other.counts
+        merged = CompressedSegment(self.start, self.length, counts, positions[order], self.rank_counts.plus(other.rank_counts))
+        return merged, where[: self.num_entries], where[self.num_entries :]
 
     def _part(self, mask: torch.Tensor, start: int, end: int) -> "CompressedSegment":
         """The entries ``mask`` as the segment of ``[start, end)``."""

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 from sgl_kvevict.config import EvictionConfig, build_policy
+from sgl_kvevict.local_layers import LocalLayers, WindowedLocalLayers
 from sgl_kvevict.policies.base import Policy
 from sgl_kvevict.request_options import AllowList, RequestOptionsRefused, RequestSetups, options_text
 from sgl_kvevict.scoring.window import StatsRequest
@@ -38,11 +39,13 @@ class EvictionSetup:
     def of(
         cls, config: EvictionConfig, model_dir: Optional[Path] = None, heads: Optional[tuple[int, ...]] = None
     ) -> "EvictionSetup":
-        """``model_dir``: the served model, for policies bound to it (a learned scorer's weights);
+        """``model_dir``: the served model, for policies bound to it (a learned scorer's weights, its local
+        layers);
         ``heads``: the model's KV heads this tensor-parallel rank holds (None: all of them)."""
         policy = build_policy(config)
         if model_dir is not None:
-            policy = policy.for_model(model_dir)
+            # Local attention layers keep what their window can still read, whatever the policy (Gemma 3).
+            policy = WindowedLocalLayers.wrap(policy.for_model(model_dir), LocalLayers.of_model(model_dir))
         if heads is not None:
             policy = policy.for_heads(heads)
         return cls(config, policy, policy.stats_request())

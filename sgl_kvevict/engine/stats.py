@@ -88,12 +88,14 @@ class EngineStats:
             self.compressed_nodes_created += 1
             self.served_histogram[1] += 1
 
-    def node_split(self, served: int, extra_cells: int) -> None:
+    def node_split(self, served: int, extra_cells: int, added_entries: int = 0) -> None:
         """A compressed node that had served ``served`` requests was split: its head is a new node with
         the same history; tokens are only partitioned, cells too but for ``extra_cells`` more reserved
-        (tensor parallelism: ``segments.Split``)."""
+        (tensor parallelism: ``segments.Split``) and ``added_entries`` the head gained (local layers'
+        window before the split), each in a cell of its own."""
         with self.lock:
-            self.kept_cells += extra_cells
+            self.kept_cells += extra_cells + added_entries
+            self.kept_entries += added_entries
             self.compressed_nodes += 1
             self.compressed_nodes_created += 1
             self.served_histogram[served] += 1

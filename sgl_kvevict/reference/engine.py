@@ -27,6 +27,7 @@ from typing import Optional, Sequence
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from sgl_kvevict.local_layers import LocalLayers, WindowedLocalLayers
 from sgl_kvevict.models import resolve_model
 from sgl_kvevict.plan import CompressionPlan
 from sgl_kvevict.policies.base import Policy, SegmentSpec
@@ -43,7 +44,7 @@ from sgl_kvevict.reference.keep_mask import HeadwiseKeepMask
 from sgl_kvevict.reference.schedule import Mode, Schedule, Segment
 from sgl_kvevict.scoring.kvzip import NoRoomForPasses, ReconstructionPrompt, reconstruction_chunks
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("gemma3_text", "llama", "mistral", "phi3", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,8 @@ class ReferenceEngine:
         self.num_q_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads or config.num_attention_heads
         self.context_length = config.max_position_embeddings
+        # Local attention layers (Gemma 3): plans keep what their window can read, as the server's do.
+        self.local_layers = LocalLayers.of_model(self.model_dir)
         eos = self.model.generation_config.eos_token_id
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else eos or ())
 
@@ -167,7 +170,7 @@ class ReferenceEngine:
         if segments and policy is None:
             raise ValueError("compressing segments needs a policy")
         if policy is not None:
-            policy = policy.for_model(self.model_dir)
+            policy = WindowedLocalLayers.wrap(policy.for_model(self.model_dir), self.local_layers)
         scorings = [SegmentScoring.start(policy, self._spec(segment)) for segment in segments]
         for scoring in scorings:
             self._check_inside_forward(scoring, start, end)

@@ -36,7 +36,15 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from torch.nn.functional import scaled_dot_product_attention
 
-from sgl_kvevict.engine.batch import CellBatchCache, DecodeKeys, DecodeKeysCache, DenseBatch, RequestSlice, SegmentMetadata
+from sgl_kvevict.engine.batch import (
+    CellBatchCache,
+    DecodeKeys,
+    DecodeKeysCache,
+    DenseBatch,
+    RequestSlice,
+    SegmentMetadata,
+    WindowKeys,
+)
 from sgl_kvevict.engine.adapter.pool import cell_space_of
 from sgl_kvevict.engine.cells import CellSpace
 from sgl_kvevict.engine.coordinator import CompressionCoordinator
@@ -53,12 +61,14 @@ def dense_attention(
     query_positions: torch.Tensor,
     key_positions: torch.Tensor,
     scaling: float,
+    window_left: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention by logical position, with its log-sum-exp, in fp32; batched over requests.
 
     q ``[B, T, H_q, D]``; keys ``[B, L, H_kv, D]``, values ``[B, L, H_kv, D_v]``; query_positions ``[B, T]``,
     key_positions ``[B, L]``: query ``t`` of request ``b`` sees key ``p`` iff
-    ``key_positions[b, p] <= query_positions[b, t]``. Returns out fp32 ``[B, T, H_q, D_v]`` (rounded only
+    ``key_positions[b, p] <= query_positions[b, t]``, and, with ``window_left`` (a local layer's, SGLang's
+    ``sliding_window_size``), ``key_positions[b, p] >= query_positions[b, t] - window_left``. Returns out fp32 ``[B, T, H_q, D_v]`` (rounded only
     once merged with the cells' part, as stock's SDPA rounds once) and natural-log lse fp32 ``[B, T, H_q]``
     (``-inf`` without keys).
     """
@@ -73,6 +83,8 @@ def dense_attention(
         queries = q[:, start:end].float().view(batch, end - start, num_kv_heads, group, head_dim)
         logits = torch.einsum("btkgd,blkd->btkgl", queries, keys) * scaling
         visible = key_positions[:, None, :] <= query_positions[:, start:end, None]  # [B, T, L]
+        if window_left is not None:
+            visible &= key_positions[:, None, :] >= query_positions[:, start:end, None] - window_left
         logits = logits.masked_fill(~visible[:, :, None, None, :], float("-inf"))
         chunk_lse = torch.logsumexp(logits, dim=-1)  # [B, T, H_kv, G]
         probs = torch.exp(logits - chunk_lse.masked_fill(chunk_lse == float("-inf"), 0.0)[..., None])
@@ -184,11 +196,24 @@ class SegmentAttentionBackend:
         raise NotImplementedError
 
 
+def local_window(layer) -> Optional[int]:
+    """A local attention layer's window past the query (SGLang's ``sliding_window_size``: a query at ``p``
+    reads ``[p - window, p]``); None for a global layer."""
+    window = layer.sliding_window_size
+    return window if window is not None and window > -1 else None
+
+
 class KVEvictTorchBackend(SegmentAttentionBackend, TorchNativeAttnBackend):
-    """``TorchNativeAttnBackend`` that scores prompts for eviction and attends over compressed nodes."""
+    """``TorchNativeAttnBackend`` that scores prompts for eviction and attends over compressed nodes.
+
+    A local attention layer (Gemma 3's, ``sgl_kvevict.local_layers``) reads, for every request of a forward
+    with compressed ones, the positions of its queries' windows (``WindowKeys``: dense slots and the cells
+    of compressed nodes, which keep their last window there) under a causal and window mask by position;
+    the plain requests of a mixed extend keep stock's windowed SDPA."""
 
     dense: DenseBatch | None = None
     decode_keys: DecodeKeys | None = None
+    window_keys: WindowKeys | None = None
 
     def __init__(self, model_runner):
         super().__init__(model_runner)
@@ -203,6 +228,11 @@ class KVEvictTorchBackend(SegmentAttentionBackend, TorchNativeAttnBackend):
             )
         else:
             self.dense = DenseBatch.of(forward.compressed, to_token)
+        local = self.engine.local_layers
+        self.window_keys = None
+        if local is not None:
+            windowed = forward.requests if forward.is_decode else forward.compressed
+            self.window_keys = WindowKeys.of(windowed, to_token, self.cell_space, local)
 
     def _forward_with_segments(self, q, k, v, layer, forward_batch, save_kv_cache, segments: SegmentMetadata):
         if save_kv_cache and k is not None and v is not None:
@@ -210,15 +240,21 @@ class KVEvictTorchBackend(SegmentAttentionBackend, TorchNativeAttnBackend):
             self.token_to_kv_pool.set_kv_buffer(layer, loc, k, v)
         num_q_heads, head_dim, v_head_dim = layer.tp_q_head_num, layer.qk_head_dim, layer.v_head_dim
         queries = q.reshape(-1, num_q_heads, head_dim)
-        if segments.forward.is_decode:
+        forward, window_left = segments.forward, local_window(layer)
+        if forward.is_decode:
+            if window_left is not None:
+                return self._window_attention(queries, layer, forward.requests, window_left).view(-1, num_q_heads * v_head_dim)
             return self._decode_attention(queries, layer).view(-1, num_q_heads * v_head_dim)
         out = q.new_empty(queries.shape[0], num_q_heads, v_head_dim)
         k_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
         v_cache = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
         # Stock SDPA for the plain requests of a mixed batch (it loops over them, as the stock backend does).
-        for request in segments.forward.requests:
+        for request in forward.requests:
             if request.view is None:
                 self._stock_request(request, queries, out, k_cache, v_cache, layer, forward_batch)
+        if window_left is not None:
+            out[segments.query_rows] = self._window_attention(queries, layer, forward.compressed, window_left)
+            return out.view(-1, num_q_heads * v_head_dim)
         # Both parts stay fp32 until merged: the output is rounded to the KV dtype once, as stock's SDPA does.
         compressed_out, compressed_lse = self._compressed_attention(segments, queries, layer, torch.float32)
         dense_out, dense_lse = self._dense_part(segments, queries, k_cache, v_cache, layer)
@@ -259,6 +295,32 @@ class KVEvictTorchBackend(SegmentAttentionBackend, TorchNativeAttnBackend):
                 out = q.new_empty(sequences, group, v.shape[-1]) if out is None else out
                 out.index_copy_(0, chosen, attended)
         return out.view(queries.shape[0], layer.tp_q_head_num, -1).to(queries.dtype)
+
+    def _window_attention(self, queries: torch.Tensor, layer, requests, window_left: int) -> torch.Tensor:
+        """A local layer's attention for ``requests`` (the ``WindowKeys`` of this forward, in that order) over
+        their windows' keys, masked by position: queries ``[N, H_q, D]``; returns ``[N_r, H_q, D_v]`` for their
+        query rows, request-major. A decode batch is one batched call, an extend one call per request."""
+        keys, (k_rows, v_rows) = self.window_keys, self.cell_rows
+        rows = keys.rows[keys.layer_rows[layer.layer_id]]  # [B, H_kv, K]
+        batch, num_kv_heads, width = rows.shape
+        k = k_rows.index_select(0, rows.reshape(-1)).view(batch, num_kv_heads, width, -1).transpose(1, 2)
+        v = v_rows.index_select(0, rows.reshape(-1)).view(batch, num_kv_heads, width, -1).transpose(1, 2)
+        if all(request.num_queries == 1 for request in requests):
+            rows_of = torch.tensor([request.q_start for request in requests], device=queries.device)
+            query_positions = torch.tensor([[request.seq_len - 1] for request in requests], device=queries.device)
+            out, _ = dense_attention(
+                queries.index_select(0, rows_of).unsqueeze(1), k, v, query_positions, keys.positions, layer.scaling, window_left
+            )  # fmt: skip
+            return out.squeeze(1).to(queries.dtype)
+        parts = []
+        for index, request in enumerate(requests):
+            query_positions = torch.arange(request.first_query_position, request.seq_len, device=queries.device)
+            out, _ = dense_attention(
+                queries[request.q_start : request.q_end].unsqueeze(0), k[index : index + 1], v[index : index + 1],
+                query_positions.unsqueeze(0), keys.positions[index : index + 1], layer.scaling, window_left,
+            )  # fmt: skip
+            parts.append(out[0])
+        return torch.cat(parts).to(queries.dtype)
 
     def _run_sdpa_forward_extend(
         self, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_prefix_lens,
@@ -321,5 +383,5 @@ class KVEvictTorchBackend(SegmentAttentionBackend, TorchNativeAttnBackend):
             queries[rows], out[rows], k_cache, v_cache, self.req_to_token_pool.req_to_token,
             forward_batch.req_pool_indices[one], forward_batch.seq_lens[one], forward_batch.extend_prefix_lens[one],
             forward_batch.extend_seq_lens[one], scaling=layer.scaling,
-            enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num, causal=True,
+            enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num, causal=True, sliding_window_size=local_window(layer),
         )  # fmt: skip

@@ -29,7 +29,7 @@ from sglang.srt.runtime_context import (
 )
 
 from sgl_kvevict.engine.adapter.admission import chunk_size
-from sgl_kvevict.engine.adapter.attention import SegmentAttentionBackend
+from sgl_kvevict.engine.adapter.attention import KVEvictTorchBackend, SegmentAttentionBackend
 from sgl_kvevict.engine.adapter.forward_batches import piece_forward
 from sgl_kvevict.engine.adapter.hidden_states import HiddenStateCapture
 from sgl_kvevict.engine.adapter.pool import UnsupportedKVPool, cell_space_of
@@ -49,6 +49,7 @@ from sgl_kvevict.engine.stats import EngineStats
 from sgl_kvevict.engine.stats_channel import serve_stats
 from sgl_kvevict.engine.tensor_parallel import RankGroup, process_group_gather
 from sgl_kvevict.limits import SetupFacts, violations
+from sgl_kvevict.local_layers import LocalLayers
 from sgl_kvevict.scope import Scope
 from sgl_kvevict.scoring.kvzip import ReconstructionPrompt
 from sgl_kvevict.serving import RADIX_CACHE_BACKEND, ServingConfig
@@ -64,11 +65,12 @@ class UnsupportedSetup(ValueError):
     """A SGLang feature that cannot work with compressed radix nodes yet."""
 
 
-def unsupported_features(ctx: TreeCacheBuildContext, attn_backend) -> list[str]:
+def unsupported_features(ctx: TreeCacheBuildContext, attn_backend, local_layers: Optional[LocalLayers] = None) -> list[str]:
     """One line per limit of ``sgl_kvevict.limits`` this SGLang set-up breaks (empty when all is well),
     from SGLang's resolved configuration and the graphs the model runner captured. The tree is built
     after the attention backends and graph capture (scheduler.py: init_model_worker, then
-    build_kv_cache), so both are final here."""
+    build_kv_cache), so both are final here. ``local_layers``: the model's local layers the plugin trims
+    (Gemma 3), which only the torch backend attends over, on one rank."""
     schedule, parallel, memory = get_schedule(), get_parallel(), get_memory()
     graphs = get_exec().graph.cuda_graph_config
     # graphs is never None once SGLang resolved its arguments (cuda_graph_config.py builds the default).
@@ -96,8 +98,11 @@ def unsupported_features(ctx: TreeCacheBuildContext, attn_backend) -> list[str]:
         tokenizer_workers=get_serving().tokenizer_worker_num,
         attention_backend_wrapped=isinstance(attn_backend, SegmentAttentionBackend),
         mla_model=runner.use_mla_backend,
-        # SGLang sets a window for models with local layers in the one pool (Gemma 2/3) and hybrid SWA pools.
-        sliding_window_layers=ctx.is_hybrid_swa or runner.sliding_window_size is not None,
+        # SGLang sets a window for models with local layers in the one pool (Gemma 2/3) and hybrid SWA pools;
+        # Gemma 3's (``local_layers``) are served.
+        sliding_window_layers=ctx.is_hybrid_swa or (runner.sliding_window_size is not None and local_layers is None),
+        local_layers_elsewhere=local_layers is not None
+        and (not isinstance(attn_backend, KVEvictTorchBackend) or ctx.tp_size > 1),
         state_space_layers=ctx.is_hybrid_ssm,
     )
     return violations(facts)
@@ -133,6 +138,7 @@ def build_engine(
     ranks: Optional[RankGroup] = None,
     order: Optional[CompressedTreeOrder] = None,
     plan_listener: Optional[PlanListener] = None,
+    local_layers: Optional[LocalLayers] = None,
 ) -> Engine:
     """The engine over the pools of SGLang's ``CacheInitParams`` (the request table, the KV allocator and
     its pool; the tree keeps the rest of SGLang's settings: metrics, KV events), wired once, in
@@ -159,8 +165,8 @@ def build_engine(
     coordinator = CompressionCoordinator(
         setups, scope, shape, capture, stats, paths, reconstructor, chunk_size, ranks, plan_listener
     )  # fmt: skip
-    tree = CompressedRadixCache(pools, coordinator, arena, stats, order)
-    engine = Engine(tree, coordinator, arena, space, setups, stats)
+    tree = CompressedRadixCache(pools, coordinator, arena, stats, order, local_layers)
+    engine = Engine(tree, coordinator, arena, space, setups, stats, local_layers)
     register_engine(kv_pool, engine)
     return engine
 
@@ -174,7 +180,9 @@ def create_compressed_radix_cache(ctx: TreeCacheBuildContext, serving: ServingCo
     if not serving.enabled:
         raise UnsupportedSetup(f"--radix-cache-backend {RADIX_CACHE_BACKEND} needs an eviction policy (--kv-evict-policy)")
     runner = ctx.tp_worker.model_runner
-    problems = unsupported_features(ctx, runner.attn_backend)
+    model_dir = Path(runner.model_config.model_path)
+    local_layers = LocalLayers.of_model(model_dir)
+    problems = unsupported_features(ctx, runner.attn_backend, local_layers)
     if problems:
         raise UnsupportedSetup(f"KV eviction cannot run with: {'; '.join(problems)}")
     kv_pool = runner.token_to_kv_pool
@@ -184,7 +192,6 @@ def create_compressed_radix_cache(ctx: TreeCacheBuildContext, serving: ServingCo
         num_kv_heads=kv_pool.head_num,
     )
     ranks = _rank_group(runner.model_config, ctx.tp_size, shape)
-    model_dir = Path(runner.model_config.model_path)
     heads = ranks.shard.local_heads if ranks.shard.tp_size > 1 else None
     default_setup = EvictionSetup.of(serving.eviction, model_dir, heads)
     setups = Setups(default_setup, serving.request_allow_list, model_dir, heads)
@@ -200,7 +207,7 @@ def create_compressed_radix_cache(ctx: TreeCacheBuildContext, serving: ServingCo
         )  # fmt: skip
     engine = build_engine(
         setups, serving.scope, shape, ctx.params, model=ModelParts(hidden_states, reconstruction), chunk_size=chunk_size(),
-        ranks=ranks, plan_listener=PlanDump.from_env(ranks.shard),
+        ranks=ranks, plan_listener=PlanDump.from_env(ranks.shard), local_layers=local_layers,
     )  # fmt: skip
     tree = engine.tree
     logger.info(

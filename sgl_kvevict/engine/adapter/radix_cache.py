@@ -82,13 +82,16 @@ from sgl_kvevict.engine.records import RECORD_ATTR, NodeRecord, node_record, req
 from sgl_kvevict.engine.segments import CompressedSegment, SpareCells, Split
 from sgl_kvevict.engine.stats import EngineStats
 from sgl_kvevict.engine.tree_decisions import Outcome, Walk, atomic_prefix_length, decide_compression
+from sgl_kvevict.local_layers import LocalLayers
+from sgl_kvevict.plan import CompressionPlan
 from sgl_kvevict.sharding import RankCounts
 
 
 class CompressedRadixCache(RadixCache):
     """params: SGLang's; coordinator: what to compress (it never calls the tree: a request's compressed
     path is read through ``engine.paths``); arena: the compressed cells; stats: the engine's counters;
-    order: the eviction order. Built by ``factory.build_engine``."""
+    order: the eviction order; local_layers: the model's local attention layers (a split head gains their
+    window before the split). Built by ``factory.build_engine``."""
 
     def __init__(
         self,
@@ -97,10 +100,12 @@ class CompressedRadixCache(RadixCache):
         arena: Arena,
         stats: EngineStats,
         order: Optional[CompressedTreeOrder] = None,
+        local_layers: Optional[LocalLayers] = None,
     ):
         self.coordinator = coordinator
         self.arena = arena
         self.stats = stats
+        self.local_layers = local_layers
         self.order = GreedyDualSizeFrequency() if order is None else order
         super().__init__(params)  # calls reset()
         self.eviction_strategy = self.order  # SGLang's slot for the eviction order
@@ -159,11 +164,15 @@ class CompressedRadixCache(RadixCache):
         self.order.inherit(node_record(head), node_record(child))
         return head
 
-    def _split_compressed_node(self, node: TreeNode, split_len: int, split: Split, spare: Optional[SpareCells]) -> TreeNode:
+    def _split_compressed_node(
+        self, node: TreeNode, split_len: int, split: Split, spare: Optional[SpareCells],
+        head_window: Optional[CompressedSegment] = None,
+    ) -> TreeNode:  # fmt: skip
         """Split compressed ``node`` after its first ``split_len`` tokens as the stock split does (lock
         count, priority and hit count copied to the head); returns the head, which a match may pass
         through but not end at. The cells are partitioned by position, none is copied; ``spare`` holds
-        the extra cells the parts reserve (``Split.extra``), None when there are none."""
+        the extra cells the parts reserve (``Split.extra``), None when there are none; ``head_window``:
+        the stored entries the head gains in local layers (``_head_window``), merged into it."""
         record = node_record(node)
         segment = record.segment
         spares_used = 0
@@ -177,16 +186,28 @@ class CompressedRadixCache(RadixCache):
         self.arena.forget(segment)
         if spare is not None:
             self.arena.forget(spare)
+        added = 0 if head_window is None else head_window.num_entries
         if node.lock_ref > 0:  # the parts' cells count as locked as the node's did
-            self.arena.lock(split.extra)
+            self.arena.lock(split.extra + added)
         head_segment, tail_segment = split.parts
+        if head_window is not None:
+            head_segment = self._merged(head_segment, head_window)
         head = super()._split_node(node.key, node, split_len)
         head_record = NodeRecord(segment=head_segment, match_may_end=False, requests_served=record.requests_served)
         self.order.inherit(head_record, record)
         setattr(head, RECORD_ATTR, head_record)
         record.segment = tail_segment
-        self.stats.node_split(record.requests_served, split.extra)
+        self.stats.node_split(record.requests_served, split.extra, added)
         return head
+
+    def _merged(self, segment: CompressedSegment, added: CompressedSegment) -> CompressedSegment:
+        """``segment`` and ``added`` (both stored, the same range) as one segment owning both's cells."""
+        merged, from_segment, from_added = segment.merged(added)
+        merged.owner_id = self.arena.register(merged)
+        for part, indices in ((segment, from_segment), (added, from_added)):
+            self.arena.transfer(part, torch.arange(part.num_entries), merged, indices)
+            self.arena.forget(part)
+        return merged
 
     # ---- accounting: dense slots in the tree, plus the arena's borrowed slots --------------------
 
@@ -394,7 +415,7 @@ class CompressedRadixCache(RadixCache):
         # Hanging the node may split a compressed node: lock what it hangs on while cells are taken.
         anchor = self.lock(decision.split_node or decision.parent)
         try:
-            split, spare = None, None
+            split, spare, parts = None, None, []
             if decision.split_node is not None:
                 split_segment = node_record(decision.split_node).segment
                 split = split_segment.split(split_segment.start + decision.split_offset)
@@ -402,11 +423,18 @@ class CompressedRadixCache(RadixCache):
                 if split.extra and spare is None:
                     self.stats.count("splits_without_room")
                     return None
+                head_window = self._head_window(split.parts[0])
+                if head_window is not None:  # copied from this request's dense slots, like its own entries
+                    parts.append((head_window, RankCounts.of_plan(head_window)))
             own = decision.own_start
-            segment = self._store(req, ready.plan.restricted(own, end), ready.rank_counts.restricted(own, end), start, end)
+            segment, *head_additions = self._store(
+                req, [(ready.plan.restricted(own, end), ready.rank_counts.restricted(own, end)), *parts], start, end
+            )  # fmt: skip
             parent = decision.parent
             if split is not None:
-                parent = self._split_compressed_node(decision.split_node, decision.split_offset, split, spare)
+                parent = self._split_compressed_node(
+                    decision.split_node, decision.split_offset, split, spare, *head_additions
+                )  # fmt: skip
             node = self._attach_compressed_node(parent, key[decision.own_start :], segment, req.priority or 0)
             self._adopt_path(req, node)
             return node
@@ -424,29 +452,45 @@ class CompressedRadixCache(RadixCache):
             return None
         return spare
 
-    def _store(self, req, own_plan, rank_counts: RankCounts, start: int, end: int) -> CompressedSegment:
-        """Copy the plan's entries from the request's dense slots into arena cells and free the segment's
-        dense slots ``[start, end)``; the slots the arena needs are adopted from the segment itself, so a
-        compression never waits for memory."""
+    def _head_window(self, head: CompressedSegment) -> Optional[CompressionPlan]:
+        """What ``head`` (a split's) lacks of its local layers' window (None: nothing, or a model without
+        local layers): ``LocalLayers.window_before``."""
+        local = self.local_layers
+        if local is None:
+            return None
+        num_layers, num_kv_heads = head.counts.shape
+        return local.window_before(head.start, head.end, head.layer_positions(local.layers[0]), num_layers, num_kv_heads)
+
+    def _store(
+        self, req, plans: list[tuple[CompressionPlan, RankCounts]], start: int, end: int
+    ) -> list[CompressedSegment]:
+        """Copy the entries of ``plans`` (each with its rank counts: the request's own node, then what a split
+        head gains) from the request's dense slots into arena cells and free the segment's dense slots
+        ``[start, end)``; the slots the arena needs are adopted from the segment itself, so a compression
+        never waits for memory."""
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
-        segment_slots = row[start:end].to(torch.int64)
+        segment_slots = row[start:end].to(torch.int64).cpu()
         arena, space = self.arena, self.arena.space
-        segment = CompressedSegment.of_plan(own_plan, rank_counts)
-        segment.owner_id = arena.register(segment)
-        sources = space.entry_rows(segment.layer_ids(), row[segment.positions.to(row.device)].cpu(), segment.head_ids())
-        adopted = arena.alloc(segment, segment.num_cells, adoptable=segment_slots.cpu())
-        assert adopted is not None, "the segment's own slots always hold its reserved cells"
+        segments, sources, adopted = [], [], torch.empty(0, dtype=torch.int64)
+        for plan, rank_counts in plans:
+            segment = CompressedSegment.of_plan(plan, rank_counts)
+            segment.owner_id = arena.register(segment)
+            sources.append(space.entry_rows(segment.layer_ids(), row[segment.positions.to(row.device)].cpu(), segment.head_ids()))
+            taken = arena.alloc(segment, segment.num_cells, adoptable=segment_slots[~torch.isin(segment_slots, adopted)])
+            assert taken is not None, "the segment's own slots always hold its reserved cells"
+            adopted = torch.cat([adopted, taken])
+            segments.append(segment)
+        sources = torch.cat(sources)
         # A source in an adopted slot may be overwritten by another entry's copy: read those first.
         at_risk = torch.isin(space.slot_of(sources), adopted)
         saved_k, saved_v = space.k_rows[sources[at_risk].to(space.device)], space.v_rows[sources[at_risk].to(space.device)]
-        entry_cells = segment.entry_cells
+        entry_cells = torch.cat([segment.entry_cells for segment in segments])
         space.copy(sources[~at_risk], entry_cells[~at_risk])
         targets = entry_cells[at_risk].to(space.device)
         space.k_rows[targets], space.v_rows[targets] = saved_k, saved_v
-        freed = segment_slots[~torch.isin(segment_slots, adopted.to(segment_slots.device))]
-        self.token_to_kv_pool_allocator.free(freed)
-        self.stats.node_added(segment)
-        return segment
+        self.token_to_kv_pool_allocator.free(segment_slots[~torch.isin(segment_slots, adopted)].to(row.device))
+        self.stats.node_added(segments[0])
+        return segments
 
     def _attach_compressed_node(
         self, parent: TreeNode, key: RadixKey, segment: CompressedSegment, priority: int

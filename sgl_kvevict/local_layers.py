@@ -1,0 +1,137 @@
+"""Local (sliding-window) attention layers: what a compressed node keeps there, for any policy.
+
+A local layer of Gemma 3 attends from position ``p`` over the keys ``[p - window + 1, p]`` only (SGLang's
+``sliding_window_size`` is ``window - 1``, HF's sliding mask the same). Every position a request reads
+after a compressed node ``[s, e)`` is at least ``e``, so of the node a local layer can ever read only its
+last ``window - 1`` positions: a node keeping its last ``min(e - s, window)`` there answers every later
+query exactly as the dense cache does. ``LocalLayers.trimmed`` puts that into a plan: in local layers,
+every KV head keeps the segment's last ``window`` positions, whatever the policy chose there; global
+layers keep the policy's choice. Nothing a local layer can read is dropped, so a ``full`` server of such
+a model answers exactly as stock while holding, per compressed node, ``n`` entries per global layer and
+``min(n, window)`` per local one.
+
+``WindowedLocalLayers`` wraps a policy so that every plan it makes is trimmed that way; both engines
+wrap the served policy with the model's ``LocalLayers`` (``of_model``), so their plans stay equal.
+Every KV head of a local layer keeps the same positions: the attention backends rely on it (a local
+layer's compressed entries read as one dense-like key list per request).
+
+Pure torch: no engine, no config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from sgl_kvevict.architectures import local_attention_layers
+from sgl_kvevict.plan import CompressionPlan, LayerPlan
+from sgl_kvevict.policies.base import Policy, SegmentCompressor, SegmentSpec
+from sgl_kvevict.scoring.window import StatsRequest, WindowStats
+
+
+@dataclass(frozen=True)
+class LocalLayers:
+    """The model's local attention layers and their window.
+
+    layers: the local layers' indices, ascending. window: the keys a query reads, itself included
+    (HF's ``sliding_window``). trim: False keeps local layers whole instead (no saving; the tests'
+    check that trimming changes no token).
+    """
+
+    layers: tuple[int, ...]
+    window: int
+    trim: bool = True
+
+    @classmethod
+    def of_model(cls, model_dir: Path) -> Optional["LocalLayers"]:
+        """The local layers of the model in ``model_dir`` (its config.json); None for a model without any."""
+        found = local_attention_layers(model_dir)
+        return None if found is None else cls(*found)
+
+    def is_local(self, layer: int) -> bool:
+        return layer in self.layers
+
+    def kept_positions(self, start: int, end: int) -> torch.Tensor:
+        """int64: what a local layer keeps of the segment ``[start, end)``: its last ``window`` positions
+        (all of them when not trimming)."""
+        first = max(start, end - self.window) if self.trim else start
+        return torch.arange(first, end, dtype=torch.int64)
+
+    def trimmed(self, plan: CompressionPlan) -> CompressionPlan:
+        """``plan`` with every local layer keeping ``kept_positions`` of the segment in every KV head."""
+        local = LayerPlan.from_heads([self.kept_positions(plan.segment_start, plan.segment_end)] * plan.layers[0].num_kv_heads)
+        layers = tuple(local if self.is_local(index) else layer for index, layer in enumerate(plan.layers))
+        return CompressionPlan(plan.segment_start, plan.segment_end, layers)
+
+    def window_before(
+        self, start: int, at: int, present: torch.Tensor, num_layers: int, num_kv_heads: int
+    ) -> Optional[CompressionPlan]:
+        """What the head ``[start, at)`` of a split trimmed node must gain to keep its own window: in local
+        layers, the positions of ``kept_positions(start, at)`` missing from ``present`` (int64, what its
+        local layers hold), in every KV head (a plan of ``[start, at)`` with nothing in global layers); None
+        when it lacks nothing."""
+        wanted = self.kept_positions(start, at)
+        missing = wanted[~torch.isin(wanted, present)]
+        if not len(missing):
+            return None
+        local = LayerPlan.from_heads([missing] * num_kv_heads)
+        empty = LayerPlan.from_heads([torch.empty(0, dtype=torch.int64)] * num_kv_heads)
+        return CompressionPlan(start, at, tuple(local if self.is_local(layer) else empty for layer in range(num_layers)))
+
+    def local_cells(self, length: int, num_kv_heads: int) -> int:
+        """The cells the local layers hold of a compressed node of ``length`` positions."""
+        return len(self.layers) * num_kv_heads * len(self.kept_positions(0, length))
+
+
+class _TrimmedCompressor(SegmentCompressor):
+    """A policy's compressor whose plans keep, in local layers, what those can still read."""
+
+    def __init__(self, inner: SegmentCompressor, local: LocalLayers):
+        super().__init__(inner.spec)
+        self.inner = inner
+        self.local = local
+        self.needs_stats = inner.needs_stats
+
+    def observe(self, layer: int, stats: WindowStats) -> None:
+        self.inner.observe(layer, stats)
+
+    def plan(self) -> CompressionPlan:
+        return self.local.trimmed(self.inner.plan())
+
+    def shared_state(self) -> Optional[torch.Tensor]:
+        return self.inner.shared_state()
+
+    def plan_shared(self, state: torch.Tensor) -> CompressionPlan:
+        return self.local.trimmed(self.inner.plan_shared(state))
+
+
+class WindowedLocalLayers(Policy):
+    """``inner`` on a model with local layers: the same plans, with local layers trimmed to their window
+    (``LocalLayers.trimmed``). Built by the engines, never registered: it is a fact of the model, not a
+    method."""
+
+    def __init__(self, inner: Policy, local: LocalLayers):
+        super().__init__(inner.common, inner.knobs, inner.score_knobs)
+        self.inner = inner
+        self.local = local
+        self.name = inner.name
+
+    @classmethod
+    def wrap(cls, policy: Policy, local: Optional[LocalLayers]) -> Policy:
+        """``policy`` itself for a model without local layers."""
+        return policy if local is None else cls(policy, local)
+
+    def stats_request(self) -> StatsRequest:
+        return self.inner.stats_request()
+
+    def start(self, spec: SegmentSpec) -> SegmentCompressor:
+        return _TrimmedCompressor(self.inner.start(spec), self.local)
+
+    def for_model(self, model_dir: Path) -> "Policy":
+        return WindowedLocalLayers(self.inner.for_model(model_dir), self.local)
+
+    def for_heads(self, heads: tuple[int, ...]) -> "Policy":
+        return WindowedLocalLayers(self.inner.for_heads(heads), self.local)
