@@ -17,7 +17,7 @@ import json
 import sys
 from typing import Optional
 
-from sgl_kvevict.architectures import model_facts
+from sgl_kvevict.architectures import local_layers_of_config, model_facts
 from sgl_kvevict.checkpoints import COMPATIBILITY_MATRIX, TinyArchitecture
 from sgl_kvevict.generated_section import GeneratedSection
 from sgl_kvevict.generated_section import main as section_main
@@ -45,6 +45,8 @@ class Row:
             self.kv_layout = "attention layers + linear-attention state"
         elif facts["sliding_window_layers"]:
             self.kv_layout = "global + sliding-window layers"
+        elif local_layers_of_config(saved) is not None:
+            self.kv_layout = "global + sliding-window layers, one pool (local layers kept to their window)"
         else:
             groups = config.num_attention_heads // config.num_key_value_heads
             self.kv_layout = f"K and V per KV head, one pool (GQA, {groups} query heads per KV head)"
