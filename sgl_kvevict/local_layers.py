@@ -117,7 +117,6 @@ class WindowedLocalLayers(Policy):
         super().__init__(inner.common, inner.knobs, inner.score_knobs)
         self.inner = inner
         self.local = local
-        self.name = inner.name
 
     @classmethod
     def wrap(cls, policy: Policy, local: Optional[LocalLayers]) -> Policy:

@@ -2,12 +2,14 @@
 ``checkpoints.COMPATIBILITY_MATRIX``, served by the real launcher or refused by it in one line before
 the model loads.
 
-A served architecture gets one server started as ``make serve`` starts one (``topk`` with the learned
-score, its weights trained by the project's own command on that model), which also serves per request
-``topk`` with a KVzap scorer folder (random, in the layout NVIDIA publishes) and ``snapkv`` (attention
-scores). For each: the server keeps exactly the positions the HF reference
-engine keeps and decodes the same greedy tokens (fp32); a later turn reuses the compressed prefix and
-still decodes the reference's tokens; after a flush every cell and slot is back. A refused architecture
+A served architecture gets a server per scope (request, and block as ``make serve`` starts one) with
+``topk`` and the learned score, its weights trained by the project's own command on that model, which
+also serves per request ``topk`` with a KVzap scorer folder (random, in the layout NVIDIA publishes) and
+``snapkv`` (attention scores). For each: the server keeps exactly the positions the HF reference
+engine keeps (every block's, in block scope) and decodes the same greedy tokens (fp32); a later turn
+reuses the compressed prefix and still decodes the reference's tokens; after a flush every cell and
+slot is back. Gemma 3's local layers keep their window whatever the policy (``local_layers.py``), in
+the reference as in the server. A refused architecture
 exits the launcher with code 2 and the limit's line, before SGLang starts. Which architectures are
 refused is the launcher's reading of config.json (``architectures.py``); the last test holds that
 reading to SGLang's own for every architecture of the matrix, and the first the generated tables
@@ -24,7 +26,7 @@ import torch
 from conftest_policies import kvzap_folder, tiny_training
 import engine_client as client
 from serving import error_lines, free_port
-from sgl_kvevict.architectures import model_facts_of
+from sgl_kvevict.architectures import local_attention_layers, model_facts_of
 from sgl_kvevict.checkpoints import COMPATIBILITY_MATRIX, build_tiny_model
 from sgl_kvevict.config import EvictionConfig, build_policy
 from sgl_kvevict.scoring.learned import ModelShape
@@ -33,9 +35,12 @@ from sgl_kvevict.server import compat_table
 pytestmark = pytest.mark.server
 
 # The matrix's expectations: what each architecture does with a policy (docs/compatibility.md).
-SERVED = ("llama3", "qwen2.5", "qwen3", "mistral", "phi3")
+SERVED = ("llama3", "qwen2.5", "qwen3", "mistral", "phi3", "gemma3")
+SCOPES = ("request", "block")
+# Two blocks of a PROMPT_LENGTH prompt, each keeping more than the window at 0.25, and longer than Gemma 3's
+# tiny window (64), so local layers save.
+BLOCK = 192
 REFUSED = {
-    "gemma3": "sliding-window layers",
     "gpt-oss": "sliding-window layers",
     "deepseek-v3": "MLA models",
     "qwen3-next": "state-space layers",
@@ -72,9 +77,19 @@ def random_prompt(length: int, seed: int) -> list[int]:
 class Served:
     """One architecture's model, learned weights, reference engine and running server."""
 
-    def __init__(self, name, model_dir, weights, kvzap, reference, server, dump_dir):
-        self.name, self.model_dir, self.weights, self.kvzap = name, model_dir, weights, kvzap
+    def __init__(self, name, scope, model_dir, weights, kvzap, reference, server, dump_dir):
+        self.name, self.scope, self.model_dir, self.weights, self.kvzap = name, scope, model_dir, weights, kvzap
         self.reference, self.server, self.dump_dir = reference, server, dump_dir
+
+    @property
+    def block_size(self):
+        return BLOCK if self.scope == "block" else None
+
+    def dumped(self, rid: str) -> list[dict]:
+        """The plans the server dumped for ``rid``, in position order."""
+        if self.scope == "request":
+            return [torch.load(self.dump_dir / f"{rid}.pt")]
+        return [torch.load(self.dump_dir / f"{rid}.block{block}.pt") for block in range(PROMPT_LENGTH // BLOCK)]
 
     def config(self, policy: str) -> EvictionConfig:
         if policy == "topk":  # the server's own setting
@@ -84,25 +99,42 @@ class Served:
         return EvictionConfig.for_policy(policy)
 
 
-@pytest.fixture(scope="module", params=SERVED)
-def served(request, tiny_models, tmp_path_factory):
-    from sgl_kvevict.reference.engine import ReferenceEngine
+@pytest.fixture(scope="module")
+def scorers(tiny_models, tmp_path_factory):
+    """Architecture name -> (learned weights, KVzap folder) for its tiny model, trained on first use."""
     from sgl_kvevict.reference.train_scorer import train
 
-    name = request.param
+    found = {}
+
+    def of(name: str):
+        if name not in found:
+            model_dir = tiny_models(name)
+            training = tiny_training(model_dir, tmp_path_factory.mktemp(f"{name}-weights"))
+            weights = str(train(training, "tests/test_compat_matrix.py", log=lambda line: None))
+            shape = ModelShape.of(model_dir)
+            kvzap, _ = kvzap_folder(tmp_path_factory.mktemp(f"{name}-kvzap"), shape.num_layers, shape.hidden_size,
+                                    shape.num_kv_heads, hidden_dim=32)  # fmt: skip
+            found[name] = weights, kvzap
+        return found[name]
+
+    return of
+
+
+@pytest.fixture(scope="module", params=[(name, scope) for name in SERVED for scope in SCOPES], ids="-".join)
+def served(request, tiny_models, scorers, tmp_path_factory):
+    from sgl_kvevict.reference.engine import ReferenceEngine
+
+    name, scope = request.param
     model_dir = tiny_models(name)
-    training = tiny_training(model_dir, tmp_path_factory.mktemp(f"{name}-weights"))
-    weights = str(train(training, "tests/test_compat_matrix.py", log=lambda line: None))
-    shape = ModelShape.of(model_dir)
-    kvzap, _ = kvzap_folder(tmp_path_factory.mktemp(f"{name}-kvzap"), shape.num_layers, shape.hidden_size,
-                            shape.num_kv_heads, hidden_dim=32)  # fmt: skip
-    dump_dir = tmp_path_factory.mktemp(f"{name}-plans")
+    weights, kvzap = scorers(name)
+    dump_dir = tmp_path_factory.mktemp(f"{name}-{scope}-plans")
+    scope_flags = ("--kv-evict-scope", "block", "--kv-evict-block-size", str(BLOCK)) if scope == "block" else ()
     flags = ("--kv-evict-policy", "topk", "--kv-evict-score", "learned", "--kv-evict-learned-weights", weights,
-             *client.ANY_REQUEST_OPTIONS, "--max-total-tokens", "4096", *client.TINY_SERVER_FLAGS)  # fmt: skip
-    log_dir = tmp_path_factory.mktemp(f"{name}-server")
+             *scope_flags, *client.ANY_REQUEST_OPTIONS, "--max-total-tokens", "4096", *client.TINY_SERVER_FLAGS)  # fmt: skip
+    log_dir = tmp_path_factory.mktemp(f"{name}-{scope}-server")
     with client.checked_server(model_dir, log_dir, *flags, dump_dir=dump_dir) as server:
         reference = ReferenceEngine(model_dir, dtype=torch.float32)
-        yield Served(name, model_dir, weights, kvzap, reference, server, dump_dir)
+        yield Served(name, scope, model_dir, weights, kvzap, reference, server, dump_dir)
 
 
 def serve(served: Served, policy: str, prompt: list[int], rid: str) -> dict:
@@ -117,10 +149,14 @@ def test_the_server_keeps_and_answers_what_the_reference_does(served, policy):
     rid = f"{served.name}-{policy}"
     response = serve(served, policy, prompt, rid)
     config = served.config(policy)
-    expected = served.reference.generate(prompt, build_policy(config), max_new_tokens=MAX_NEW_TOKENS)
-    (plan,) = expected.plans
-    assert plan.total_kept() < PROMPT_LENGTH * plan.num_layers * plan.layers[0].num_kv_heads  # compressed
-    client.assert_same_plan(torch.load(served.dump_dir / f"{rid}.pt"), plan)
+    expected = served.reference.generate(
+        prompt, build_policy(config), max_new_tokens=MAX_NEW_TOKENS, block_size=served.block_size
+    )  # fmt: skip
+    dumped = served.dumped(rid)
+    assert len(dumped) == len(expected.plans)
+    for server_plan, plan in zip(dumped, expected.plans):
+        assert plan.total_kept() < plan.segment_length * plan.num_layers * plan.layers[0].num_kv_heads  # compressed
+        client.assert_same_plan(server_plan, plan)
     assert tuple(response["output_ids"]) == expected.output_ids
     assert client.stats(served.server)["compressed_nodes"] >= 1
     client.assert_no_leak_after_flush(served.server)
@@ -139,11 +175,16 @@ def test_a_later_turn_reuses_the_compressed_prefix(served):
     response = serve(served, "topk", second, f"{served.name}-turn-2")
     after = client.stats(served.server)
     assert after["reuse_hits"] == before["reuse_hits"] + 1
-    assert response["meta_info"]["cached_tokens"] >= PROMPT_LENGTH
-    # The reference reads turn 1's plan (the one the server dumped for it) and prefills the rest on top.
-    turn_one = served.reference.generate(first, build_policy(config), max_new_tokens=MAX_NEW_TOKENS)
+    # Request scope reuses the whole prompt; block scope its blocks (its tail after them stays dense).
+    reused = PROMPT_LENGTH if served.scope == "request" else PROMPT_LENGTH // BLOCK * BLOCK
+    assert response["meta_info"]["cached_tokens"] >= reused
+    # The reference reads turn 1's plans (the ones the server dumped for it) and prefills the rest on top.
+    turn_one = served.reference.generate(
+        first, build_policy(config), max_new_tokens=MAX_NEW_TOKENS, block_size=served.block_size
+    )  # fmt: skip
     assert turn_one.output_ids == tuple(answer)
-    schedule = Schedule((PrefillStep(PROMPT_LENGTH, (Segment(0, PROMPT_LENGTH),)), PrefillStep(len(second))))
+    segments = tuple(Segment(plan.segment_start, plan.segment_end) for plan in turn_one.plans)
+    schedule = Schedule((PrefillStep(PROMPT_LENGTH, segments), PrefillStep(len(second))))
     expected = served.reference.generate_scheduled(
         Prompt.from_ids(second), ReplayedPlans(config, turn_one.plans), schedule, MAX_NEW_TOKENS
     )
@@ -182,9 +223,11 @@ def sglang_facts(model_dir) -> dict[str, bool]:
     model = types.SimpleNamespace(config=model_config.hf_config)
     if hasattr(model_class, "get_attention_sliding_window_size"):
         model.get_attention_sliding_window_size = types.MethodType(model_class.get_attention_sliding_window_size, model)
+    # The tree serves the local layers of models whose layers SGLang keeps in the one pool (Gemma 3's).
+    windowed = resolve_sliding_window_size(model, model_config) is not None and local_attention_layers(model_dir) is None
     return {
         "mla_model": model_config.attention_arch == AttentionArch.MLA,
-        "sliding_window_layers": model_config.is_hybrid_swa or resolve_sliding_window_size(model, model_config) is not None,
+        "sliding_window_layers": model_config.is_hybrid_swa or windowed,
         "state_space_layers": uses_ssm_state(model_config),
     }
 
