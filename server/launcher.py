@@ -14,6 +14,7 @@ import os
 import sys
 from pathlib import Path
 
+from sgl_kvevict.architectures import local_attention_layers
 from sgl_kvevict.limits import UnsupportedVersion, check_sglang_version
 from sgl_kvevict.models import ModelError, model_kv_heads, resolve_model
 from sgl_kvevict.scoring.learned import resolve_learned_weights
@@ -45,6 +46,7 @@ from sgl_kvevict.server.worker import (
     stats_socket_address,
     threads_bind,
 )
+from sgl_kvevict.serving import ServingConfig
 from sgl_kvevict.settings import ConfigError
 
 
@@ -97,6 +99,18 @@ def with_learned_weights(config: LaunchConfig, model_dir: Path) -> LaunchConfig:
     return dataclasses.replace(config, serving=dataclasses.replace(config.serving, eviction_options=options))
 
 
+def advise_block_size(serving: ServingConfig, model_dir: Path) -> None:
+    """Gemma 3's local layers keep the last ``sliding_window`` positions of every block (``local_layers.py``):
+    a block not much longer than that saves nothing there, so say which size would."""
+    local = local_attention_layers(model_dir)
+    block_size = getattr(serving.scope, "block_size", None)
+    if local is not None and block_size is not None and block_size < 2 * local[1]:
+        log(
+            f"--kv-evict-block-size {block_size}: this model's local layers keep the last {local[1]} positions of "
+            f"each block, so they save little at this size; --kv-evict-block-size {4 * local[1]} keeps a quarter there"
+        )
+
+
 def run(config: LaunchConfig) -> int:
     from sgl_kvevict.compat import cpu_mode_needed  # imports torch
 
@@ -117,6 +131,7 @@ def run(config: LaunchConfig) -> int:
     if config.serving.enabled:
         check_model_architecture(model_dir)
         check_tensor_parallel(tp, model_kv_heads(model_dir), cpu_mode)
+        advise_block_size(config.serving, model_dir)
     config = with_learned_weights(config, model_dir)
     if config.workers > 1:
         scale_out.check_capacity(config, model_dir, cpu_mode)

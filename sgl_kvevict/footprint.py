@@ -26,6 +26,21 @@ from sgl_kvevict.scoring import SCORE_KINDS
 
 
 @dataclass(frozen=True)
+class LocalShare:
+    """A model's local attention layers (Gemma 3), which a compressed block holds only the last ``window``
+    positions of (``sgl_kvevict.local_layers``): ``local`` of its ``layers`` layers."""
+
+    local: int
+    layers: int
+    window: int
+
+    def kept_slots(self, global_kept: int, block_size: int) -> int:
+        """The slots' worth a block holds when its global layers keep ``global_kept`` per (layer, KV head)."""
+        local_kept = min(block_size, self.window)
+        return -(-(global_kept * (self.layers - self.local) + local_kept * self.local) // self.layers)
+
+
+@dataclass(frozen=True)
 class PrefillFootprint:
     """block_size: tokens per block; kept_per_block: the slots one compressed block holds (its budget per
     (layer, KV head): a slot is every layer's and head's entry of one token); chunk_size: tokens per
@@ -36,13 +51,18 @@ class PrefillFootprint:
     chunk_size: int
 
     @classmethod
-    def of(cls, config: EvictionConfig, scope: Scope, chunk_size: Optional[int]) -> Optional["PrefillFootprint"]:
-        """The footprint of prompts served with ``config`` in ``scope``; None when they are held dense."""
-        if not isinstance(scope, BlockScope) or chunk_size is None or chunk_size <= 0 or config.budget is None:
+    def of(
+        cls, config: EvictionConfig, scope: Scope, chunk_size: Optional[int], local: Optional[LocalShare] = None
+    ) -> Optional["PrefillFootprint"]:
+        """The footprint of prompts served with ``config`` in ``scope`` (``local``: the model's local layers,
+        which every policy trims, ``full`` included); None when they are held dense."""
+        if not isinstance(scope, BlockScope) or chunk_size is None or chunk_size <= 0:
             return None
-        if SCORE_KINDS[config.score].scored_by_passes:
+        if (config.budget is None and local is None) or SCORE_KINDS[config.score].scored_by_passes:
             return None
-        kept = min(config.budget.per_head(scope.block_size), scope.block_size)
+        kept = scope.block_size if config.budget is None else min(config.budget.per_head(scope.block_size), scope.block_size)
+        if local is not None:
+            kept = local.kept_slots(kept, scope.block_size)
         return cls(scope.block_size, kept, chunk_size)
 
     def peak_slots(self, start: int, end: int) -> int:

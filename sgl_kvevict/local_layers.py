@@ -81,9 +81,6 @@ class LocalLayers:
         empty = LayerPlan.from_heads([torch.empty(0, dtype=torch.int64)] * num_kv_heads)
         return CompressionPlan(start, at, tuple(local if self.is_local(layer) else empty for layer in range(num_layers)))
 
-    def local_cells(self, length: int, num_kv_heads: int) -> int:
-        """The cells the local layers hold of a compressed node of ``length`` positions."""
-        return len(self.layers) * num_kv_heads * len(self.kept_positions(0, length))
 
 
 class _TrimmedCompressor(SegmentCompressor):

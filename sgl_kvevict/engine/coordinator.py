@@ -52,7 +52,7 @@ from sgl_kvevict.engine.records import RECORD_ATTR, RequestRecord, request_recor
 from sgl_kvevict.engine.setups import ModelShape, Setups
 from sgl_kvevict.engine.stats import EngineStats
 from sgl_kvevict.engine.tensor_parallel import RankGroup
-from sgl_kvevict.footprint import PrefillFootprint
+from sgl_kvevict.footprint import LocalShare, PrefillFootprint
 from sgl_kvevict.plan import CompressionPlan
 from sgl_kvevict.policies.base import SegmentSpec
 from sgl_kvevict.scope import BlockScope, Scope
@@ -92,7 +92,8 @@ class CompressionCoordinator:
     paths: the compressed paths requests see; reconstructor: KVzip passes (None when no setup can ask for
     them); chunk_size: SGLang's chunked-prefill size (None: prompts are prefilled in one forward); ranks:
     the tensor-parallel ranks plans are made with (None: this one only); plan_listener: told of every plan
-    handed to the tree (a debug dump, ``engine.plan_dump``)."""
+    handed to the tree (a debug dump, ``engine.plan_dump``); local_share: the model's local attention
+    layers, which hold only their window of a block (admission counts it)."""
 
     def __init__(
         self,
@@ -106,8 +107,10 @@ class CompressionCoordinator:
         chunk_size: Optional[int] = None,
         ranks: Optional[RankGroup] = None,
         plan_listener: Optional[PlanListener] = None,
+        local_share: Optional[LocalShare] = None,
     ):
         self.setups = setups
+        self.local_share = local_share
         self.ranks = ranks or RankGroup.single(shape.num_kv_heads, shape.num_layers)
         self.scope = scope
         self.chunk_size = chunk_size
@@ -327,7 +330,7 @@ class CompressionCoordinator:
         record = request_record(req)
         if record is None or record.setup is None:
             return None
-        return PrefillFootprint.of(record.setup.config, self.scope, self.chunk_size)
+        return PrefillFootprint.of(record.setup.config, self.scope, self.chunk_size, self.local_share)
 
     # ---- reporting -----------------------------------------------------------------------------
 

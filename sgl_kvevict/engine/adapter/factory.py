@@ -48,6 +48,7 @@ from sgl_kvevict.engine.setups import EvictionSetup, ModelShape, Setups
 from sgl_kvevict.engine.stats import EngineStats
 from sgl_kvevict.engine.stats_channel import serve_stats
 from sgl_kvevict.engine.tensor_parallel import RankGroup, process_group_gather
+from sgl_kvevict.footprint import LocalShare
 from sgl_kvevict.limits import SetupFacts, violations
 from sgl_kvevict.local_layers import LocalLayers
 from sgl_kvevict.scope import Scope
@@ -162,8 +163,9 @@ def build_engine(
             slots, parts.run_forward, paths, parts.prompt, parts.piece_tokens, parts.position_limit
         )  # fmt: skip
     capture = ScoringCapture(space, kv_pool, model.hidden_states)
+    local_share = None if local_layers is None else LocalShare(len(local_layers.layers), shape.num_layers, local_layers.window)
     coordinator = CompressionCoordinator(
-        setups, scope, shape, capture, stats, paths, reconstructor, chunk_size, ranks, plan_listener
+        setups, scope, shape, capture, stats, paths, reconstructor, chunk_size, ranks, plan_listener, local_share
     )  # fmt: skip
     tree = CompressedRadixCache(pools, coordinator, arena, stats, order, local_layers)
     engine = Engine(tree, coordinator, arena, space, setups, stats, local_layers)
