@@ -156,7 +156,7 @@ def layer_of(layer_id: int, num_kv_heads: int, group: int):
     return SimpleNamespace(
         layer_id=layer_id, tp_q_head_num=num_kv_heads * group, tp_k_head_num=num_kv_heads, tp_v_head_num=num_kv_heads,
         qk_head_dim=HEAD_DIM, v_head_dim=HEAD_DIM, head_dim=HEAD_DIM, scaling=1 / math.sqrt(HEAD_DIM), logit_cap=0.0,
-        is_cross_attention=False,
+        is_cross_attention=False, sliding_window_size=-1,  # a global layer, as RadixAttention says it
     )  # fmt: skip
 
 

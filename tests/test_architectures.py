@@ -1,12 +1,13 @@
 """The launcher's reading of a model's config.json (``architectures.model_facts``) on the fields of
 published configs as they are saved on the hub: older spellings included, which the tiny models of the
-matrix (saved by transformers 5) do not show. Pure, in-process."""
+matrix (saved by transformers 5) do not show; and Gemma 3's local layers from those configs
+(``local_layers_of_config``). Pure, in-process."""
 
 from __future__ import annotations
 
 import pytest
 
-from sgl_kvevict.architectures import model_facts
+from sgl_kvevict.architectures import local_layers_of_config, model_facts
 
 NONE = {"mla_model": False, "sliding_window_layers": False, "state_space_layers": False}
 
@@ -19,11 +20,12 @@ CONFIGS = {
                     "use_sliding_window": False, "max_window_layers": 28}, {}),
     "Gemma-2-9B": ({"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "sliding_window": 4096,
                     "cache_implementation": "hybrid"}, {"sliding_window_layers": True}),
+    # Gemma 3's local layers are in the one pool: served, trimmed to their window (local_layers.py).
     "Gemma-3-1B (first upload)": ({"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
-                                   "sliding_window": 512, "sliding_window_pattern": 6}, {"sliding_window_layers": True}),
+                                   "sliding_window": 512, "sliding_window_pattern": 6}, {}),
     "Gemma-3-4B (multimodal)": ({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
                                  "text_config": {"model_type": "gemma3_text", "sliding_window": 1024,
-                                                 "sliding_window_pattern": 6}}, {"sliding_window_layers": True}),
+                                                 "sliding_window_pattern": 6}}, {}),
     "Llama-4-Scout": ({"architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4",
                        "text_config": {"attention_chunk_size": 8192}}, {"sliding_window_layers": True}),
     "DeepSeek-V2-Lite": ({"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
@@ -41,3 +43,12 @@ CONFIGS = {
 def test_each_published_config_is_read_as_sglang_serves_it(name):
     config, refused = CONFIGS[name]
     assert model_facts(config) == {**NONE, **refused}
+
+
+def test_gemma_3s_local_layers_are_read_from_its_published_configs():
+    one_b = {**CONFIGS["Gemma-3-1B (first upload)"][0], "num_hidden_layers": 26}
+    local, window = local_layers_of_config(one_b)
+    assert window == 512 and len(local) == 26 - 26 // 6 and 5 not in local and 11 not in local
+    four_b = CONFIGS["Gemma-3-4B (multimodal)"][0]
+    four_b = {**four_b, "text_config": {**four_b["text_config"], "num_hidden_layers": 34}}
+    assert local_layers_of_config(four_b)[1] == 1024 and len(local_layers_of_config(four_b)[0]) == 34 - 34 // 6

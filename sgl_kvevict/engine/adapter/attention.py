@@ -228,7 +228,8 @@ class KVEvictTorchBackend(SegmentAttentionBackend, TorchNativeAttnBackend):
             )
         else:
             self.dense = DenseBatch.of(forward.compressed, to_token)
-        local = self.engine.local_layers
+        engine = self.engine
+        local = None if engine is None else engine.local_layers
         self.window_keys = None
         if local is not None:
             windowed = forward.requests if forward.is_decode else forward.compressed
