@@ -56,7 +56,9 @@ STOCK = "stock"
 DENSE_FLAGS = ("--kv-evict-policy", "none")
 # The flags are checked before the documents are read and the pool is known: with a pool any prompt fits.
 PROVISIONAL_POOL = 1 << 20
-QUESTION_ROOM = 48  # tokens a question adds to a prompt, for the context and pool sizing
+QUESTION_ROOM = 48
+# The scores a --thresholds candidate is made for: KVzap's usage, log-space question-agnostic scores.
+THRESHOLD_SCORES = ("learned", "kvzip")  # tokens a question adds to a prompt, for the context and pool sizing
 
 
 class EvaluateError(ValueError):
@@ -82,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--policies", default=DEFAULT_POLICIES, help=f"candidate policies name[:score], comma-separated, e.g. topk:learned,lava:learned,ada-snapkv:attn (default {DEFAULT_POLICIES})")
     add("--budgets", default=DEFAULT_BUDGETS, help=f"candidate budgets, comma-separated (default {DEFAULT_BUDGETS}; empty: none)")
     add("--scopes", default=DEFAULT_SCOPES, help=f"candidate scopes, comma-separated: request, block (default {DEFAULT_SCOPES})")
-    add("--thresholds", default="", help="KVzap-style score thresholds (--kv-evict-score-threshold), comma-separated, for the policies with a learned score, e.g. -3,-4,-5 (default none)")
+    add("--thresholds", default="", help="KVzap-style score thresholds (--kv-evict-score-threshold), comma-separated, for the policies with a learned or kvzip score, e.g. -3,-4,-5 (default none)")
     add("--threshold-cap", default="0.99", help="the budget that caps a threshold candidate (default 0.99: the threshold decides)")
     add("--learned-weights", help="the learned score's weights for the candidates with score learned: a train_scorer .safetensors or a KVzap checkpoint folder (default: the bundled ones for the model)")
     add("--candidate", action="append", default=[], metavar="LABEL=FLAGS", help="a further candidate: its label and launcher flags (repeatable)")
@@ -193,7 +195,7 @@ def lineup(args: argparse.Namespace) -> list[Server]:
         for policy in policies:
             for budget in budgets:
                 servers.append(candidate(f"{policy}@{budget} {scope}", [*policy_flags(policy, scope, args.learned_weights), "--kv-evict-budget", budget]))
-            for threshold in thresholds:
+            for threshold in thresholds if policy.partition(":")[2] in THRESHOLD_SCORES else ():
                 _float(threshold, "--thresholds")
                 servers.append(candidate(f"{policy} threshold {threshold} {scope}",
                                          [*policy_flags(policy, scope, args.learned_weights), "--kv-evict-score-threshold", threshold, "--kv-evict-budget", args.threshold_cap]))  # fmt: skip

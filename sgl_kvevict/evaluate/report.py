@@ -63,7 +63,23 @@ def analyse(servers: Sequence[dict], buckets: dict[str, str], holdout: set[str],
     candidates = [_candidate(server, "fidelity_calibration" if holdout else "fidelity") for server in servers if server["role"] == "candidate"]
     calibration_buckets = {buckets[d] for d in calibration}
     recommendation = recommend(candidates, calibration_buckets, min_fidelity, form)
-    return {"recommendation": recommendation_json(recommendation, servers, holdout, form)}
+    return {"recommendation": recommendation_json(recommendation, servers, holdout, form),
+            "held_out_by_server": held_out_by_server(servers, form) if holdout else None}
+
+
+def _reads(cell: dict, form: str) -> Optional[float]:
+    return Cell({f: cell[f]["exact"] for f in FORMS}, {f: cell[f]["n"] for f in FORMS}, cell["kept_share"]).reads(form)
+
+
+def held_out_by_server(servers: Sequence[dict], form: str) -> dict:
+    """Per server, over all lengths: the fidelity the calibration documents predict and the one measured
+    on the held-out documents (the recommendation's check, for every candidate)."""
+    rows = {}
+    for server in servers[1:]:
+        predicted, measured = _reads(server["fidelity_calibration"]["all"], form), _reads(server["fidelity_holdout"]["all"], form)
+        rows[server["label"]] = {"predicted": predicted, "measured": measured,
+                                 "difference": None if predicted is None or measured is None else measured - predicted}  # fmt: skip
+    return rows
 
 
 def _ratios(mine: dict, base: dict) -> dict:
@@ -93,9 +109,8 @@ def recommendation_json(recommendation: Recommendation, servers: Sequence[dict],
     }
     if chosen is not None and holdout:
         server = next(s for s in servers if s["label"] == chosen.label)
-        measured = {b: Cell({f: c[f]["exact"] for f in FORMS}, {f: c[f]["n"] for f in FORMS}, c["kept_share"]).reads(form)
-                    for b, c in server["fidelity_holdout"].items()}  # fmt: skip
-        predicted_all = Cell({f: server["fidelity_calibration"]["all"][f]["exact"] for f in FORMS}, {}, None).reads(form)
+        measured = {b: _reads(c, form) for b, c in server["fidelity_holdout"].items()}
+        predicted_all = _reads(server["fidelity_calibration"]["all"], form)
         result["held_out"] = {
             "documents": sorted(holdout),
             "measured": measured,
@@ -164,6 +179,18 @@ def recommendation_lines(result: dict, dense_flags: Sequence[str]) -> list[str]:
     return lines
 
 
+def held_out_rows(analysis: dict) -> list[str]:
+    rows = analysis.get("held_out_by_server")
+    if not rows:
+        return []
+    form = analysis["recommendation"]["form"]
+    lines = [f"Held-out check, every server (fidelity read as the recommendation reads it: {form}; all lengths):", "",
+             "| server | predicted (calibration documents) | measured (held-out documents) | difference |", "|---|---|---|---|"]  # fmt: skip
+    for label, row in rows.items():
+        lines.append(f"| {label} | {_fmt(row['predicted'])} | {_fmt(row['measured'])} | {_fmt(row['difference'])} |")
+    return lines + [""]
+
+
 def markdown(payload: dict) -> str:
     meta, servers, env = payload["meta"], payload["servers"], payload["environment"]
     config = meta["config"]
@@ -172,17 +199,18 @@ def markdown(payload: dict) -> str:
         f"`{meta['command']}`", "",
         f"Machine: {env['cpu_model']}, {env['cpu_cores']} cores, GPU: {env['gpu']}. SGLang {env['sglang']}, sgl-kvevict "
         f"{env['git_commit'] or env['sgl_kvevict']}, {env['date']}. Model `{config['model']}`, every server at --max-total-tokens "
-        f"{config['pool_tokens']}; {len(payload['documents'])} documents ({payload['source']}), {payload['wall_seconds'] / 60:.1f} min.",
+        f"{config['pool_tokens']}; {len(payload['documents'])} documents ({payload['source']}), {sum(s['seconds'] for s in servers) / 60:.1f} min of servers.",
         "",
         "Fidelity = share of answers equal to stock's after normalisation (exact) and their token F1; multi-request: each "
         "question in a new request right after the document; multi-turn: each question in a later turn after the summary "
-        "and the earlier questions. Kept share = KV slots the document's conversation holds after turn 1 over the tokens "
+        "and the earlier questions; with held-out documents the recommendation is calibrated on the others. Kept share = KV slots the document's conversation holds after turn 1 over the tokens "
         "stock holds dense.", "",
         *fidelity_rows(servers), "",
         "## Speed (one request at a time)", "",
         *speed_rows(servers), "",
         "## Recommendation", "",
         *recommendation_lines(payload["analysis"], config["dense_flags"]), "",
+        *held_out_rows(payload["analysis"]),
         f"![fidelity vs kept share]({meta['name']}.png)", "",
         "## Documents", "",
         "| document | tokens | bucket | held out |", "|---|---|---|---|",
