@@ -146,7 +146,7 @@ def test_bad_input_gets_one_line_and_exit_2_before_any_server(case, tmp_path, ti
     docs = tmp_path / "docs"
     docs.mkdir()
     argv = {
-        "empty folder": ["--documents", str(docs)],
+        "empty folder": ["--documents", str(docs), "--policies", "topk:attn"],
         "bad flag": ["--min-fidelity", "1.5"],
         "bad budget": ["--budgets", "2"],
         "bad policy": ["--policies", "nosuch"],

@@ -368,7 +368,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if min(args.bundled_documents, args.questions_per_document, args.summary_tokens, args.answer_tokens) < 1:
             raise EvaluateError("--bundled-documents, --questions-per-document, --summary-tokens and --answer-tokens must be >= 1")
         servers = lineup(args)
-        preflight(servers, args, args.max_total_tokens or PROVISIONAL_POOL, model=False)  # before the tokenizer loads
+        preflight(servers, args, args.max_total_tokens or PROVISIONAL_POOL, model=False)  # before the model is read
+        preflight(servers, args, args.max_total_tokens or PROVISIONAL_POOL, model=True)
         from sgl_kvevict.measure.chat import ChatTokens
 
         chat = ChatTokens.for_model(args.model)
@@ -378,7 +379,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if not documents:
             raise EvaluateError("no document left to evaluate (every one skipped above)")
         pool = args.max_total_tokens or _rounded(max(conversation_tokens(t, len(d.questions), args) for d, t in documents) + 512)
-        preflight(servers, args, pool, model=True)
+        preflight(servers, args, pool, model=False)  # with the pool the documents need
         config = configuration(args, documents, pool, servers)
         done = resumed(args.out / f"{args.name}.json", config) if args.resume else {}
     except (EvaluateError, InputError, ServerError) as error:
