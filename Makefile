@@ -8,6 +8,8 @@
 #                protect every port it opens: docs/deployment.md)
 #   make test    set up if needed, then run the whole test suite (TEST_WORKERS=2 processes)
 #   make test-fast  the suite without the tests that start a server (a few minutes)
+#   make evaluate   fidelity to stock of the default policy at several budgets on the bundled model and
+#                   task set, and the flags to serve with (EVALUATE_ARGS="--documents DIR ..."; docs/before-production.md)
 #   make gpu-kit    the wheels, stand-ins and model config a lent GPU machine needs, in gpu-kit/ (ignored;
 #                   docs/gpu.md, "Run the server on a lent GPU")
 
@@ -37,7 +39,7 @@ API_KEY ?=
 ADMIN_API_KEY ?=
 KEY_FLAGS := $(if $(API_KEY),--api-key $(API_KEY)) $(if $(ADMIN_API_KEY),--admin-api-key $(ADMIN_API_KEY))
 
-.PHONY: setup serve test test-fast gpu-kit clean-venv
+.PHONY: setup serve test test-fast evaluate gpu-kit clean-venv
 
 setup: $(STAMP)
 
@@ -67,6 +69,11 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest tests -m "not server" -q $(XDIST)
+
+# python -m sgl_kvevict.evaluate on the bundled model; EVALUATE_ARGS adds its flags (--help lists them).
+EVALUATE_ARGS ?=
+evaluate: setup
+	$(PY) -m sgl_kvevict.evaluate --model smollm2 $(EVALUATE_ARGS)
 
 # Downloads from PyPI (cached in build/gpu-kit-downloads), so it needs the network; never committed.
 gpu-kit: setup

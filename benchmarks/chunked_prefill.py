@@ -3,7 +3,7 @@
     python -m benchmarks.chunked_prefill                          # SmolLM2: stock and topk:learned@0.25, chunks -1,512,1024,2048
     python -m benchmarks.chunked_prefill --chunk-sizes=-1,1024 --policies topk:learned --scopes request,block
 
-Starts the real launcher (benchmarks/load/servers.py), one server at a time, for stock SGLang and every
+Starts the real launcher (sgl_kvevict/measure/servers.py), one server at a time, for stock SGLang and every
 policy variant, each with every ``--chunk-sizes`` value (-1: one forward per prompt), all at the same
 ``--max-total-tokens``. On each server:
 
@@ -32,11 +32,19 @@ from typing import Optional, Sequence
 
 import aiohttp
 
-from benchmarks.cli import add_output_args, add_server_args, add_resume_arg, as_json, checkpoint_path, log_folder, other_configuration, read_checkpoint
-from benchmarks.load.client import stream_completion
+from benchmarks.cli import add_output_args
+from benchmarks.cli import add_server_args
+from benchmarks.cli import add_resume_arg
+from benchmarks.cli import as_json
+from benchmarks.cli import checkpoint_path
+from benchmarks.cli import log_folder
+from benchmarks.cli import other_configuration
+from benchmarks.cli import read_checkpoint
 from benchmarks.load.metrics import percentile
-from benchmarks.load.report import _pyplot, provenance_heading, run_meta, runs_writer, save_figure, titled_with_legend
-from benchmarks.load.servers import ServerError, ServerVariant, run_on_server, server_variants
+from benchmarks.load.report import provenance_heading, run_meta, runs_writer, save_figure, titled_with_legend
+from sgl_kvevict.measure.client import stream_completion
+from sgl_kvevict.measure.results import pyplot as _pyplot
+from sgl_kvevict.measure.servers import ServerError, ServerVariant, run_on_server, server_variants
 
 # A gap between streamed tokens this long is a stall (decode alone takes ~0.1-0.2 s here).
 STALL_SECONDS = 1.0

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import shlex
 import sys
 import tempfile
@@ -17,7 +16,6 @@ T = TypeVar("T")
 
 RESULTS_DIR = Path(__file__).resolve().parents[1] / "docs" / "results"
 
-
 def benchmark_parser(module: str, doc: str) -> argparse.ArgumentParser:
     """The parser of ``python -m benchmarks.<module>``: the first paragraph of its docstring ``doc`` as
     the description, the rest (usage examples, what it measures) as the epilog, kept as written."""
@@ -26,7 +24,6 @@ def benchmark_parser(module: str, doc: str) -> argparse.ArgumentParser:
         prog=f"python -m benchmarks.{module}", description=description, epilog=epilog,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
-
 
 def add_output_args(parser, name: str, server_arg_for: Optional[str] = None) -> None:
     """``--out``, ``--name`` and ``--log-dir`` as every benchmark spells them, and ``--server-arg``
@@ -40,7 +37,6 @@ def add_output_args(parser, name: str, server_arg_for: Optional[str] = None) -> 
             help=f"extra launcher/SGLang flag for {server_arg_for}, e.g. --server-arg=--kv-evict-window=16 (repeatable)",
         )  # fmt: skip
 
-
 def add_server_args(parser, policy: tuple[str, str, str], budget_help: str, scopes: Optional[str] = None) -> None:
     """``--model``; the compared policy, ``policy`` = (its flag, default, help); its ``--budget``; with
     ``scopes`` (their default) ``--scopes`` and ``--block-size`` of the policies. Helps end in the default."""
@@ -52,36 +48,12 @@ def add_server_args(parser, policy: tuple[str, str, str], budget_help: str, scop
         parser.add_argument("--scopes", default=scopes, help=f"comma-separated scopes of the policies (default {scopes})")
         parser.add_argument("--block-size", type=int, help="block size in block scope (default: the launcher's)")
 
-
 def log_folder(log_dir: Optional[Path], benchmark: str) -> Path:
     """``--log-dir``, or a new temporary folder named after the benchmark; said on stdout either way."""
     folder = log_dir or Path(tempfile.mkdtemp(prefix=f"{benchmark}-logs-"))
     folder.mkdir(parents=True, exist_ok=True)
     print(f"server logs in {folder}", flush=True)
     return folder
-
-
-def write_result_files(
-    out: Path, name: str, payload: dict, text: str, plot: Optional[Callable[[Path], None]] = None
-) -> list[Path]:
-    """``<name>.json`` (``payload``) and ``<name>.md`` (``text``) into ``out``, each atomically, then with
-    ``plot`` the figure ``<name>.png``; the paths written."""
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [out / f"{name}.json", out / f"{name}.md"]
-    write_atomically(paths[0], json.dumps(payload, indent=1) + "\n")
-    write_atomically(paths[1], text)
-    if plot is not None:
-        paths.append(out / f"{name}.png")
-        plot(paths[2])
-    return paths
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """A run killed mid-write must leave the previous checkpoint, not half a file."""
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(text)
-    os.replace(partial, path)
-
 
 def parse_command_line(
     build_parser: Callable[[], argparse.ArgumentParser], argv: Optional[Sequence[str]]
@@ -92,16 +64,13 @@ def parse_command_line(
     argv = list(sys.argv[1:] if argv is None else argv)
     return parser, argv, parser.parse_args(argv)
 
-
 def command_line(module: str, argv: Sequence[str]) -> str:
     """The command as typed, for a report: ``python -m benchmarks.<module> ...`` (quoted for a shell)."""
     return shlex.join(["python", "-m", f"benchmarks.{module}", *argv])
 
-
 def progress(message: str) -> None:
     """A benchmark's progress line: stdout, flushed (a run is followed live or through a pipe)."""
     print(message, flush=True)
-
 
 def exits_on(*errors: type[BaseException], code: int = 2) -> Callable:
     """Decorates a benchmark's ``main``: one of ``errors`` (a server that failed, a measurement that
@@ -120,15 +89,12 @@ def exits_on(*errors: type[BaseException], code: int = 2) -> Callable:
 
     return decorate
 
-
 def add_resume_arg(parser, help: str = "keep the finished servers of --out/<name>.json") -> None:
     parser.add_argument("--resume", action="store_true", help=help)
-
 
 def checkpoint_path(args: argparse.Namespace) -> Path:
     """Where the last run wrote its results: ``--out/<name>.json``."""
     return args.out / f"{args.name}.json"
-
 
 def read_checkpoint(path: Path, error: Callable[[str], Exception] = ValueError) -> dict:
     """What a run wrote to ``path``, which must exist (``error`` otherwise)."""
@@ -136,21 +102,17 @@ def read_checkpoint(path: Path, error: Callable[[str], Exception] = ValueError) 
         raise error(f"--resume: {path} does not exist")
     return json.loads(path.read_text())
 
-
 def checkpoint(args: argparse.Namespace, error: Callable[[str], Exception] = ValueError) -> Optional[dict]:
     """With ``--resume``, what the last run wrote (``read_checkpoint``); None without."""
     return read_checkpoint(checkpoint_path(args), error) if args.resume else None
-
 
 def as_json(value):
     """``value`` as it reads back from a JSON file (tuples as lists ...), to compare with a checkpoint."""
     return json.loads(json.dumps(value))
 
-
 def other_configuration(path: Path, error: Callable[[str], Exception] = ValueError) -> Exception:
     """The refusal of a checkpoint at ``path`` that another configuration wrote."""
     return error(f"--resume: {path} is of another configuration")
-
 
 def run_each(
     items: Sequence[T], label: Callable[[T], str], done: dict[str, dict], measure: Callable[[T], dict],

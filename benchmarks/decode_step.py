@@ -55,12 +55,20 @@ from typing import Callable, Optional, Sequence
 import aiohttp
 import psutil
 
-from benchmarks.cli import add_output_args, benchmark_parser, command_line, exits_on, log_folder, parse_command_line, progress
+from benchmarks.cli import add_output_args
+from benchmarks.cli import benchmark_parser
+from benchmarks.cli import command_line
+from benchmarks.cli import exits_on
+from benchmarks.cli import log_folder
+from benchmarks.cli import parse_command_line
+from benchmarks.cli import progress
 from benchmarks.engine_overhead import CHAT_PATH, WARM_UP_MESSAGE, MeasurementError, ask, chat_payload, flush
-from benchmarks.load.client import STATS_PATH, StreamedReply, get_json, stream_completion
-from benchmarks.load.conversations import ConversationSpec, build_conversations, model_token_counter
-from benchmarks.load.report import _pyplot, environment, heading, save_figure, write_report
-from benchmarks.load.servers import ServerError, ServerVariant, check_launcher_accepts, launched_server
+from benchmarks.load.conversations import ConversationSpec, build_conversations
+from benchmarks.load.report import heading, save_figure, write_report
+from sgl_kvevict.measure.chat import model_token_counter
+from sgl_kvevict.measure.client import STATS_PATH, StreamedReply, get_json, stream_completion
+from sgl_kvevict.measure.results import pyplot as _pyplot, environment
+from sgl_kvevict.measure.servers import ServerError, ServerVariant, check_launcher_accepts, launched_server
 from sgl_kvevict.models import ModelError, resolve_model
 from sgl_kvevict.scoring import SCORES
 from sgl_kvevict.scoring.learned import LEARNED_SCORE

@@ -5,7 +5,7 @@ memory per conversation.
     python -m benchmarks.engine_overhead                                   # SmolLM2, vanilla vs lava@0.25
     python -m benchmarks.engine_overhead --policy snapkv --budget 0.5 --prompts 7
 
-Starts the real launcher (benchmarks/load/servers.py) for vanilla (``--kv-evict-policy none``), for
+Starts the real launcher (sgl_kvevict/measure/servers.py) for vanilla (``--kv-evict-policy none``), for
 ``full`` (the plugin's path with nothing evicted) and then for the policy, one server at a time, all
 with the same ``--max-total-tokens``. Requests are
 sent one at a time (nothing else in flight), greedy and streamed, so time to first token (TTFT) is
@@ -41,12 +41,21 @@ from typing import Callable, Optional, Sequence
 
 import aiohttp
 
-from benchmarks.load.client import STATS_PATH, StreamedReply, get_json, stream_completion
-from benchmarks.load.conversations import Conversation, ConversationSpec, build_conversations, model_token_counter
-from benchmarks.cli import add_output_args, add_server_args, benchmark_parser, command_line, exits_on, log_folder, parse_command_line, progress
-from benchmarks.load.report import ATTRIBUTION, FULL_NOT_SERVED, environment, ratio, ratios_of, write_report
-from benchmarks.load.servers import FULL_POLICY, VANILLA_POLICY, ServerError, ServerVariant, launched_server
-from benchmarks.load.soak import flush_when_idle, stats_leaks
+from benchmarks.cli import add_output_args
+from benchmarks.cli import add_server_args
+from benchmarks.cli import benchmark_parser
+from benchmarks.cli import command_line
+from benchmarks.cli import exits_on
+from benchmarks.cli import log_folder
+from benchmarks.cli import parse_command_line
+from benchmarks.cli import progress
+from benchmarks.load.conversations import Conversation, ConversationSpec, build_conversations
+from benchmarks.load.report import ATTRIBUTION, FULL_NOT_SERVED, ratio, ratios_of, write_report
+from benchmarks.load.soak import stats_leaks
+from sgl_kvevict.measure.chat import model_token_counter
+from sgl_kvevict.measure.client import STATS_PATH, StreamedReply, get_json, stream_completion, flush_when_idle
+from sgl_kvevict.measure.results import environment
+from sgl_kvevict.measure.servers import FULL_POLICY, VANILLA_POLICY, ServerError, ServerVariant, launched_server
 
 CHAT_PATH = "/v1/chat/completions"
 # A short first request: the server skips SGLang's warm-up, so the first forward pays one-off costs.

@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 from benchmarks.chunked_prefill import ChunkedConfig, measure
 from benchmarks.cli import add_output_args, benchmark_parser, log_folder
 from benchmarks.load.report import run_meta
-from benchmarks.load.servers import ServerVariant, launched_server
+from sgl_kvevict.measure.servers import ServerVariant, launched_server
 
 STALL_GAP_SECONDS = 1.0
 

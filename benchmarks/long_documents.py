@@ -6,7 +6,7 @@ compressed document, each asked after the document was reused.
     python -m benchmarks.long_documents --server "default 1500=--kv-evict-policy topk ... --max-total-tokens 1500"
     python -m benchmarks.long_documents ... --resume                                  # after an interruption
 
-Per document (``benchmarks/tasks.py``'s ``facts``: natural-language filler with three numbered facts of
+Per document (``sgl_kvevict/measure/tasks.py``'s ``facts``: natural-language filler with three numbered facts of
 different kinds spread over it): turn 1 is the document and
 a question-agnostic instruction ("Summarise the text above in one sentence."), so a policy server
 compresses the document before it knows any question. Then every question of the document is asked
@@ -46,16 +46,31 @@ from typing import Callable, Optional, Sequence
 
 import aiohttp
 
-from benchmarks.cli import add_output_args, add_resume_arg, as_json, benchmark_parser, checkpoint, checkpoint_path, command_line
-from benchmarks.cli import exits_on, log_folder, other_configuration, parse_command_line, progress, run_each, write_result_files
-from benchmarks.intervals import Proportion, wilson
-from benchmarks.load.client import STATS_PATH, get_json
-from benchmarks.load.conversations import model_token_counter
-from benchmarks.load.report import _pyplot, environment, heading
-from benchmarks.load.servers import ServerError, ServerVariant, check_launcher_accepts, check_lineup, launched_server
-from benchmarks.load.soak import flush_when_idle
-from benchmarks.reuse_quality import SUMMARY_INSTRUCTION, ask
-from benchmarks.tasks import TASK_KINDS, Question, Task, make_task
+from benchmarks.cli import add_output_args
+from benchmarks.cli import add_resume_arg
+from benchmarks.cli import as_json
+from benchmarks.cli import benchmark_parser
+from benchmarks.cli import checkpoint
+from benchmarks.cli import checkpoint_path
+from benchmarks.cli import command_line
+from benchmarks.cli import exits_on
+from benchmarks.cli import log_folder
+from benchmarks.cli import other_configuration
+from benchmarks.cli import parse_command_line
+from benchmarks.cli import progress
+from benchmarks.cli import run_each
+from benchmarks.load.report import heading
+from benchmarks.reuse_quality import SUMMARY_INSTRUCTION
+from sgl_kvevict.measure.chat import ChatTokens, shared_prefix, slots_held, model_token_counter
+from sgl_kvevict.measure.client import flush_when_idle, ask
+from sgl_kvevict.measure.intervals import Proportion, wilson
+from sgl_kvevict.measure.results import write_result_files, pyplot as _pyplot, environment
+from sgl_kvevict.measure.servers import ServerError
+from sgl_kvevict.measure.servers import ServerVariant
+from sgl_kvevict.measure.servers import check_launcher_accepts
+from sgl_kvevict.measure.servers import check_lineup
+from sgl_kvevict.measure.servers import launched_server
+from sgl_kvevict.measure.tasks import TASK_KINDS, Question, Task, make_task
 from sgl_kvevict.server.sglang_args import int_flag_value
 
 DEFAULT_LENGTHS = (2000, 4000, 7000)
@@ -188,42 +203,6 @@ def new_request(task: Task, question: Question) -> list[dict]:
 def question_messages(questions: str, task: Task, summary: str, question: Question) -> list[dict]:
     """The request asking ``question`` in the ``--questions`` format ``questions``."""
     return turn_two(task, summary, question) if questions == "after-summary" else new_request(task, question)
-
-
-def shared_prefix(first: Sequence[int], second: Sequence[int]) -> int:
-    """Tokens at the start of both sequences."""
-    return next((i for i, (a, b) in enumerate(zip(first, second)) if a != b), min(len(first), len(second)))
-
-
-class ChatTokens:
-    """A chat template rendered as the server renders it: a conversation ending with an assistant message
-    continues that message, any other gets the generation prompt."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-
-    @classmethod
-    def for_model(cls, model: str) -> "ChatTokens":
-        from transformers import AutoTokenizer
-
-        from sgl_kvevict.models import resolve_model
-
-        return cls(AutoTokenizer.from_pretrained(resolve_model(model, log=lambda m: print(m, file=sys.stderr))))
-
-    def render(self, messages: list[dict], tokenize: bool = True):
-        final = messages[-1]["role"] == "assistant"
-        return self.tokenizer.apply_chat_template(messages, tokenize=tokenize, add_generation_prompt=not final,
-                                                  continue_final_message=final)  # fmt: skip
-
-    def ids(self, messages: list[dict]) -> list[int]:
-        ids = self.render(messages)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
-
-async def slots_held(session: aiohttp.ClientSession, base_url: str) -> Optional[int]:
-    stats = await get_json(session, base_url + STATS_PATH)
-    # Stock answers {"policy": "none"}: it holds every token dense.
-    return stats["kv_slots_total"] - stats["kv_slots_free"] if stats and "kv_slots_total" in stats else None
 
 
 async def run_document(

@@ -30,12 +30,18 @@ from typing import Optional, Sequence
 
 import torch
 
-from benchmarks.cli import add_output_args, benchmark_parser, write_atomically
-from benchmarks.intervals import wilson
-from benchmarks.load.conversations import model_token_counter
-from benchmarks.long_documents import QUESTION_FORMATS, STOCK_LABEL, ChatTokens, LongDocumentsConfig, Server, new_request, shared_prefix
-from benchmarks.long_documents import turn_one, turn_two
+from benchmarks.cli import add_output_args, benchmark_parser
+from benchmarks.long_documents import QUESTION_FORMATS
+from benchmarks.long_documents import STOCK_LABEL
+from benchmarks.long_documents import LongDocumentsConfig
+from benchmarks.long_documents import Server
+from benchmarks.long_documents import new_request
+from benchmarks.long_documents import turn_one
+from benchmarks.long_documents import turn_two
 from sgl_kvevict.config import build_policy
+from sgl_kvevict.measure.chat import model_token_counter, ChatTokens, shared_prefix
+from sgl_kvevict.measure.intervals import wilson
+from sgl_kvevict.measure.results import write_atomically
 from sgl_kvevict.reference.engine import ReferenceEngine
 from sgl_kvevict.reference.schedule import Segment
 from sgl_kvevict.server.flags import FlagError, parse_args
@@ -154,7 +160,7 @@ def _kept_share(engine: ReferenceEngine, sequence, segments: Sequence[Segment], 
 
 
 def fact_kind(question: str) -> str:
-    """The fact kind a question asks about, by its first words (``benchmarks/tasks.py``'s ``FACT_KINDS``)."""
+    """The fact kind a question asks about, by its first words (``sgl_kvevict/measure/tasks.py``'s ``FACT_KINDS``)."""
     return " ".join(question.split()[:3])
 
 

@@ -33,9 +33,10 @@ from typing import Optional, Sequence
 import aiohttp
 
 from benchmarks.cli import add_output_args, add_server_args, benchmark_parser, exits_on, log_folder
-from benchmarks.load.client import StatsSampler
-from benchmarks.load.report import _pyplot, provenance_heading, run_meta, runs_writer, save_figure, titled_with_legend
-from benchmarks.load.servers import ServerError, ServerVariant, run_on_server, server_variants
+from benchmarks.load.report import provenance_heading, run_meta, runs_writer, save_figure, titled_with_legend
+from sgl_kvevict.measure.client import StatsSampler
+from sgl_kvevict.measure.results import pyplot as _pyplot
+from sgl_kvevict.measure.servers import ServerError, ServerVariant, run_on_server, server_variants
 
 # SGLang's tokenizer refusals of a prompt over the context and over the pool's limit (0.5.23).
 CONTEXT_MESSAGE = re.compile(r"context length \((\d+) tokens\)")

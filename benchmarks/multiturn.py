@@ -40,7 +40,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from benchmarks.load.conversations import ConversationError, ConversationSpec, build_conversations, model_context_length, model_token_counter
+from benchmarks.load.conversations import ConversationError, ConversationSpec, build_conversations
+from sgl_kvevict.measure.chat import model_context_length, model_token_counter
 from benchmarks.load.driver import (
     POOL_NAMES,
     CompareConfig,
@@ -53,12 +54,28 @@ from benchmarks.load.driver import (
     sweep_pools,
     workload,
 )
-from benchmarks.cli import RESULTS_DIR, add_output_args, add_resume_arg, as_json, benchmark_parser, checkpoint_path
-from benchmarks.cli import command_line, exits_on, log_folder, parse_command_line, progress
-from benchmarks.load.report import environment, heading, load_comparison, write_comparison
-from benchmarks.load.servers import VANILLA_POLICY, ServerError, ServerVariant, attributed_variants, launched_server, server_variants
-from benchmarks.load.soak import SoakConfig, SoakError, SoakReport, combined_summary, flush_when_idle, run_soak
+from benchmarks.cli import RESULTS_DIR
+from benchmarks.cli import add_output_args
+from benchmarks.cli import add_resume_arg
+from benchmarks.cli import as_json
+from benchmarks.cli import benchmark_parser
+from benchmarks.cli import checkpoint_path
+from benchmarks.cli import command_line
+from benchmarks.cli import exits_on
+from benchmarks.cli import log_folder
+from benchmarks.cli import parse_command_line
+from benchmarks.cli import progress
+from benchmarks.load.report import heading, load_comparison, write_comparison
+from benchmarks.load.soak import SoakConfig, SoakError, SoakReport, combined_summary, run_soak
 from benchmarks.load.users import LoadError, LoadSettings, run_users
+from sgl_kvevict.measure.client import flush_when_idle
+from sgl_kvevict.measure.results import environment
+from sgl_kvevict.measure.servers import VANILLA_POLICY
+from sgl_kvevict.measure.servers import ServerError
+from sgl_kvevict.measure.servers import ServerVariant
+from sgl_kvevict.measure.servers import attributed_variants
+from sgl_kvevict.measure.servers import launched_server
+from sgl_kvevict.measure.servers import server_variants
 
 # --quick: 4 users x 4 turns over ~1,000-token documents, every turn a fact question.
 QUICK = {"users": 4, "turns": 4, "document_tokens": 1000, "fact_every": 1}

@@ -4,7 +4,7 @@ Grid: policies x budgets x context lengths x modes (question-aware / context-onl
 the full cache. The scope is request scope (the compressed range is one segment) or block scope
 (``--block-sizes 256``: the range is cut into full blocks of that many tokens aligned at position 0,
 each with its own window inside the block, as a server in block scope compresses shared prefixes).
-Each cell runs the same seeded tasks (``benchmarks/tasks.py``) through the HF reference engine
+Each cell runs the same seeded tasks (``sgl_kvevict/measure/tasks.py``) through the HF reference engine
 and scores exact match of the answer string in the greedy output. A policy is ``name[:score]``
 (``snapkv``, ``snapkv:obc-key``, ``topk:kvzip``, ``lava:learned``).
 
@@ -49,8 +49,8 @@ import torch
 from benchmarks.cli import RESULTS_DIR, benchmark_parser
 from benchmarks.numerics import numerics_environment, numerics_probe, tasks_fingerprint
 from benchmarks.quality_report import FULL, CellKey, CellResult, SampleResult, load_report, write_outputs
-from benchmarks.tasks import RULER_KINDS, TASK_KINDS, Task, task_suite
 from sgl_kvevict.config import ConfigError, EvictionConfig, build_policy
+from sgl_kvevict.measure.tasks import RULER_KINDS, TASK_KINDS, Task, task_suite
 from sgl_kvevict.policies import Policy, get_policy_class, registered_policies
 from sgl_kvevict.reference import Mode, Prompt, ReferenceEngine
 

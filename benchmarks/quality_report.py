@@ -2,7 +2,7 @@
 runs the grid; the data model lives here so that the report never imports the runner).
 
 Every accuracy is reported with its sample count and 95% Wilson interval; the orderings section
-claims ``A > B`` only where the two intervals separate (``benchmarks/intervals.py``), for each policy
+claims ``A > B`` only where the two intervals separate (``sgl_kvevict/measure/intervals.py``), for each policy
 against the full cache and for the policies against each other at the same length, mode, budget and
 scope. The cost table splits the mean prefill per sample into the forward (the full cache's prefill
 of the same sample), the score's extra work and planning.
@@ -15,8 +15,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from benchmarks.cli import write_result_files
-from benchmarks.intervals import Proportion, ordering, wilson
+from sgl_kvevict.measure.intervals import Proportion, ordering, wilson
+from sgl_kvevict.measure.results import write_result_files
 
 FULL = "full"
 NOISE = "within noise"

@@ -5,7 +5,7 @@
     python -m benchmarks.reuse_quality ... --resume                                   # after an interruption
 
 Per sample, one conversation of two turns, sent one request at a time (deterministic batches):
-turn 1 is a ~1.3K-token document from ``benchmarks/tasks.py`` followed by a question-agnostic
+turn 1 is a ~1.3K-token document from ``sgl_kvevict/measure/tasks.py`` followed by a question-agnostic
 instruction ("Summarise the text above in one sentence."), so a policy server compresses the document
 before it knows the question; turn 2 re-sends that history (turn 1 and its answer) plus the task's
 question, with the task's answer prefix as the start of the assistant's reply
@@ -37,15 +37,31 @@ from typing import Callable, Optional, Sequence
 
 import aiohttp
 
-from benchmarks.intervals import Proportion, wilson
-from benchmarks.load.client import STATS_PATH, StreamedReply, get_json, numeric_fields, stream_completion
-from benchmarks.load.conversations import model_token_counter
-from benchmarks.cli import add_output_args, add_resume_arg, add_server_args, as_json, benchmark_parser, checkpoint, checkpoint_path, command_line
-from benchmarks.cli import exits_on, log_folder, other_configuration, parse_command_line, progress, run_each, write_result_files
-from benchmarks.load.report import environment, heading
-from benchmarks.load.servers import ServerError, ServerVariant, check_launcher_accepts, launched_server, server_variants
-from benchmarks.load.soak import flush_when_idle
-from benchmarks.tasks import TASK_KINDS, Task, task_suite
+from benchmarks.cli import add_output_args
+from benchmarks.cli import add_resume_arg
+from benchmarks.cli import add_server_args
+from benchmarks.cli import as_json
+from benchmarks.cli import benchmark_parser
+from benchmarks.cli import checkpoint
+from benchmarks.cli import checkpoint_path
+from benchmarks.cli import command_line
+from benchmarks.cli import exits_on
+from benchmarks.cli import log_folder
+from benchmarks.cli import other_configuration
+from benchmarks.cli import parse_command_line
+from benchmarks.cli import progress
+from benchmarks.cli import run_each
+from benchmarks.load.report import heading
+from sgl_kvevict.measure.chat import model_token_counter
+from sgl_kvevict.measure.client import STATS_PATH, ask, get_json, numeric_fields, flush_when_idle
+from sgl_kvevict.measure.intervals import Proportion, wilson
+from sgl_kvevict.measure.results import write_result_files, environment
+from sgl_kvevict.measure.servers import ServerError
+from sgl_kvevict.measure.servers import ServerVariant
+from sgl_kvevict.measure.servers import check_launcher_accepts
+from sgl_kvevict.measure.servers import launched_server
+from sgl_kvevict.measure.servers import server_variants
+from sgl_kvevict.measure.tasks import TASK_KINDS, Task, task_suite
 
 CHAT_PATH = "/v1/chat/completions"
 SUMMARY_INSTRUCTION = "Summarise the text above in one sentence."
@@ -126,16 +142,6 @@ def conversation(task: Task, summary: Optional[str] = None) -> list[dict]:
         {"role": "user", "content": task.question},
         {"role": "assistant", "content": task.answer_prefix},
     ]
-
-
-async def ask(session: aiohttp.ClientSession, base_url: str, messages: list[dict], max_tokens: int) -> StreamedReply:
-    payload = {"model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0}
-    if messages[-1]["role"] == "assistant":
-        payload["continue_final_message"] = True
-    reply = await stream_completion(session, base_url + CHAT_PATH, payload)
-    if reply.error or reply.problems or reply.ttft is None:
-        raise ServerError(f"request failed: {reply.error or reply.problems or 'no token streamed'}")
-    return reply
 
 
 def _changed(before: Optional[dict], after: Optional[dict]) -> dict[str, float]:

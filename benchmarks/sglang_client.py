@@ -35,10 +35,11 @@ from typing import Callable, Optional, Sequence
 
 import aiohttp
 
-from benchmarks.load.client import STATS_PATH, StatsSampler, get_json, stream_completion
-from benchmarks.cli import add_output_args, benchmark_parser, command_line, log_folder, parse_command_line, progress, write_result_files
-from benchmarks.load.report import ATTRIBUTION, _pyplot, attribution_pairs, environment, heading, ratios_of, save_figure, server_colour
-from benchmarks.load.servers import (
+from benchmarks.cli import add_output_args, benchmark_parser, command_line, log_folder, parse_command_line, progress
+from benchmarks.load.report import ATTRIBUTION, attribution_pairs, heading, ratios_of, save_figure, server_colour
+from sgl_kvevict.measure.client import STATS_PATH, StatsSampler, get_json, stream_completion
+from sgl_kvevict.measure.results import write_result_files, pyplot as _pyplot, environment
+from sgl_kvevict.measure.servers import (
     ServerError,
     ServerVariant,
     attributed_variants,
@@ -46,7 +47,8 @@ from benchmarks.load.servers import (
     launched_server,
     under_schedules,
 )
-from benchmarks.load.soak import flush_when_idle, stats_leaks
+from benchmarks.load.soak import stats_leaks
+from sgl_kvevict.measure.client import flush_when_idle
 
 CHAT_PATH = "/v1/chat/completions"
 # The client's result fields kept per server (it also reports the server's whole configuration).

@@ -4,7 +4,7 @@ polls the route in a tight loop.
     python -m benchmarks.stats_polling                                 # SmolLM2: vanilla, then topk:learned@0.25
     python -m benchmarks.stats_polling --rounds 3 --tokens 64 --policy lava
 
-Starts the real launcher (benchmarks/load/servers.py) for vanilla and then for the policy, one server
+Starts the real launcher (sgl_kvevict/measure/servers.py) for vanilla and then for the policy, one server
 at a time, with the same ``--max-total-tokens``. On each server, after one warm-up request, it runs
 ``--rounds`` rounds of two streamed chat requests of ``--tokens`` output tokens (``ignore_eos``, one
 request in flight): one alone ("quiet"), one while a separate client process sends ``GET
@@ -35,11 +35,19 @@ from typing import Callable, Optional, Sequence
 
 import aiohttp
 
-from benchmarks.load.client import STATS_PATH, stream_completion
-from benchmarks.cli import add_output_args, add_server_args, benchmark_parser, command_line, exits_on, log_folder, parse_command_line, progress
-from benchmarks.load.report import environment, heading, write_report
-from benchmarks.load.servers import VANILLA_POLICY, ServerError, ServerVariant, launched_server
+from benchmarks.cli import add_output_args
+from benchmarks.cli import add_server_args
+from benchmarks.cli import benchmark_parser
+from benchmarks.cli import command_line
+from benchmarks.cli import exits_on
+from benchmarks.cli import log_folder
+from benchmarks.cli import parse_command_line
+from benchmarks.cli import progress
 from benchmarks.load.metrics import percentile
+from benchmarks.load.report import heading, write_report
+from sgl_kvevict.measure.client import STATS_PATH, stream_completion
+from sgl_kvevict.measure.results import environment
+from sgl_kvevict.measure.servers import VANILLA_POLICY, ServerError, ServerVariant, launched_server
 
 CHAT_PATH = "/v1/chat/completions"
 PHASES = ("quiet", "polled")

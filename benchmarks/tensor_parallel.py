@@ -37,7 +37,7 @@ from typing import Optional, Sequence
 
 from benchmarks.cli import add_output_args, benchmark_parser, log_folder
 from benchmarks.load.report import provenance_line, run_meta, write_report
-from benchmarks.load.servers import VANILLA_POLICY, ServerVariant, launched_server
+from sgl_kvevict.measure.servers import VANILLA_POLICY, ServerVariant, launched_server
 from sgl_kvevict.models import resolve_model
 from sgl_kvevict.request_options import REQUEST_OPTIONS_PREFIX
 

@@ -68,19 +68,19 @@ def learned_weights_file(directory: Path, num_layers: int, num_kv_heads: int, se
 
 def kvzap_folder(
     directory: Path, num_layers: int, input_dim: int, output_dim: int, hidden_dim: Optional[int],
-    dtype: torch.dtype = torch.float32, seed: int = 0,
+    dtype: torch.dtype = torch.float32, seed: int = 0, prefix: str = "module_list",
 ) -> tuple[Path, dict[str, torch.Tensor]]:
     """A random KVzap scorer in the layout kvpress saves (``KVzapModel.save_pretrained``; hub
     nvidia/KVzap-linear-<model>, nvidia/KVzap-mlp-<model>): config.json with model_type "kvzap" and
-    ``module_list.<layer>`` parameters, ``.weight``/``.bias`` of one Linear, or ``.0.*``/``.2.*`` of
-    Linear-GELU-Linear. Returns the folder and its tensors by name."""
+    ``module_list.<layer>`` parameters (``prefix`` "layers": later public copies' name), ``.weight``/``.bias``
+    of one Linear, or ``.0.*``/``.2.*`` of Linear-GELU-Linear. Returns the folder and its tensors by name."""
     generator = torch.Generator().manual_seed(seed)
     linears = [("", input_dim, output_dim)] if hidden_dim is None else [(".0", input_dim, hidden_dim), (".2", hidden_dim, output_dim)]
     tensors = {}
     for layer in range(num_layers):
         for index, fan_in, fan_out in linears:
-            tensors[f"module_list.{layer}{index}.weight"] = torch.randn(fan_out, fan_in, generator=generator).to(dtype)
-            tensors[f"module_list.{layer}{index}.bias"] = torch.randn(fan_out, generator=generator).to(dtype)
+            tensors[f"{prefix}.{layer}{index}.weight"] = torch.randn(fan_out, fan_in, generator=generator).to(dtype)
+            tensors[f"{prefix}.{layer}{index}.bias"] = torch.randn(fan_out, generator=generator).to(dtype)
     folder = directory / f"KVzap-{'linear' if hidden_dim is None else 'mlp'}-{seed}"
     folder.mkdir(parents=True)
     config = {"architectures": ["KVzapModel"], "model_type": "kvzap", "input_dim": input_dim, "output_dim": output_dim,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.tasks import make_task
+from sgl_kvevict.measure.tasks import make_task
 import engine_client as client
 from sgl_kvevict.config import EvictionConfig, build_policy
 from sgl_kvevict.policies import registered_policies

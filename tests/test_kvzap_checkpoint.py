@@ -21,10 +21,12 @@ from sgl_kvevict.settings import ConfigError
 LAYERS, INPUT_DIM, KV_HEADS = 3, 24, 4
 
 
-def kvpress_scores(tensors: dict[str, torch.Tensor], layer: int, hidden: torch.Tensor, mlp: bool) -> torch.Tensor:
+def kvpress_scores(
+    tensors: dict[str, torch.Tensor], layer: int, hidden: torch.Tensor, mlp: bool, prefix: str = "module_list"
+) -> torch.Tensor:
     """``[H_kv, n]``: kvpress's ``module(hidden_states).transpose(1, 2)`` for one sequence, in float64."""
     x = hidden.double()
-    parameter = lambda name: tensors[f"module_list.{layer}{name}"].double()  # noqa: E731
+    parameter = lambda name: tensors[f"{prefix}.{layer}{name}"].double()  # noqa: E731
     if not mlp:
         return (x @ parameter(".weight").t() + parameter(".bias")).t()
     z = x @ parameter(".0.weight").t() + parameter(".0.bias")
@@ -32,9 +34,11 @@ def kvpress_scores(tensors: dict[str, torch.Tensor], layer: int, hidden: torch.T
     return (gelu @ parameter(".2.weight").t() + parameter(".2.bias")).t()
 
 
+# kvpress's stored code names the per-layer modules module_list; later public copies name them layers.
+@pytest.mark.parametrize("prefix", ["module_list", "layers"])
 @pytest.mark.parametrize("hidden_dim, dtype", [(None, torch.float32), (16, torch.float32), (16, torch.bfloat16)])
-def test_a_kvzap_folder_scores_as_kvpress_computes(tmp_path, hidden_dim, dtype):
-    folder, tensors = kvzap_folder(tmp_path, LAYERS, INPUT_DIM, KV_HEADS, hidden_dim, dtype)
+def test_a_kvzap_folder_scores_as_kvpress_computes(tmp_path, hidden_dim, dtype, prefix):
+    folder, tensors = kvzap_folder(tmp_path, LAYERS, INPUT_DIM, KV_HEADS, hidden_dim, dtype, prefix=prefix)
     weights = LearnedWeights.load(folder)
     assert weights.shape == ModelShape(num_layers=LAYERS, hidden_size=INPUT_DIM, num_kv_heads=KV_HEADS)
     assert weights.manifest["format"] == "kvzap" and weights.manifest["config"]["hidden_dim"] == hidden_dim
@@ -43,7 +47,7 @@ def test_a_kvzap_folder_scores_as_kvpress_computes(tmp_path, hidden_dim, dtype):
     scorer = LearnedScorer(Reduction(pooling="none"), weights)
     for layer in range(LAYERS):
         scores = scorer(stats, slice(14, 50), num_kv_heads=KV_HEADS, layer=layer)
-        expected = kvpress_scores(tensors, layer, hidden[4:], mlp=hidden_dim is not None)
+        expected = kvpress_scores(tensors, layer, hidden[4:], mlp=hidden_dim is not None, prefix=prefix)
         assert scores.dtype == torch.float32
         torch.testing.assert_close(scores.double(), expected, rtol=1e-5, atol=1e-4)
 
@@ -95,7 +99,7 @@ def test_the_launcher_takes_a_kvzap_folder_that_fits_the_model_and_refuses_one_t
     assert "train_scorer --model" in message and "nvidia/KVzap-mlp-<model>" in message
 
 
-@pytest.mark.parametrize("damage", ["model type", "a missing layer", "a wrong shape"])
+@pytest.mark.parametrize("damage", ["model type", "a missing layer", "a wrong shape", "both layouts", "neither layout"])
 def test_a_folder_that_is_not_a_kvzap_checkpoint_is_refused_in_one_line(tmp_path, damage):
     import json
 
@@ -109,8 +113,12 @@ def test_a_folder_that_is_not_a_kvzap_checkpoint_is_refused_in_one_line(tmp_path
         tensors = load_file(str(folder / "model.safetensors"))
         if damage == "a missing layer":
             del tensors["module_list.2.bias"]
-        else:
+        elif damage == "a wrong shape":
             tensors["module_list.1.weight"] = tensors["module_list.1.weight"][:, :-1].contiguous()
+        elif damage == "both layouts":
+            tensors["layers.0.weight"] = tensors["module_list.0.weight"].clone()
+        else:
+            tensors = {name.replace("module_list.", "blocks."): tensor for name, tensor in tensors.items()}
         save_file(tensors, str(folder / "model.safetensors"))
     with pytest.raises(ConfigError, match="cannot be read") as error:
         LearnedWeights.load(folder)

@@ -11,8 +11,8 @@ import torch
 
 from benchmarks import long_documents
 from benchmarks.long_documents import DocumentRecord, LongDocumentsConfig, LongDocumentsError, Server
-from benchmarks.tasks import make_task
 from benchmarks.results_readme import long_documents_part
+from sgl_kvevict.measure.tasks import make_task
 from bench_checks import check_resume
 
 STOCK = Server("stock", ("--kv-evict-policy", "none"))

@@ -10,12 +10,12 @@ import psutil
 import pytest
 
 from benchmarks import multiturn
-from benchmarks.load.client import StreamedReply, check_reply, numeric_fields
 from benchmarks.load.conversations import ConversationError, ConversationSpec, build_conversations
 from benchmarks.load.driver import DriverError, compare_pools, history_tokens, sweep_pools, workload
 from benchmarks.load.metrics import RequestRecord, hit_rate, percentile, summarize
-from benchmarks.load.servers import ServerError, server_variants
 from benchmarks.load.soak import FAULT_KINDS, LONG_KINDS, stats_leaks
+from sgl_kvevict.measure.client import StreamedReply, check_reply, numeric_fields
+from sgl_kvevict.measure.servers import ServerError, server_variants
 
 
 def count_words(text: str) -> int:
@@ -125,7 +125,7 @@ def test_ratios_attribute_each_policy_to_eviction_and_to_the_path():
     from benchmarks.load.driver import RunResult
     from benchmarks.load.metrics import RunMetrics
     from benchmarks.load.report import ratios
-    from benchmarks.load.servers import attributed_variants
+    from sgl_kvevict.measure.servers import attributed_variants
     from benchmarks.load.users import RunOutcome
 
     def outcome(output_tps, ttft, hit):
@@ -332,7 +332,7 @@ def test_sigterm_to_a_benchmark_unwinds_so_its_servers_are_stopped(tmp_path):
 
     marker = tmp_path / "stopped"
     child = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from benchmarks.load.servers import sigterm_raises\n"
+        "import sys, time; from sgl_kvevict.measure.servers import sigterm_raises\n"
         "with sigterm_raises():\n"
         "    try:\n"
         "        print('ready', flush=True); time.sleep(60)\n"

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from benchmarks import quality, quality_compare, quality_merge
-from benchmarks.intervals import Z_95, ordering, wilson
+from sgl_kvevict.measure.intervals import Z_95, ordering, wilson
 from benchmarks.quality_report import (
     FULL,
     CellKey,

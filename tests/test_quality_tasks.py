@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from benchmarks.tasks import RULER_KINDS, TASK_KINDS, make_task, task_suite
+from sgl_kvevict.measure.tasks import RULER_KINDS, TASK_KINDS, make_task, task_suite
 
 
 def count_words(text: str) -> int:

@@ -66,7 +66,7 @@ def test_missing_markers_are_refused(tmp_path):
 
 
 def _outcome(output_tps: float, ttft: float, hit: float, correct: int):
-    from benchmarks.load.client import StatsPeaks
+    from sgl_kvevict.measure.client import StatsPeaks
     from benchmarks.load.metrics import RunMetrics
     from benchmarks.load.users import RunOutcome
 
@@ -87,7 +87,7 @@ def test_optional_parts_render_when_their_outputs_exist(tmp_path):
     from benchmarks import reuse_quality
     from benchmarks.load.driver import RunResult
     from benchmarks.load.report import write_comparison
-    from benchmarks.load.servers import ServerVariant
+    from sgl_kvevict.measure.servers import ServerVariant
 
     for name in ("engine_overhead", "multiturn", "soak"):
         shutil.copy(RESULTS / f"{name}.json", tmp_path)

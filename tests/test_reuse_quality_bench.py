@@ -9,7 +9,7 @@ import psutil
 import pytest
 
 from benchmarks import reuse_quality
-from benchmarks.tasks import make_task
+from sgl_kvevict.measure.tasks import make_task
 from bench_checks import check_resume
 
 

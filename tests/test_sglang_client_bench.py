@@ -11,8 +11,8 @@ from dataclasses import asdict
 import pytest
 
 from benchmarks import sglang_client
-from benchmarks.load.servers import ServerError, attributed_variants, server_variants, under_schedules
 from benchmarks.sglang_client import Workload
+from sgl_kvevict.measure.servers import ServerError, attributed_variants, server_variants, under_schedules
 from engine_client import MEMORY_FLAGS
 
 

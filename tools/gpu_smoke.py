@@ -312,7 +312,7 @@ def repository_importable() -> None:
 
 
 def serving_helpers():
-    """The project's own server starter and clients (tests/serving.py, benchmarks/load/client.py)."""
+    """The project's own server starter and clients (tests/serving.py, sgl_kvevict/measure/client.py)."""
     repository_importable()
     import serving
 
@@ -410,7 +410,7 @@ def measure_syncs(smoke: Smoke, plan: ServerPlan, server) -> dict:
 def measure_itl(smoke: Smoke, plan: ServerPlan, server) -> dict:
     """Median decode inter-token latency over streamed requests, batch 1 and 8, after a warm-up batch
     (the first compressed decode compiles its Triton kernels)."""
-    from benchmarks.load.client import stream_completion
+    from sgl_kvevict.measure.client import stream_completion
 
     import aiohttp
 

@@ -1,6 +1,6 @@
 """Deterministic multi-turn conversations over long documents, generated from a seed.
 
-Each simulated user reads a document (natural-language filler from ``benchmarks.tasks``' grammar,
+Each simulated user reads a document (natural-language filler from ``sgl_kvevict.measure.tasks``' grammar,
 which holds no digits, with numeric facts embedded at spread-out depths) and then asks one question
 per turn. Turn 1 carries the document; later turns are short follow-ups, so the chat history grows by
 one question and one short answer per turn, as with a real client. Every ``fact_every``-th turn asks
@@ -16,11 +16,10 @@ the user's own document: the shared prefix of block scope, as a deployment's sys
 from __future__ import annotations
 
 import random
-import sys
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from benchmarks.tasks import FACT_KINDS, Needle, build_context, states_number
+from sgl_kvevict.measure.tasks import FACT_KINDS, Needle, build_context, states_number
 
 DOCUMENT_INTRO = "Read the following document carefully. I will ask you several questions about it.\n\n"
 SYSTEM_INTRO = (
@@ -189,21 +188,3 @@ def build_conversations(spec: ConversationSpec, count_tokens: Callable[[str], in
     return conversations
 
 
-def model_token_counter(model: str) -> Callable[[str], int]:
-    """Token counts with the served model's own tokenizer (documents are sized in its tokens)."""
-    from tokenizers import Tokenizer
-
-    from sgl_kvevict.models import resolve_model
-
-    tokenizer = Tokenizer.from_file(str(resolve_model(model, log=lambda m: print(m, file=sys.stderr)) / "tokenizer.json"))
-    return lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids)
-
-
-def model_context_length(model: str) -> int:
-    """The served model's context length (``max_position_embeddings`` of its config)."""
-    import json
-
-    from sgl_kvevict.models import resolve_model
-
-    folder = resolve_model(model, log=lambda m: print(m, file=sys.stderr))
-    return int(json.loads((folder / "config.json").read_text())["max_position_embeddings"])

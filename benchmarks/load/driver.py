@@ -23,8 +23,12 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from benchmarks.load.conversations import Conversation, ConversationSpec
-from benchmarks.load.servers import ServerError, ServerVariant, check_launcher_accepts, check_lineup, launched_server
 from benchmarks.load.users import LoadSettings, RunOutcome, run_users
+from sgl_kvevict.measure.servers import ServerError
+from sgl_kvevict.measure.servers import ServerVariant
+from sgl_kvevict.measure.servers import check_launcher_accepts
+from sgl_kvevict.measure.servers import check_lineup
+from sgl_kvevict.measure.servers import launched_server
 
 POOL_NAMES = ("large", "tight")
 # Chat-template tokens around each message (role markers, newlines) on top of the text's own tokens;

@@ -10,24 +10,19 @@ the pools, and a plot of the ratios and hit rates against the pool size).
 from __future__ import annotations
 
 import json
-import os
-import platform
-import subprocess
 import sys
-import time
 from dataclasses import asdict
-from importlib import metadata
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Optional, Sequence, TypeVar
 
-from benchmarks.cli import command_line, write_result_files
-from benchmarks.intervals import wilson
+from benchmarks.cli import command_line
 from benchmarks.load.driver import RunResult
 from benchmarks.load.metrics import RunMetrics
-from benchmarks.load.servers import ServerVariant
 from benchmarks.load.users import outcome_from_json, outcome_to_json
+from sgl_kvevict.measure.intervals import wilson
+from sgl_kvevict.measure.results import write_result_files, environment, pyplot as _pyplot
+from sgl_kvevict.measure.servers import ServerVariant
 
-REPO = Path(__file__).resolve().parents[2]
 Run = TypeVar("Run")
 # How a speed table's three ratios read.
 ATTRIBUTION = (
@@ -46,30 +41,6 @@ def attribution_note(full_served: bool) -> str:
         "`full` (the plugin's path with nothing evicted) is not in this run, which predates it: only policy / "
         "vanilla is shown, not split into what eviction buys (policy / full) and what the path costs (full / vanilla)."
     )
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def _version(package: str) -> Optional[str]:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def _git(*args: str) -> Optional[str]:
-    try:
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def write_report(out: Path, name: str, report: dict, text: str, log) -> None:
@@ -99,23 +70,6 @@ def runs_writer(
         write_report(out, name, payload, markdown(payload), print)
 
     return write
-
-
-def environment() -> dict:
-    """The machine and versions a result was measured with."""
-    status = _git("status", "--porcelain")
-    return {
-        "cpu_model": _cpu_model(),
-        "cpu_cores": os.cpu_count(),
-        "gpu": "none (CPU development mode)",
-        "python": platform.python_version(),
-        "sglang": _version("sglang"),
-        "torch": _version("torch"),
-        "sgl_kvevict": _version("sgl-kvevict"),
-        "git_commit": _git("rev-parse", "--short", "HEAD"),
-        "git_worktree_dirty": bool(status) if status is not None else None,
-        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
-    }
 
 
 def result_to_json(result: RunResult) -> dict:
@@ -517,15 +471,6 @@ def provenance_line(meta: dict) -> str:
     """Where a report's figures come from: its command, the machine, the commit and the date."""
     env = meta["environment"]
     return f"Command: `{meta['command']}`. {env['cpu_model']}, {env['cpu_cores']} cores, commit {env['git_commit']}, {env['date']}."
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def write_comparison(results: Sequence[RunResult], meta: dict, out_dir: Path, name: str) -> list[Path]:

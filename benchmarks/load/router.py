@@ -24,10 +24,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from benchmarks.load.conversations import ConversationSpec, build_conversations, model_token_counter
-from benchmarks.load.report import environment
-from benchmarks.load.servers import VANILLA_POLICY, ServerVariant, launched_server
+from benchmarks.load.conversations import ConversationSpec, build_conversations
 from benchmarks.load.users import LoadSettings, run_users
+from sgl_kvevict.measure.chat import model_token_counter
+from sgl_kvevict.measure.results import environment
+from sgl_kvevict.measure.servers import VANILLA_POLICY, ServerVariant, launched_server
 
 # SGLang's per-worker counters (sglang/srt/observability): summed over their label sets.
 COUNTERS = {

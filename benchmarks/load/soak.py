@@ -42,8 +42,13 @@ from typing import Callable, Optional
 
 import aiohttp
 
-from benchmarks.load.client import STATS_PATH, check_reply, get_json, numeric_fields, stream_completion
-from benchmarks.tasks import filler_sentence
+from sgl_kvevict.measure.client import STATS_PATH
+from sgl_kvevict.measure.client import check_reply
+from sgl_kvevict.measure.client import flush_when_idle
+from sgl_kvevict.measure.client import get_json
+from sgl_kvevict.measure.client import numeric_fields
+from sgl_kvevict.measure.client import stream_completion
+from sgl_kvevict.measure.tasks import filler_sentence
 
 FAULT_KINDS = (
     "chat", "abort_prefill", "abort_decode", "short_prompt",
@@ -311,20 +316,6 @@ def _kinds(config: SoakConfig, rng: random.Random, share: dict[str, float]):
     names, weights = zip(*share.items())
     for _ in range(config.max_requests - len(first)):
         yield "chat" if rng.random() >= sum(weights) else rng.choices(names, weights)[0]
-
-
-async def flush_when_idle(session: aiohttp.ClientSession, base_url: str, timeout: float = 120.0) -> bool:
-    """POST /flush_cache until it succeeds: SGLang refuses while aborted requests are still draining."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            async with session.post(base_url + "/flush_cache") as response:
-                if response.status == 200:
-                    return True
-        except aiohttp.ClientError:
-            pass
-        await asyncio.sleep(1.0)
-    return False
 
 
 def stats_leaks(stats: dict) -> list[str]:

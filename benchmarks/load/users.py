@@ -11,9 +11,9 @@ from typing import Callable, Optional, Sequence
 
 import aiohttp
 
-from benchmarks.load.client import StatsPeaks, StatsSampler, get_json, stream_completion
 from benchmarks.load.conversations import Conversation
 from benchmarks.load.metrics import RequestRecord, RunMetrics, hit_rate, summarize
+from sgl_kvevict.measure.client import StatsPeaks, StatsSampler, get_json, stream_completion
 
 
 class LoadError(ValueError):

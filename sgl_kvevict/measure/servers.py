@@ -285,3 +285,22 @@ def sigterm_raises() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def check_model_takes(model: str, variant: ServerVariant, pool_tokens: int, extra: tuple[str, ...]) -> None:
+    """What the launcher checks of the model before it starts SGLang, for a server with a policy: its
+    architecture (sliding-window, MLA, state-space layers are refused) and, with a learned score, that
+    the weights fit it; raises ServerError with the launcher's message."""
+    from sgl_kvevict.models import ModelError, resolve_model
+    from sgl_kvevict.server.launcher import with_learned_weights
+    from sgl_kvevict.server.refusals import check_model_architecture
+
+    config = check_launcher_accepts(model, variant, pool_tokens, extra)
+    if not config.serving.enabled:
+        return
+    try:
+        model_dir = resolve_model(model, log=lambda message: None)
+        check_model_architecture(model_dir)
+        with_learned_weights(config, model_dir)
+    except (FlagError, ModelError) as error:
+        raise ServerError(f"the launcher refuses {variant.label} for model {model}: {error}") from None

@@ -16,7 +16,10 @@ from typing import Callable, Optional
 
 import aiohttp
 
+from sgl_kvevict.measure.servers import ServerError
+
 STATS_PATH = "/kvevict/stats"
+CHAT_PATH = "/v1/chat/completions"
 
 
 @dataclass
@@ -232,3 +235,27 @@ async def get_json(session: aiohttp.ClientSession, url: str) -> Optional[dict]:
             return await response.json() if response.status == 200 else None
     except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError):
         return None
+
+
+async def flush_when_idle(session: aiohttp.ClientSession, base_url: str, timeout: float = 120.0) -> bool:
+    """POST /flush_cache until it succeeds: SGLang refuses while aborted requests are still draining."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            async with session.post(base_url + "/flush_cache") as response:
+                if response.status == 200:
+                    return True
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(1.0)
+    return False
+
+
+async def ask(session: aiohttp.ClientSession, base_url: str, messages: list[dict], max_tokens: int) -> StreamedReply:
+    payload = {"model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+    if messages[-1]["role"] == "assistant":
+        payload["continue_final_message"] = True
+    reply = await stream_completion(session, base_url + CHAT_PATH, payload)
+    if reply.error or reply.problems or reply.ttft is None:
+        raise ServerError(f"request failed: {reply.error or reply.problems or 'no token streamed'}")
+    return reply

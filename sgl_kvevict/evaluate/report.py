@@ -1,0 +1,252 @@
+"""The evaluation's figures from the servers' records: per candidate and length bucket, fidelity to
+stock in both question forms (exact and F1), accuracy where references are given, kept share, speed
+against stock and against ``full``; the recommendation with its held-out check; markdown and plot."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Optional, Sequence
+
+from sgl_kvevict.evaluate.fidelity import FORMS, Candidate, Cell, Recommendation, bucket_of, bucket_order, exact, recommend, token_f1
+from sgl_kvevict.evaluate.run import speed
+from sgl_kvevict.measure.results import pyplot
+
+SPEED_FIELDS = ("output_tokens_per_second", "itl_mean", "itl_median", "ttft_median", "hit_rate")
+
+
+def _mean(values) -> Optional[float]:
+    values = [v for v in values if v is not None]
+    return statistics.mean(values) if values else None
+
+
+def compare(server: dict, stock: dict, buckets: dict[str, str], documents: Optional[set[str]] = None) -> dict:
+    """Per bucket (and ``all``): per form the exact-match and F1 fidelity to stock, accuracy, kept share;
+    over the documents ``documents`` (None: all)."""
+    reference = {(a["document"], a["form"], a["index"]): a for a in stock["answers"]}
+    chosen = lambda name: documents is None or name in documents  # noqa: E731
+    cells: dict[str, dict] = {}
+    for bucket in sorted(set(buckets.values()), key=bucket_order) + ["all"]:
+        names = {d for d, b in buckets.items() if (bucket == "all" or b == bucket) and chosen(d)}
+        if not names:
+            continue
+        cell: dict = {"documents": len(names)}
+        for form in FORMS:
+            pairs = [(a, reference[(a["document"], a["form"], a["index"])]) for a in server["answers"]
+                     if a["document"] in names and a["form"] == form and (a["document"], a["form"], a["index"]) in reference]  # fmt: skip
+            judged = [a["correct"] for a, _ in pairs if a["correct"] is not None]
+            cell[form] = {
+                "n": len(pairs),
+                "exact": _mean(float(exact(a["text"], s["text"])) for a, s in pairs),
+                "f1": _mean(token_f1(a["text"], s["text"]) for a, s in pairs),
+                "accuracy": _mean(map(float, judged)),
+            }
+        cell["kept_share"] = _mean(d["kept_share"] for d in server["documents"] if d["document"] in names)
+        cells[bucket] = cell
+    return cells
+
+
+def analyse(servers: Sequence[dict], buckets: dict[str, str], holdout: set[str], min_fidelity: float, form: str) -> dict:
+    """Fidelity tables (all documents, the calibration ones, the held-out ones), speed ratios, and the
+    recommendation among the candidates (calibrated on the documents not held out)."""
+    stock = servers[0]
+    calibration = set(buckets) - holdout
+    fulls = {s["scope"]: s for s in servers if s["role"] == "full"}
+    for server in servers:
+        server["fidelity"] = compare(server, stock, buckets)
+        server["fidelity_calibration"] = compare(server, stock, buckets, calibration) if holdout else None
+        server["fidelity_holdout"] = compare(server, stock, buckets, holdout) if holdout else None
+        server["speed"] = speed(server["answers"])
+        full = fulls.get(server.get("scope"))
+        server["vs_stock"] = _ratios(server["speed"], stock["speed"])
+        server["vs_full"] = _ratios(server["speed"], full["speed"]) if full is not None and server["role"] == "candidate" else None
+    candidates = [_candidate(server, "fidelity_calibration" if holdout else "fidelity") for server in servers if server["role"] == "candidate"]
+    calibration_buckets = {buckets[d] for d in calibration}
+    recommendation = recommend(candidates, calibration_buckets, min_fidelity, form)
+    return {"recommendation": recommendation_json(recommendation, servers, holdout, form),
+            "held_out_by_server": held_out_by_server(servers, form) if holdout else None}
+
+
+def _reads(cell: dict, form: str) -> Optional[float]:
+    return Cell({f: cell[f]["exact"] for f in FORMS}, {f: cell[f]["n"] for f in FORMS}, cell["kept_share"]).reads(form)
+
+
+def held_out_by_server(servers: Sequence[dict], form: str) -> dict:
+    """Per server, over all lengths: the fidelity the calibration documents predict and the one measured
+    on the held-out documents (the recommendation's check, for every candidate)."""
+    rows = {}
+    for server in servers[1:]:
+        predicted, measured = _reads(server["fidelity_calibration"]["all"], form), _reads(server["fidelity_holdout"]["all"], form)
+        rows[server["label"]] = {"predicted": predicted, "measured": measured,
+                                 "difference": None if predicted is None or measured is None else measured - predicted}  # fmt: skip
+    return rows
+
+
+def _ratios(mine: dict, base: dict) -> dict:
+    return {f: (mine[f] / base[f] if mine.get(f) is not None and base.get(f) else None) for f in SPEED_FIELDS}
+
+
+def _candidate(server: dict, table: str) -> Candidate:
+    cells = {
+        bucket: Cell({f: cell[f]["exact"] for f in FORMS}, {f: cell[f]["n"] for f in FORMS}, cell["kept_share"])
+        for bucket, cell in (server[table] or {}).items() if bucket != "all"
+    }  # fmt: skip
+    return Candidate(server["label"], tuple(server["family"]), server["knob"], server["value"], tuple(server["recommend_flags"]), cells)
+
+
+def recommendation_json(recommendation: Recommendation, servers: Sequence[dict], holdout: set[str], form: str) -> dict:
+    chosen = recommendation.chosen
+    result = {
+        "min_fidelity": recommendation.min_fidelity,
+        "form": form,
+        "chosen": None if chosen is None else chosen.label,
+        "flags": None if chosen is None else list(chosen.flags),
+        "knob": None if chosen is None else chosen.knob,
+        "predicted": recommendation.predicted,
+        "kept_share": recommendation.kept_share,
+        "per_bucket": {b: (c.label if c else None) for b, c in recommendation.per_bucket.items()},
+        "held_out": None,
+    }
+    if chosen is not None and holdout:
+        server = next(s for s in servers if s["label"] == chosen.label)
+        measured = {b: _reads(c, form) for b, c in server["fidelity_holdout"].items()}
+        predicted_all = _reads(server["fidelity_calibration"]["all"], form)
+        result["held_out"] = {
+            "documents": sorted(holdout),
+            "measured": measured,
+            "predicted_all": predicted_all,
+            "difference_all": None if measured.get("all") is None or predicted_all is None else measured["all"] - predicted_all,
+        }
+    return result
+
+
+# ---- markdown and plot -----------------------------------------------------------------------------
+
+
+def _fmt(value: Optional[float], digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _ratio(value: Optional[float]) -> str:
+    return "-" if value is None else f"x{value:.2f}"
+
+
+def fidelity_rows(servers: Sequence[dict], table: str = "fidelity") -> list[str]:
+    buckets = [b for b in servers[0][table] if b != "all"] + ["all"]
+    lines = ["| server | length | docs | kept share | multi-request exact / F1 | multi-turn exact / F1 | accuracy (multi-request, multi-turn) |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for server in servers:
+        for bucket in buckets:
+            cell = (server[table] or {}).get(bucket)
+            if cell is None:
+                continue
+            forms = [f"{_fmt(cell[f]['exact'])} / {_fmt(cell[f]['f1'])} (n={cell[f]['n']})" for f in FORMS]
+            accuracy = ", ".join(_fmt(cell[f]["accuracy"]) for f in FORMS)
+            lines.append(f"| {server['label']} | {bucket} | {cell['documents']} | {_fmt(cell['kept_share'])} | {forms[0]} | {forms[1]} | {accuracy} |")
+    return lines
+
+
+def speed_rows(servers: Sequence[dict]) -> list[str]:
+    lines = ["| server | output tok/s | ITL mean (ms) | ITL median (ms) | TTFT median (s) | hit rate | tok/s vs stock | ITL vs stock | tok/s vs full | ITL vs full |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for server in servers:
+        s, vs, vf = server["speed"], server["vs_stock"], server["vs_full"] or {}
+        ms = lambda v: None if v is None else 1000 * v  # noqa: E731
+        lines.append(f"| {server['label']} | {_fmt(s['output_tokens_per_second'], 1)} | {_fmt(ms(s['itl_mean']), 1)} | {_fmt(ms(s['itl_median']), 1)} "
+                     f"| {_fmt(s['ttft_median'])} | {_fmt(s['hit_rate'])} | {_ratio(vs['output_tokens_per_second'])} | {_ratio(vs['itl_mean'])} "
+                     f"| {_ratio(vf.get('output_tokens_per_second'))} | {_ratio(vf.get('itl_mean'))} |")  # fmt: skip
+    return lines
+
+
+def recommendation_lines(result: dict, dense_flags: Sequence[str]) -> list[str]:
+    rec = result["recommendation"]
+    lines = []
+    for bucket, label in rec["per_bucket"].items():
+        lines.append(f"- {bucket}: the most evicting candidate with fidelity >= {rec['min_fidelity']:g} ({rec['form']}): {label or 'none'}")
+    if rec["chosen"] is None:
+        lines.append(f"- no candidate meets fidelity >= {rec['min_fidelity']:g} at every length: serve dense (`{' '.join(dense_flags)}`), "
+                     "or try larger budgets / lower thresholds, or a lower --min-fidelity")  # fmt: skip
+        return lines
+    predicted = ", ".join(f"{b} {_fmt(v)}" for b, v in rec["predicted"].items())
+    shares = ", ".join(f"{b} {_fmt(v)}" for b, v in rec["kept_share"].items())
+    lines.append(f"- chosen: **{rec['chosen']}**, predicted fidelity {predicted}; kept share {shares}"
+                 + (" (a threshold keeps what the scores earn: the kept share is measured, not a budget)" if rec["knob"] == "threshold" else ""))  # fmt: skip
+    held = rec["held_out"]
+    if held:
+        measured = ", ".join(f"{b} {_fmt(v)}" for b, v in held["measured"].items())
+        lines.append(f"- held out ({len(held['documents'])} documents): measured fidelity {measured}; predicted (all calibration "
+                     f"documents) {_fmt(held['predicted_all'])}, difference {_fmt(held['difference_all'])}")  # fmt: skip
+    return lines
+
+
+def held_out_rows(analysis: dict) -> list[str]:
+    rows = analysis.get("held_out_by_server")
+    if not rows:
+        return []
+    form = analysis["recommendation"]["form"]
+    lines = [f"Held-out check, every server (fidelity read as the recommendation reads it: {form}; all lengths):", "",
+             "| server | predicted (calibration documents) | measured (held-out documents) | difference |", "|---|---|---|---|"]  # fmt: skip
+    for label, row in rows.items():
+        lines.append(f"| {label} | {_fmt(row['predicted'])} | {_fmt(row['measured'])} | {_fmt(row['difference'])} |")
+    return lines + [""]
+
+
+def markdown(payload: dict) -> str:
+    meta, servers, env = payload["meta"], payload["servers"], payload["environment"]
+    config = meta["config"]
+    lines = [
+        "# Before production: fidelity to stock on your documents", "",
+        f"`{meta['command']}`", "",
+        f"Machine: {env['cpu_model']}, {env['cpu_cores']} cores, GPU: {env['gpu']}. SGLang {env['sglang']}, sgl-kvevict "
+        f"{env['git_commit'] or env['sgl_kvevict']}, {env['date']}. Model `{config['model']}`, every server at --max-total-tokens "
+        f"{config['pool_tokens']}; {len(payload['documents'])} documents ({payload['source']}), {sum(s['seconds'] for s in servers) / 60:.1f} min of servers.",
+        "",
+        "Fidelity = share of answers equal to stock's after normalisation (exact) and their token F1; multi-request: each "
+        "question in a new request right after the document; multi-turn: each question in a later turn after the summary "
+        "and the earlier questions; with held-out documents the recommendation is calibrated on the others. Kept share = KV slots the document's conversation holds after turn 1 over the tokens "
+        "stock holds dense.", "",
+        *fidelity_rows(servers), "",
+        "## Speed (one request at a time)", "",
+        *speed_rows(servers), "",
+        "## Recommendation", "",
+        *recommendation_lines(payload["analysis"], config["dense_flags"]), "",
+        *held_out_rows(payload["analysis"]),
+        f"![fidelity vs kept share]({meta['name']}.png)", "",
+        "## Documents", "",
+        "| document | tokens | bucket | held out |", "|---|---|---|---|",
+        *[f"| {d['name']} | {d['tokens']} | {d['bucket']} | {'yes' if d['held_out'] else ''} |" for d in payload["documents"]],
+    ]  # fmt: skip
+    if payload["skipped"]:
+        lines += ["", "Skipped: " + "; ".join(payload["skipped"])]
+    return "\n".join(lines) + "\n"
+
+
+def plot(payload: dict, path: Path) -> None:
+    """Fidelity (the lower form) against kept share, one panel per length bucket, one point per candidate."""
+    plt = pyplot()
+    servers = [s for s in payload["servers"] if s["role"] != "stock"]
+    buckets = [b for b in payload["servers"][0]["fidelity"] if b != "all"]
+    fig, axes = plt.subplots(1, max(1, len(buckets)), figsize=(4.2 * max(1, len(buckets)), 3.8), squeeze=False)
+    target = payload["analysis"]["recommendation"]["min_fidelity"]
+    for axis, bucket in zip(axes[0], buckets):
+        for server in servers:
+            cell = server["fidelity"].get(bucket)
+            if cell is None:
+                continue
+            for form, marker in zip(FORMS, ("o", "s")):
+                share = 1.0 if cell["kept_share"] is None else cell["kept_share"]
+                if cell[form]["exact"] is not None:
+                    axis.scatter(share, cell[form]["exact"], marker=marker, s=28)
+                    axis.annotate(server["label"], (share, cell[form]["exact"]), fontsize=6, alpha=0.7)
+        axis.axhline(target, color="grey", linestyle="--", linewidth=0.8)
+        axis.set_title(f"{bucket} tokens (o multi-request, s multi-turn)", fontsize=8)
+        axis.set_xlabel("kept share")
+        axis.set_ylabel("fidelity to stock (exact)")
+        axis.set_xlim(0, 1.05)
+        axis.set_ylim(-0.03, 1.03)
+        axis.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+

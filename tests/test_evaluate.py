@@ -1,0 +1,244 @@
+"""``python -m sgl_kvevict.evaluate``: answer comparison, probes, the recommendation on synthetic
+results, the command's refusals (one line, exit 2, before any server starts), and real runs through
+the launcher on the tiny model: both question forms, both scopes, a threshold candidate, a document
+skipped as too long, --resume, and Ctrl-C leaving no server."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from sgl_kvevict.evaluate import __main__ as evaluate
+from sgl_kvevict.evaluate.fidelity import Candidate, Cell, bucket_of, contains_reference, exact, recommend, token_f1
+from sgl_kvevict.evaluate.inputs import InputError, probes, read_documents, sentences
+from sgl_kvevict.measure.servers import ServerError
+from sgl_kvevict.measure.tasks import filler_sentence
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_answers_compare_after_normalisation_and_by_token_f1():
+    assert exact("The platform is 12.", "platform is 12")
+    assert not exact("platform 12", "platform 13")
+    assert token_f1("the red cat sat", "a red cat stood") == pytest.approx(2 / 3)
+    assert token_f1("", "") == 1.0 and token_f1("x", "") == 0.0
+    assert contains_reference("It is in room 42, upstairs.", "room 42") and not contains_reference("room 421", "room 42")
+
+
+def test_length_buckets_are_powers_of_two_in_k_tokens():
+    assert [bucket_of(n) for n in (500, 1024, 2047, 2048, 5000, 9000)] == ["<1K", "1K-2K", "1K-2K", "2K-4K", "4K-8K", "8K-16K"]
+
+
+def _candidate(label, value, cells, knob="budget", family=("topk",)):
+    return Candidate(label, family, knob, value, (f"--{knob}", str(value)),
+                     {b: Cell({"multi-request": mr, "multi-turn": mt}, {}, share) for b, (mr, mt, share) in cells.items()})  # fmt: skip
+
+
+def test_the_recommendation_is_the_smallest_budget_meeting_the_target_at_every_length():
+    candidates = [
+        _candidate("0.25", 0.25, {"2K-4K": (1.0, 0.9, 0.3), "4K-8K": (0.8, 0.7, 0.3)}),
+        _candidate("0.4", 0.4, {"2K-4K": (1.0, 1.0, 0.45), "4K-8K": (0.9, 0.96, 0.45)}),
+        _candidate("0.6", 0.6, {"2K-4K": (1.0, 0.95, 0.65), "4K-8K": (1.0, 0.95, 0.65)}),
+    ]
+    both = recommend(candidates, ["4K-8K", "2K-4K"], 0.95, "both")
+    assert both.chosen.label == "0.6" and both.predicted == {"2K-4K": 0.95, "4K-8K": 0.95}
+    assert {b: c.label for b, c in both.per_bucket.items()} == {"2K-4K": "0.4", "4K-8K": "0.6"}
+    assert recommend(candidates, ["2K-4K", "4K-8K"], 0.95, "multi-turn").chosen.label == "0.4"  # 0.96 at 4K
+    assert recommend(candidates, ["2K-4K"], 0.9, "both").chosen.label == "0.25"
+    nothing = recommend(candidates, ["2K-4K", "4K-8K"], 0.99, "both")
+    assert nothing.chosen is None and nothing.flag_lines(["--kv-evict-policy", "none"]) == ["--kv-evict-policy none"]
+
+
+def test_a_threshold_recommendation_is_the_largest_threshold_and_families_compete_on_kept_share():
+    thresholds = [_candidate(f"t{t}", t, {"2K-4K": (f, f, s)}, knob="threshold", family=("kvzap",))
+                  for t, f, s in ((-3.0, 0.8, 0.2), (-4.0, 0.97, 0.35), (-5.0, 1.0, 0.5))]  # fmt: skip
+    assert recommend(thresholds, ["2K-4K"], 0.95, "both").chosen.label == "t-4.0"
+    budgets = [_candidate("b0.4", 0.4, {"2K-4K": (1.0, 1.0, 0.42)})]
+    assert recommend(thresholds + budgets, ["2K-4K"], 0.95, "both").chosen.label == "t-4.0"  # keeps 0.35 < 0.42
+
+
+def test_probes_quote_the_documents_own_sentences(tmp_path):
+    import random
+
+    rng = random.Random(0)
+    text = "# Title\n\n| a | b |\n\n" + " ".join(filler_sentence(rng) for _ in range(30))
+    said = sentences(text)
+    assert said and all(not s.startswith("|") for s in said)
+    made = probes(text, 4, seed=1)
+    assert [q.kind for q in made] == ["continue", "next", "continue", "next"]
+    for question in made:
+        quoted = question.text.split('"')[1]
+        assert quoted in text and any(s.startswith(quoted) or s == quoted for s in said)
+    assert probes(text, 4, seed=1) == made and probes("Too short.", 3, seed=0) == ()
+
+
+def test_documents_from_a_folder_and_a_jsonl_and_their_refusals(tmp_path):
+    (tmp_path / "a.md").write_text("alpha")
+    (tmp_path / "b.txt").write_text("beta")
+    (tmp_path / "c.pdf").write_text("ignored")
+    assert [d.name for d in read_documents(tmp_path)] == ["a.md", "b.txt"]
+    lines = tmp_path / "q.jsonl"
+    lines.write_text(json.dumps({"document": "doc", "questions": ["q1", "q2"], "answers": ["x", "y"]}) + "\n\n")
+    (document,) = read_documents(lines)
+    assert [(q.text, q.reference) for q in document.questions] == [("q1", "x"), ("q2", "y")]
+    for bad, message in [("{", "line 1: not JSON"), ('{"text": "x"}', "expected"),
+                         ('{"document": "d", "questions": ["q"], "answers": []}', "as long as questions")]:  # fmt: skip
+        lines.write_text(bad + "\n")
+        with pytest.raises(InputError, match=message):
+            read_documents(lines)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(InputError, match="no non-empty"):
+        read_documents(empty)
+
+
+def _args(*argv: str):
+    return evaluate.build_parser().parse_args(list(argv))
+
+
+def test_the_lineup_reaches_both_scopes_every_policy_and_score_and_thresholds():
+    servers = evaluate.lineup(_args("--policies", "topk:learned,lava:attn,ada-snapkv:learned,ada-snapkv", "--budgets", "0.3",
+                                    "--scopes", "request,block", "--thresholds=-4", "--learned-weights", "/w.safetensors"))  # fmt: skip
+    labels = [s.label for s in servers]
+    assert labels[:3] == ["stock", "full request", "full block"]
+    assert "lava:attn@0.3 block" in labels and "ada-snapkv:learned@0.3 request" in labels
+    threshold = next(s for s in servers if s.label == "topk:learned threshold -4 block")
+    assert threshold.knob == "threshold" and threshold.value == -4.0
+    assert threshold.flags[-4:] == ("--kv-evict-score-threshold", "-4", "--kv-evict-budget", "0.99")
+    assert "--kv-evict-learned-weights" in threshold.flags
+    assert "--kv-evict-learned-weights" not in next(s for s in servers if s.label == "lava:attn@0.3 request").flags
+    assert threshold.family == next(s for s in servers if s.label == "topk:learned@0.3 block").family
+    url = evaluate.url_lineup(["stock=http://h:1", "x=http://h:2 --kv-evict-policy topk --kv-evict-budget 0.5"])
+    assert url[0].url == "http://h:1" and url[1].flags == ("--kv-evict-policy", "topk", "--kv-evict-budget", "0.5")
+    assert evaluate.described(url[1], None).value == 0.5
+
+
+def test_every_candidate_policy_and_score_passes_the_launchers_model_checks_on_the_tiny_model(tiny_llama_dir, learned_weights):
+    args = _args("--model", str(tiny_llama_dir), "--policies", "topk:learned,topk:attn,lava:learned,lava:attn,ada-snapkv:learned,ada-snapkv:attn",
+                 "--budgets", "0.3", "--scopes", "request,block", "--thresholds=-4", "--learned-weights", learned_weights)  # fmt: skip
+    servers = evaluate.lineup(args)
+    assert len(servers) == 3 + 6 * 2 + 3 * 2  # thresholds: topk and lava take a learned score's threshold too
+    evaluate.preflight(servers, args, 4096, model=True)  # raises on a refusal
+
+
+def test_held_out_documents_alternate_in_length_order():
+    names = [f"d{i}" for i in range(8)]
+    assert evaluate.held_out(names, 0.5) == {"d1", "d3", "d5", "d7"}
+    assert len(evaluate.held_out(names, 0.25)) == 2
+
+
+def run_command(*argv: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sgl_kvevict.evaluate", *argv], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+@pytest.mark.parametrize("case", ["empty folder", "bad flag", "bad budget", "bad policy", "refused model", "no candidate"])
+def test_bad_input_gets_one_line_and_exit_2_before_any_server(case, tmp_path, tiny_llama_dir):
+    from sgl_kvevict.checkpoints import build_tiny_model
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    argv = {
+        "empty folder": ["--documents", str(docs), "--policies", "topk:attn"],
+        "bad flag": ["--min-fidelity", "1.5"],
+        "bad budget": ["--budgets", "2"],
+        "bad policy": ["--policies", "nosuch"],
+        "no candidate": ["--budgets", ""],
+    }.get(case)
+    if case == "refused model":
+        (docs / "a.md").write_text("Some words here. " * 50)
+        argv = ["--model", str(build_tiny_model(tmp_path / "deepseek", "deepseek-v3")), "--documents", str(docs), "--budgets", "0.3"]
+    if case != "refused model":
+        argv = ["--model", str(tiny_llama_dir), *argv]
+    before = time.monotonic()
+    result = run_command(*argv, "--out", str(tmp_path / "out"))
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    expected = {"empty folder": "no non-empty", "bad flag": "--min-fidelity", "bad budget": "budget '2'", "bad policy": "'nosuch' is not a policy",
+                "refused model": "MLA", "no candidate": "no candidate"}[case]  # fmt: skip
+    assert expected in lines[0]
+    assert "serving on" not in result.stdout and time.monotonic() - before < 120
+
+
+def _documents(folder: Path) -> Path:
+    import random
+
+    rng = random.Random(3)
+    folder.mkdir()
+    for name, count in (("short.md", 10), ("longer.txt", 20)):
+        (folder / name).write_text(f"# {name}\n\n" + " ".join(filler_sentence(rng) for _ in range(count)))
+    (folder / "huge.md").write_text(" ".join(filler_sentence(rng) for _ in range(200)))  # past the tiny model's 4096
+    return folder
+
+
+@pytest.mark.server
+def test_an_evaluation_through_the_tiny_server_both_forms_scopes_and_a_threshold_then_resume(tiny_llama_dir, learned_weights, tmp_path):
+    docs = _documents(tmp_path / "docs")
+    argv = ["--model", str(tiny_llama_dir), "--documents", str(docs), "--budgets", "0.3", "--scopes", "block",
+            "--learned-weights", learned_weights, "--questions-per-document", "2", "--summary-tokens", "4", "--answer-tokens", "6",
+            "--candidate", f"threshold=--kv-evict-policy topk --kv-evict-score learned --kv-evict-learned-weights {learned_weights} "
+            "--kv-evict-score-threshold -4 --kv-evict-budget 0.99 --kv-evict-scope request",
+            "--holdout", "0.5", "--out", str(tmp_path / "out")]  # fmt: skip
+    result = run_command(*argv)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout.strip().splitlines()
+    assert out[-1].startswith("--kv-evict-policy ") and out[-2].startswith("recommended server flags")
+    assert any(line.startswith("skipping huge.md:") and "longer than the context" in line for line in out)
+    payload = json.loads((tmp_path / "out" / "evaluate.json").read_text())
+    assert [s["label"] for s in payload["servers"]] == ["stock", "full block", "topk:learned@0.3 block", "threshold"]
+    assert {d["name"] for d in payload["documents"]} == {"short.md", "longer.txt"}
+    for server in payload["servers"]:
+        assert {a["form"] for a in server["answers"]} == {"multi-request", "multi-turn"} and len(server["answers"]) == 8
+        assert server["fidelity"]["all"]["multi-request"]["n"] == 4
+    stock, full, budget, threshold = payload["servers"]
+    assert stock["fidelity"]["all"]["multi-turn"]["exact"] == 1.0  # stock against itself
+    assert all(d["kept_share"] is None for d in stock["documents"])
+    assert all(0.95 <= d["kept_share"] <= 1.01 for d in full["documents"])
+    assert all(0.15 <= d["kept_share"] <= 0.6 for d in budget["documents"])  # 0.3 of the full blocks, the tail dense
+    assert threshold["knob"] == "threshold" and threshold["scope"] == "request"
+    assert budget["vs_full"]["output_tokens_per_second"] is not None and stock["speed"]["hit_rate"] > 0
+    rec = payload["analysis"]["recommendation"]
+    assert rec["held_out"] is None or rec["held_out"]["documents"] == ["longer.txt"]
+    assert set(payload["analysis"]["held_out_by_server"]) == {"full block", "topk:learned@0.3 block", "threshold"}
+    assert (tmp_path / "out" / "evaluate.png").stat().st_size > 0 and "Held-out check" in (tmp_path / "out" / "evaluate.md").read_text()
+    assert psutil.Process().children(recursive=True) == []
+
+    again = run_command(*argv, "--resume")
+    assert again.returncode == 0 and "serving on" not in again.stdout and again.stdout.count("kept from") == 4
+    assert again.stdout.strip().splitlines()[-1] == out[-1]
+    other = run_command(*[a if a != "6" else "7" for a in argv], "--resume")
+    assert other.returncode == 2 and "another configuration" in other.stderr
+
+
+@pytest.mark.server
+def test_ctrl_c_stops_the_server_it_started(tiny_llama_dir, tmp_path):
+    docs = _documents(tmp_path / "docs")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "sgl_kvevict.evaluate", "--model", str(tiny_llama_dir), "--documents", str(docs), "--budgets", "0.3",
+         "--policies", "topk:attn", "--out", str(tmp_path / "out"), "--log-dir", str(tmp_path / "logs")],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        for line in process.stdout:
+            if "serving on" in line:
+                break
+            assert time.monotonic() < deadline
+        launched = [p for p in psutil.Process(process.pid).children(recursive=True)]
+        assert launched, "no server process under the command"
+        os.kill(process.pid, signal.SIGINT)
+        assert process.wait(timeout=180) == 130
+        assert "interrupted" in process.stderr.read()
+        gone, alive = psutil.wait_procs(launched, timeout=30)
+        assert alive == []
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
