@@ -279,7 +279,7 @@ def test_a_dry_run_reports_every_check_in_order(tmp_path):
         "install", "imports", "model", "stock", "full", "snapkv", "snapkv-eager",
         "(a) capture full", "(a) capture snapkv", "(b) tokens full vs stock", "(b) tokens snapkv-eager vs snapkv",
         "(b) stats snapkv", "(b) stats snapkv-eager", "(c) syncs", "(d) ITL", "(e) kernel tests",
-        "decode step benchmark (issue 38)",
+        "decode step benchmark (issue 38)", "evaluate (issue 48)",
     ]  # fmt: skip
     assert "(c) syncs** NOT RUN: no syncs of the stock server / syncs of the snapkv server" in report
     assert (tmp_path / "out" / "logs.tar.gz").exists()
@@ -460,6 +460,24 @@ def random_model(folder: Path) -> Path:
     (folder / "config").mkdir(parents=True)
     (folder / "config" / "config.json").write_text(json.dumps(TINY_LLAMA))
     return gpu_smoke.write_random_checkpoint(folder / "config", folder / "model")
+
+
+def test_the_evaluate_slot_runs_the_command_on_the_smoke_model_with_the_gpu_flags(tmp_path):
+    """Issue 48's command in the smoke run: it parses in the command's own parser, on the run's model with
+    the smoke servers' GPU flags, a candidate whose score needs no weights, its report in $OUT."""
+    from sgl_kvevict.evaluate.__main__ import build_parser
+
+    smoke = gpu_smoke.Smoke(out=tmp_path / "out", work=tmp_path / "work", model=random_model(tmp_path), workload=None,
+                            rehearsal=False, budget=gpu_smoke.Budget(60))  # fmt: skip
+    command = gpu_smoke.evaluate_command(smoke)
+    assert command[1:3] == ["-m", "sgl_kvevict.evaluate"]
+    args = build_parser().parse_args(command[3:])
+    assert args.model == str(smoke.model) and str(args.out) == str(tmp_path / "out")
+    assert args.server_arg == gpu_smoke.common_flags(rehearsal=False)
+    assert args.policies == f"topk:{gpu_smoke.DECODE_STEP_SCORE}" and args.no_full
+    short = gpu_smoke.Smoke(out=tmp_path, work=tmp_path, model=tmp_path, workload=None, rehearsal=False, budget=gpu_smoke.Budget(10))
+    [line] = gpu_smoke.evaluate_step(short)
+    assert (line.check, line.status) == (gpu_smoke.EVALUATE_SLOT, "NOT RUN")
 
 
 def test_the_decode_step_slot_runs_the_quick_benchmark_on_the_smoke_model_with_the_gpu_flags(tmp_path):

@@ -22,7 +22,8 @@ SmolLM2-shaped model (SmolLM2-135M's config and tokenizer from the kit, random w
 (c) syncs: host-synchronising calls per compressed decode step (``engine/adapter/sync_probe.py``) vs stock;
 (d) ITL: decode inter-token latency, ``snapkv`` vs stock, batch 1 and 8;
 (e) kernels: the kernels' GPU tests (docs/gpu.md, section 2);
-and issue 38's per-step decode benchmark where ``benchmarks.decode_step`` exists.
+issue 38's per-step decode benchmark where ``benchmarks.decode_step`` exists; and issue 48's evaluate
+command on the run's model (mechanics only).
 
 Every step has a time limit inside the whole run's budget; a failed step is a report line and the run
 goes on with what does not depend on it. The report is rewritten after every line, so a run cut short
@@ -72,6 +73,9 @@ GPU_TEST_FILES = (
 DECODE_STEP_BENCHMARK = "benchmarks.decode_step"  # issue 38: called here once it exists
 DECODE_STEP_SECONDS = 90  # --quick: ~2 minutes on a GPU; less than this left, it is reported NOT RUN
 DECODE_STEP_LIMIT_SECONDS = 240  # at most this of the budget: ~3 minutes on 2 CPU cores in a rehearsal
+EVALUATE_COMMAND = "sgl_kvevict.evaluate"  # issue 48
+EVALUATE_SECONDS = 120  # two servers and one document; less than this left, it is reported NOT RUN
+EVALUATE_LIMIT_SECONDS = 300
 # The run's model has random weights, for which no learned score weights exist: the benchmark's compressing
 # servers rank by the observation window's attention instead (as the snapkv servers here do).
 DECODE_STEP_SCORE = "attn"
@@ -664,8 +668,29 @@ def decode_step_benchmark_step(smoke: Smoke) -> list[Line]:
     return [Line(DECODE_STEP_SLOT, "PASS" if code == 0 else "FAIL", f"exit {code}: {tail}")]
 
 
+def evaluate_command(smoke: Smoke) -> list[str]:
+    """``python -m sgl_kvevict.evaluate`` on this run's model with the servers' GPU flags, as small as it goes:
+    stock and one candidate ranked by the window's attention (no learned weights fit the random model), one
+    bundled document; its report lands in ``$OUT``. Mechanics only: a random model's answers mean nothing."""
+    flags = [f"--server-arg={flag}" for flag in common_flags(smoke.rehearsal)]
+    return [sys.executable, "-m", EVALUATE_COMMAND, "--model", str(smoke.model), "--bundled-documents", "1",
+            "--policies", f"topk:{DECODE_STEP_SCORE}", "--budgets", "0.5", "--no-full", *flags,
+            "--out", str(smoke.out), "--name", "evaluate_smoke", "--log-dir", str(smoke.work / "evaluate_logs")]  # fmt: skip
+
+
+def evaluate_step(smoke: Smoke) -> list[Line]:
+    """Issue 48's slot: the evaluate command runs end to end and prints the flags it recommends last."""
+    if smoke.budget.left() < EVALUATE_SECONDS:
+        return [Line(EVALUATE_SLOT, "NOT RUN", f"{smoke.budget.left():.0f} s left of the budget, it needs {EVALUATE_SECONDS} s")]
+    code, output = run_command(evaluate_command(smoke), smoke.budget.limit(EVALUATE_LIMIT_SECONDS), smoke.work / "evaluate.log")
+    last = output.strip().splitlines()[-1:]
+    passed = code == 0 and bool(last) and last[0].startswith("--kv-evict-policy")
+    return [Line(EVALUATE_SLOT, "PASS" if passed else "FAIL", f"exit {code}: {' / '.join(last)}")]
+
+
 CHECKS_STEP = "checks (a)-(d)"
 DECODE_STEP_SLOT = "decode step benchmark (issue 38)"
+EVALUATE_SLOT = "evaluate (issue 48)"
 
 
 def plan_steps(smoke: Smoke, install: Line) -> list[Step]:
@@ -675,7 +700,8 @@ def plan_steps(smoke: Smoke, install: Line) -> list[Step]:
     steps += [Step(plan.name, lambda plan=plan: server_step(smoke, plan), 60, ("model",)) for plan in SERVER_PLANS]
     steps += [Step(CHECKS_STEP, lambda: checks_step(smoke), 0, starts_work=False),
               Step("(e) kernel tests", lambda: kernel_tests_step(smoke), 60, ("install",)),
-              Step(DECODE_STEP_SLOT, lambda: decode_step_benchmark_step(smoke), 0, ("install",))]  # fmt: skip
+              Step(DECODE_STEP_SLOT, lambda: decode_step_benchmark_step(smoke), 0, ("install",)),
+              Step(EVALUATE_SLOT, lambda: evaluate_step(smoke), 0, ("model",))]  # fmt: skip
     return steps
 
 
