@@ -190,18 +190,25 @@ class ReconstructionContext:
             query[0], k[:, :end], v[:, :end], k[:, own:], v[:, own:], scaling, self.scoring.request, kept
         )
         self.scoring.observe_chunk(layer, stats)
-        mask = self._mask(kept, query.shape[1], query.shape[2])
+        mask = self._mask(kept, query.shape[1], query.shape[2], getattr(module, "sliding_window", None))
         return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, **kwargs)
 
-    def _mask(self, kept: torch.Tensor, num_q_heads: int, chunk_length: int) -> torch.Tensor:
+    def _mask(self, kept: torch.Tensor, num_q_heads: int, chunk_length: int, window: Optional[int] = None) -> torch.Tensor:
         """bool ``[1, H_q, m, cache_length + m]``: kept keys of ``[0, end)``, none of ``[end, cache_length)``
-        (later tokens of the prefill forward), the chunk's own keys causally."""
+        (later tokens of the prefill forward), the chunk's own keys causally; in a local layer (``window``,
+        HF's ``sliding_window``) only keys of the last ``window`` positions, the chunk's at ``end`` on."""
         device = kept.device
+        end = kept.shape[1]
         group = num_q_heads // kept.shape[0]
         context = torch.zeros(num_q_heads, chunk_length, self.cache_length, dtype=torch.bool, device=device)
-        context[:, :, : kept.shape[1]] = kept.repeat_interleave(group, 0).unsqueeze(1)
+        context[:, :, :end] = kept.repeat_interleave(group, 0).unsqueeze(1)
         own = torch.ones(chunk_length, chunk_length, dtype=torch.bool, device=device).tril()
-        return torch.cat([context, own.expand(num_q_heads, -1, -1)], dim=-1).unsqueeze(0)
+        mask = torch.cat([context, own.expand(num_q_heads, -1, -1)], dim=-1)
+        if window is not None:
+            key_positions = torch.cat([torch.arange(self.cache_length, device=device), end + torch.arange(chunk_length, device=device)])
+            query_positions = end + torch.arange(chunk_length, device=device)
+            mask &= key_positions[None, :] > query_positions[:, None] - window
+        return mask.unsqueeze(0)
 
 
 ForwardContext = Union[PrefillContext, ReconstructionContext]
