@@ -91,13 +91,14 @@ def driver_argv(model: Path, defaults: Sequence[str], given: Sequence[str]) -> l
 
 
 def answers(runs: Sequence[dict]) -> list[dict]:
-    """Per finished server but the first vanilla one, at the same pool: how many of its replies are
-    stock's text for the same (user, turn), and the first (user, turn) that differs."""
+    """Per finished server, at its pool: how many of its replies are stock's (the vanilla server of that
+    pool, ``baseline`` in its own row) text for the same (user, turn), the first (user, turn) that
+    differs, and the run's wall time."""
     done = [r for r in runs if not r.get("error") and "records" in r]
     rows = []
     for run in done:
         stock = next((r for r in done if r["variant"]["policy"] == "none" and r["pool_tokens"] == run["pool_tokens"]), None)
-        if stock is None or stock is run:
+        if stock is None:
             continue
         theirs = {(r["user"], r["turn"]): r["reply"] for r in stock["records"] if r["error"] is None}
         mine = {(r["user"], r["turn"]): r["reply"] for r in run["records"] if r["error"] is None}
@@ -106,6 +107,7 @@ def answers(runs: Sequence[dict]) -> list[dict]:
         rows.append({
             "server": run["label"], "pool_tokens": run["pool_tokens"], "compared": len(both),
             "identical": len(both) - len(differing), "first_differing": list(differing[0]) if differing else None,
+            "baseline": run is stock, "wall_seconds": run["metrics"]["wall_seconds"],
         })  # fmt: skip
     return rows
 
@@ -139,16 +141,20 @@ def answers_markdown(answer_rows: Sequence[dict], memory_rows: Sequence[dict], c
         "",
         "## Answers and memory (`benchmarks.local_layers`)",
         "",
-        f"Written by `{command}`, which builds the Gemma 3-shaped model and ran the command above. Same answers: "
-        "the server's reply to each (user, turn) is stock's text (greedy, fp32); a user's later prompts re-send "
-        "its earlier answers, so a difference changes the rest of that conversation.",
+        f"Written by `{command}`, which builds the Gemma 3-shaped model and ran the command above. The machine "
+        "was shared with other engineers' tests and servers while it ran (load averages before each server are in "
+        "the JSON): compare the ratios of this one run, not absolute figures across runs. Same answers: the "
+        "server's reply to each (user, turn) is stock's text (greedy, fp32); a user's later prompts re-send its "
+        "earlier answers, so a difference changes the rest of that conversation. Run wall time: the workload "
+        "alone, server start-up not included.",
         "",
-        "| server | pool | same answers as stock | first differing (user, turn) |",
-        "|---|---|---|---|",
+        "| server | pool | same answers as stock | first differing (user, turn) | run wall time (s) |",
+        "|---|---|---|---|---|",
     ]
     for row in answer_rows:
         first = "-" if row["first_differing"] is None else f"({row['first_differing'][0]}, {row['first_differing'][1]})"
-        lines.append(f"| {row['server']} | {row['pool_tokens']} | {row['identical']}/{row['compared']} | {first} |")
+        same = "(stock)" if row["baseline"] else f"{row['identical']}/{row['compared']}"
+        lines.append(f"| {row['server']} | {row['pool_tokens']} | {same} | {first} | {_fmt(row['wall_seconds'], 1)} |")
     lines += [
         "",
         "Memory after the run (`/kvevict/stats`): compressed prefixes held, the cells they keep against the same "
@@ -218,7 +224,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from benchmarks.cli import command_line
 
         extra = add_answers(out, name, command_line("local_layers", argv))
-        for row in extra["answers"]:
+        for row in (row for row in extra["answers"] if not row["baseline"]):
             print(f"{row['server']}: {row['identical']}/{row['compared']} answers identical to stock's")
     return code
 

@@ -43,7 +43,7 @@ def test_given_flags_override_the_defaults(tmp_path):
 def _run(label: str, policy: str, replies: list[str], last: dict | None = None) -> dict:
     records = [{"user": i // 2, "turn": i % 2, "reply": reply, "error": None} for i, reply in enumerate(replies)]
     variant = {"policy": policy}
-    return {"label": label, "variant": variant, "pool_tokens": 700, "error": None, "records": records,
+    return {"label": label, "variant": variant, "pool_tokens": 700, "error": None, "records": records, "metrics": {"wall_seconds": 9.5},
             "kvevict_stats": {"last": last} if last else {"available": False}}  # fmt: skip
 
 
@@ -60,10 +60,11 @@ def test_answers_and_memory_are_added_to_the_report(tmp_path):
     for _ in range(2):  # a rerun replaces the section
         extra = local_layers.add_answers(tmp_path, "r", "python -m benchmarks.local_layers multiturn")
     assert [(r["server"], r["identical"], r["compared"], r["first_differing"]) for r in extra["answers"]] == [
-        ("full", 4, 4, None), ("topk", 2, 4, [0, 1])
+        ("vanilla", 4, 4, None), ("full", 4, 4, None), ("topk", 2, 4, [0, 1])
     ]  # fmt: skip
     (memory, _) = extra["memory"]
     assert memory["kept_fraction"] == 0.2 and memory["slots_per_conversation"] == 100 and memory["dense_slots_per_conversation"] == 500
     text = (tmp_path / "r.md").read_text()
-    assert text.count("## Answers and memory") == 1 and "| full | 700 | 4/4 | - |" in text and "| topk | 700 | 2/4 | (0, 1) |" in text
+    assert text.count("## Answers and memory") == 1 and "| full | 700 | 4/4 | - | 9.5 |" in text and "| topk | 700 | 2/4 | (0, 1) | 9.5 |" in text
+    assert "| vanilla | 700 | (stock) | - | 9.5 |" in text
     assert json.loads((tmp_path / "r.json").read_text())["local_layers"] == extra
