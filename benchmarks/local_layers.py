@@ -1,9 +1,10 @@
 """Gemma 3's local layers trimmed to their window: stock SGLang vs ``full`` (lossless) vs a policy, at equal KV memory.
 
     python -m benchmarks.local_layers model                    # build the Gemma 3-shaped model once, print its folder
-    python -m benchmarks.local_layers multiturn                # the multi-turn workload, ~20 min here
-    python -m benchmarks.local_layers multiturn --scopes request,block --block-size 1024
-    python -m benchmarks.local_layers client                   # SGLang's own client (generated-shared-prefix)
+    python -m benchmarks.local_layers multiturn                # the multi-turn workload, request scope, ~8 min here
+    python -m benchmarks.local_layers multiturn --scopes request,block --block-size 1024   # and block scope, ~12 min
+    python -m benchmarks.local_layers multiturn --policies full --name gemma3_local_layers_repeat   # stock vs full only
+    python -m benchmarks.local_layers client --scopes request,block --block-size 1024      # SGLang's own client, ~15 min
 
 Gemma 3 attends in 5 of every 6 layers over a sliding window only; for such models every compressed
 radix node keeps, in local layers, just the node's last ``sliding_window`` positions (what a later
@@ -136,6 +137,10 @@ def _fmt(value, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
 
+def _row(*cells) -> str:
+    return "| " + " | ".join(str(cell) for cell in cells) + " |"
+
+
 def answers_markdown(answer_rows: Sequence[dict], memory_rows: Sequence[dict], command: str) -> str:
     lines = [
         "",
@@ -154,7 +159,7 @@ def answers_markdown(answer_rows: Sequence[dict], memory_rows: Sequence[dict], c
     for row in answer_rows:
         first = "-" if row["first_differing"] is None else f"({row['first_differing'][0]}, {row['first_differing'][1]})"
         same = "(stock)" if row["baseline"] else f"{row['identical']}/{row['compared']}"
-        lines.append(f"| {row['server']} | {row['pool_tokens']} | {same} | {first} | {_fmt(row['wall_seconds'], 1)} |")
+        lines.append(_row(row["server"], row["pool_tokens"], same, first, _fmt(row["wall_seconds"], 1)))
     lines += [
         "",
         "Memory after the run (`/kvevict/stats`): compressed prefixes held, the cells they keep against the same "
@@ -166,11 +171,9 @@ def answers_markdown(answer_rows: Sequence[dict], memory_rows: Sequence[dict], c
         "|---|---|---|---|---|---|---|",
     ]
     for row in memory_rows:
-        lines.append(
-            f"| {row['server']} | {row['pool_tokens']} | {row['compressed_nodes']} | {row['compressed_tokens']} "
-            f"| {row['kept_cells']} | {_fmt(row['kept_fraction'])} | {row['slots_per_conversation']:.0f} "
-            f"({row['dense_slots_per_conversation']:.0f}) |"
-        )
+        cells = [row[name] for name in ("server", "pool_tokens", "compressed_nodes", "compressed_tokens", "kept_cells")]
+        slots = f"{row['slots_per_conversation']:.0f} ({row['dense_slots_per_conversation']:.0f})"
+        lines.append(_row(*cells, _fmt(row["kept_fraction"]), slots))
     return "\n".join(lines) + "\n"
 
 
