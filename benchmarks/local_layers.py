@@ -34,7 +34,8 @@ import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
 
-from benchmarks.cli import RESULTS_DIR, write_atomically
+from benchmarks.cli import RESULTS_DIR
+from sgl_kvevict.measure.results import write_atomically
 
 # Gemma-3-1B's pattern (5 local : 1 global) at a size this CPU runs: documents of ~2K tokens are 8 windows.
 SHAPE = {
