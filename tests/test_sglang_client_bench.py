@@ -81,6 +81,8 @@ def test_full_is_served_in_every_scope_after_vanilla():
     assert variants[2].launcher_flags() == ["--kv-evict-policy", "full", "--kv-evict-scope", "block", "--kv-evict-block-size", "128"]
     assert all(v.full_counterpart == variants[1 + (v.tag != "")] for v in variants[3:])
     assert attributed_variants([], ["0.25"]) == server_variants([], ["0.25"])  # vanilla alone: nothing to attribute
+    only_full = attributed_variants(["full"], ["0.25"], ["request", "block"])  # stock vs full, nothing evicted
+    assert only_full == server_variants(["full"], [None], ["request", "block"])
 
 
 @pytest.mark.server

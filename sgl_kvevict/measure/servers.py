@@ -138,7 +138,7 @@ def attributed_variants(
     """``server_variants`` with ``full`` (no budget) in every scope after vanilla, where any policy is
     compared; ``full`` among ``policies`` is that same server, not a second one."""
     chosen = server_variants([p for p in policies if p != FULL_POLICY], budgets, scopes, block_size)
-    if len(chosen) == 1:
+    if len(chosen) == 1 and FULL_POLICY not in policies:  # ``full`` alone: stock vs full in every scope
         return chosen
     return chosen[:1] + server_variants([FULL_POLICY], [None], scopes, block_size)[1:] + chosen[1:]
 
