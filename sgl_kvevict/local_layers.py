@@ -5,8 +5,9 @@ A local layer of Gemma 3 attends from position ``p`` over the keys ``[p - window
 after a compressed node ``[s, e)`` is at least ``e``, so of the node a local layer can ever read only its
 last ``window - 1`` positions: a node keeping its last ``min(e - s, window)`` there answers every later
 query exactly as the dense cache does. ``LocalLayers.trimmed`` puts that into a plan: in local layers,
-every KV head keeps the segment's last ``window`` positions, whatever the policy chose there; global
-layers keep the policy's choice. Nothing a local layer can read is dropped, so a ``full`` server of such
+every KV head keeps the ``window`` positions before the node's end (the segment's end in block scope; in
+request scope the segment's observation window stays dense after the node, so those before it, and the
+window), whatever the policy chose there; global layers keep the policy's choice. Nothing a local layer can read is dropped, so a ``full`` server of such
 a model answers exactly as stock while holding, per compressed node, ``n`` entries per global layer and
 ``min(n, window)`` per local one.
 
@@ -37,32 +38,40 @@ class LocalLayers:
     """The model's local attention layers and their window.
 
     layers: the local layers' indices, ascending. window: the keys a query reads, itself included
-    (HF's ``sliding_window``). trim: False keeps local layers whole instead (no saving; the tests'
-    check that trimming changes no token).
+    (HF's ``sliding_window``). observation_window_dense: the scope leaves a segment's observation window
+    dense after its node (request scope; a block keeps its window in its node), so the node ends that
+    window before the segment does and keeps the ``window`` positions before it. trim: False keeps local
+    layers whole instead (no saving; the tests' check that trimming changes no token).
     """
 
     layers: tuple[int, ...]
     window: int
+    observation_window_dense: bool = True
     trim: bool = True
 
     @classmethod
-    def of_model(cls, model_dir: Path) -> Optional["LocalLayers"]:
-        """The local layers of the model in ``model_dir`` (its config.json); None for a model without any."""
+    def of_model(cls, model_dir: Path, observation_window_dense: bool = True) -> Optional["LocalLayers"]:
+        """The local layers of the model in ``model_dir`` (its config.json) in a scope that leaves the
+        observation window dense or not; None for a model without any."""
         found = local_attention_layers(model_dir)
-        return None if found is None else cls(*found)
+        return None if found is None else cls(*found, observation_window_dense)
 
     def is_local(self, layer: int) -> bool:
         return layer in self.layers
 
-    def kept_positions(self, start: int, end: int) -> torch.Tensor:
-        """int64: what a local layer keeps of the segment ``[start, end)``: its last ``window`` positions
-        (all of them when not trimming)."""
-        first = max(start, end - self.window) if self.trim else start
+    def kept_positions(self, start: int, end: int, dense_after: int = 0) -> torch.Tensor:
+        """int64: what a local layer keeps of the segment ``[start, end)`` whose last ``dense_after`` positions
+        stay dense after its node: the ``window`` positions before the node's end, and those (all of them
+        when not trimming)."""
+        first = max(start, end - dense_after - self.window) if self.trim else start
         return torch.arange(first, end, dtype=torch.int64)
 
-    def trimmed(self, plan: CompressionPlan) -> CompressionPlan:
-        """``plan`` with every local layer keeping ``kept_positions`` of the segment in every KV head."""
-        local = LayerPlan.from_heads([self.kept_positions(plan.segment_start, plan.segment_end)] * plan.layers[0].num_kv_heads)
+    def trimmed(self, plan: CompressionPlan, observation_window: int) -> CompressionPlan:
+        """``plan`` (a segment scored by its last ``observation_window`` positions) with every local layer
+        keeping ``kept_positions`` of the segment in every KV head."""
+        dense_after = min(observation_window, plan.segment_length) if self.observation_window_dense else 0
+        kept = self.kept_positions(plan.segment_start, plan.segment_end, dense_after)
+        local = LayerPlan.from_heads([kept] * plan.layers[0].num_kv_heads)
         layers = tuple(local if self.is_local(index) else layer for index, layer in enumerate(plan.layers))
         return CompressionPlan(plan.segment_start, plan.segment_end, layers)
 
@@ -84,25 +93,27 @@ class LocalLayers:
 
 
 class _TrimmedCompressor(SegmentCompressor):
-    """A policy's compressor whose plans keep, in local layers, what those can still read."""
+    """A policy's compressor (observation window ``observation_window``) whose plans keep, in local layers,
+    what those can still read."""
 
-    def __init__(self, inner: SegmentCompressor, local: LocalLayers):
+    def __init__(self, inner: SegmentCompressor, local: LocalLayers, observation_window: int):
         super().__init__(inner.spec)
         self.inner = inner
         self.local = local
+        self.observation_window = observation_window
         self.needs_stats = inner.needs_stats
 
     def observe(self, layer: int, stats: WindowStats) -> None:
         self.inner.observe(layer, stats)
 
     def plan(self) -> CompressionPlan:
-        return self.local.trimmed(self.inner.plan())
+        return self.local.trimmed(self.inner.plan(), self.observation_window)
 
     def shared_state(self) -> Optional[torch.Tensor]:
         return self.inner.shared_state()
 
     def plan_shared(self, state: torch.Tensor) -> CompressionPlan:
-        return self.local.trimmed(self.inner.plan_shared(state))
+        return self.local.trimmed(self.inner.plan_shared(state), self.observation_window)
 
 
 class WindowedLocalLayers(Policy):
@@ -124,7 +135,7 @@ class WindowedLocalLayers(Policy):
         return self.inner.stats_request()
 
     def start(self, spec: SegmentSpec) -> SegmentCompressor:
-        return _TrimmedCompressor(self.inner.start(spec), self.local)
+        return _TrimmedCompressor(self.inner.start(spec), self.local, self.common.window)
 
     def for_model(self, model_dir: Path) -> "Policy":
         return WindowedLocalLayers(self.inner.for_model(model_dir), self.local)

@@ -140,7 +140,7 @@ def test_trimming_local_layers_changes_no_token_of_snapkv(unchunked, reference):
     finally:
         reference.local_layers = trimmed_layers
     for trimmed_plan, whole_plan in zip(trimmed.plans, kept_whole.plans):
-        assert trimmed_plan.counts()[:LOCAL].le(WINDOW).all()
+        assert trimmed_plan.counts()[:LOCAL].le(WINDOW + (0 if block_size else config.window)).all()
         assert whole_plan.counts()[:LOCAL].eq(whole_plan.segment_length).all()
         assert torch.equal(trimmed_plan.layers[LOCAL].kept_positions, whole_plan.layers[LOCAL].kept_positions)
     assert tuple(answer) == trimmed.output_ids == kept_whole.output_ids
@@ -167,7 +167,8 @@ def test_every_policy_keeps_the_references_plans_and_decodes_its_tokens(unchunke
     assert len(expected.plans) >= 1 and not list(unchunked.dump_dir.glob(f"{rid}.block{len(expected.plans)}.pt"))
     for path, plan in zip(dumped, expected.plans):
         client.assert_same_plan(torch.load(path), plan)
-        assert plan.counts()[:LOCAL].le(WINDOW).all()
+        node = plan.restricted(plan.segment_start, plan.segment_end - (0 if block_size else config.window))
+        assert node.counts()[:LOCAL].le(WINDOW).all()
     assert tuple(answer) == expected.output_ids
 
 
@@ -179,11 +180,21 @@ def test_a_node_holds_its_global_layers_whole_and_its_local_layers_window(plugin
     if plugin.scope == "block":  # four full blocks, each holding its last WINDOW positions in local layers
         nodes, per_node = 4, KV_HEADS * (BLOCK * GLOBAL + min(BLOCK, WINDOW) * LOCAL)
         assert after["kept_cells"] - before["kept_cells"] == nodes * per_node
-    else:  # one node before the dense observation window, which already holds the local layers' window
+    else:  # one node before the dense observation window, holding the WINDOW positions before its end
         node = length - OBSERVATION_WINDOW
-        local = max(0, WINDOW - OBSERVATION_WINDOW)
-        assert after["kept_cells"] - before["kept_cells"] == KV_HEADS * (node * GLOBAL + local * LOCAL)
+        assert after["kept_cells"] - before["kept_cells"] == KV_HEADS * (node * GLOBAL + min(node, WINDOW) * LOCAL)
     assert after["arena_cells_used"] == after["kept_cells"]
+
+
+def test_a_request_diverging_just_after_a_node_reads_the_window_before_its_end(plugin, stock):
+    """Request scope: the first prompt's node ends where its dense observation window begins (position 128);
+    a prompt sharing 130 tokens reuses the node and its first queries read positions 115-127 of it, which
+    its local layers keep (block scope: it splits block [96, 144) instead)."""
+    first = client.random_prompt(160, seed=60)
+    second = first[:130] + client.random_prompt(40, seed=61)
+    assert [tokens(plugin, prompt) for prompt in (first, second)] == [tokens(stock, prompt) for prompt in (first, second)]
+    if plugin.scope == "request":
+        assert client.stats(plugin)["reuse_hits"] >= 1
 
 
 def test_plain_requests_in_a_batch_with_compressed_ones_keep_their_window(plugin, stock):

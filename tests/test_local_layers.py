@@ -3,6 +3,8 @@ which configs have them, how a segment merges what a split head gains, and admis
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -17,7 +19,7 @@ from sgl_kvevict.policies.base import SegmentSpec
 from sgl_kvevict.scope import BlockScope
 from sgl_kvevict.sharding import RankCounts
 
-LOCAL = LocalLayers(layers=(0, 1, 3), window=16)
+LOCAL = LocalLayers(layers=(0, 1, 3), window=16, observation_window_dense=False)  # as block scope trims
 SPEC = SegmentSpec(start=10, end=110, num_layers=4, num_kv_heads=2, num_q_heads=4)
 
 
@@ -54,6 +56,12 @@ def test_full_on_a_model_with_local_layers_keeps_global_layers_whole_and_a_windo
     assert plan.counts().tolist() == [[16, 16], [16, 16], [100, 100], [16, 16]]
     short = SegmentSpec(0, 12, 4, 2, 4)
     assert policy.start(short).plan().counts().eq(12).all()  # shorter than the window: kept whole
+    # Request scope: the node ends where the observation window (full's: 32) begins, which stays dense; its
+    # local layers keep the 16 positions before that, and the window itself.
+    request_scope = dataclasses.replace(LOCAL, observation_window_dense=True)
+    plan = WindowedLocalLayers.wrap(build_policy(EvictionConfig.for_policy("full")), request_scope).start(SPEC).plan()
+    assert plan.layers[0].head_positions(0).tolist() == list(range(SPEC.end - 32 - 16, SPEC.end))
+    assert plan.restricted(SPEC.start, SPEC.end - 32).counts()[0].tolist() == [16, 16]
 
 
 def test_a_split_head_gains_the_window_it_lacks_before_the_divergence():

@@ -37,15 +37,16 @@ class EvictionSetup:
 
     @classmethod
     def of(
-        cls, config: EvictionConfig, model_dir: Optional[Path] = None, heads: Optional[tuple[int, ...]] = None
-    ) -> "EvictionSetup":
-        """``model_dir``: the served model, for policies bound to it (a learned scorer's weights, its local
-        layers);
-        ``heads``: the model's KV heads this tensor-parallel rank holds (None: all of them)."""
+        cls, config: EvictionConfig, model_dir: Optional[Path] = None, heads: Optional[tuple[int, ...]] = None,
+        local_layers: Optional[LocalLayers] = None,
+    ) -> "EvictionSetup":  # fmt: skip
+        """``model_dir``: the served model, for policies bound to it (a learned scorer's weights);
+        ``heads``: the model's KV heads this tensor-parallel rank holds (None: all of them); ``local_layers``:
+        its local attention layers in the served scope (Gemma 3), which keep what their window can still
+        read, whatever the policy."""
         policy = build_policy(config)
         if model_dir is not None:
-            # Local attention layers keep what their window can still read, whatever the policy (Gemma 3).
-            policy = WindowedLocalLayers.wrap(policy.for_model(model_dir), LocalLayers.of_model(model_dir))
+            policy = WindowedLocalLayers.wrap(policy.for_model(model_dir), local_layers)
         if heads is not None:
             policy = policy.for_heads(heads)
         return cls(config, policy, policy.stats_request())
@@ -65,12 +66,14 @@ class Setups:
         request_allow: Optional[AllowList] = None,
         model_dir: Optional[Path] = None,
         heads: Optional[tuple[int, ...]] = None,
+        local_layers: Optional[LocalLayers] = None,
     ):
         self.default = default
         self.refused = 0
         self._requests = None
         if request_allow is not None:
-            self._requests = RequestSetups(request_allow, lambda config: EvictionSetup.of(config, model_dir, heads))
+            build = lambda config: EvictionSetup.of(config, model_dir, heads, local_layers)  # noqa: E731
+            self._requests = RequestSetups(request_allow, build)
 
     def for_request(self, extra_key: Optional[str]) -> Optional[EvictionSetup]:
         """The setup of a request with this ``extra_key`` (None when its options are refused)."""

@@ -20,6 +20,7 @@ transformers' attention interface, which is where scoring and eviction happen: s
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
@@ -170,8 +171,8 @@ class ReferenceEngine:
         if segments and policy is None:
             raise ValueError("compressing segments needs a policy")
         if policy is not None:
-            policy = WindowedLocalLayers.wrap(policy.for_model(self.model_dir), self.local_layers)
-        scorings = [SegmentScoring.start(policy, self._spec(segment)) for segment in segments]
+            policy = policy.for_model(self.model_dir)
+        scorings = [SegmentScoring.start(self._windowed(policy, segment), self._spec(segment)) for segment in segments]
         for scoring in scorings:
             self._check_inside_forward(scoring, start, end)
         sequence.keep_mask.reserve(end)
@@ -277,6 +278,14 @@ class ReferenceEngine:
             text=self.tokenizer.decode(output, skip_special_tokens=True),
             plans=tuple(sequence.plans),
         )
+
+    def _windowed(self, policy: Policy, segment: Segment) -> Policy:
+        """``policy`` with the model's local layers trimmed as the server's scope trims them (a block keeps
+        its observation window in its node; request scope leaves it dense after the node)."""
+        local = self.local_layers
+        if local is not None:
+            local = dataclasses.replace(local, observation_window_dense=not segment.block)
+        return WindowedLocalLayers.wrap(policy, local)
 
     def _spec(self, segment: Segment) -> SegmentSpec:
         return SegmentSpec(segment.start, segment.end, self.num_layers, self.num_kv_heads, self.num_q_heads)

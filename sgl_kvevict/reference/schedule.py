@@ -27,10 +27,12 @@ class Mode(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Segment:
-    """A token range ``[start, end)`` compressed once."""
+    """A token range ``[start, end)`` compressed once; ``block``: a block of block scope, which keeps its
+    observation window in its node (request scope's stays dense after it: ``local_layers``)."""
 
     start: int
     end: int
+    block: bool = False
 
     def __post_init__(self):
         if not 0 <= self.start < self.end:
@@ -103,4 +105,4 @@ def compressed_segments(end: int, block_size: Optional[int]) -> tuple[Segment, .
         return (Segment(0, end),)
     if block_size < 1:
         raise ValueError(f"block size {block_size} must be >= 1")
-    return tuple(Segment(start, start + block_size) for start in range(0, end - block_size + 1, block_size))
+    return tuple(Segment(start, start + block_size, block=True) for start in range(0, end - block_size + 1, block_size))

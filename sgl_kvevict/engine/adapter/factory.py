@@ -183,7 +183,7 @@ def create_compressed_radix_cache(ctx: TreeCacheBuildContext, serving: ServingCo
         raise UnsupportedSetup(f"--radix-cache-backend {RADIX_CACHE_BACKEND} needs an eviction policy (--kv-evict-policy)")
     runner = ctx.tp_worker.model_runner
     model_dir = Path(runner.model_config.model_path)
-    local_layers = LocalLayers.of_model(model_dir)
+    local_layers = LocalLayers.of_model(model_dir, serving.scope.window_stays_dense)
     problems = unsupported_features(ctx, runner.attn_backend, local_layers)
     if problems:
         raise UnsupportedSetup(f"KV eviction cannot run with: {'; '.join(problems)}")
@@ -195,8 +195,8 @@ def create_compressed_radix_cache(ctx: TreeCacheBuildContext, serving: ServingCo
     )
     ranks = _rank_group(runner.model_config, ctx.tp_size, shape)
     heads = ranks.shard.local_heads if ranks.shard.tp_size > 1 else None
-    default_setup = EvictionSetup.of(serving.eviction, model_dir, heads)
-    setups = Setups(default_setup, serving.request_allow_list, model_dir, heads)
+    default_setup = EvictionSetup.of(serving.eviction, model_dir, heads, local_layers)
+    setups = Setups(default_setup, serving.request_allow_list, model_dir, heads, local_layers)
     # Score sources: when the server's setup needs them, or requests may bring their own.
     request = default_setup.stats_request
     hidden_states = HiddenStateCapture(runner.model) if request.hidden_states or serving.per_request else None
