@@ -183,7 +183,7 @@ def test_a_later_turn_reuses_the_compressed_prefix(served):
         first, build_policy(config), max_new_tokens=MAX_NEW_TOKENS, block_size=served.block_size
     )  # fmt: skip
     assert turn_one.output_ids == tuple(answer)
-    segments = tuple(Segment(plan.segment_start, plan.segment_end) for plan in turn_one.plans)
+    segments = tuple(Segment(plan.segment_start, plan.segment_end, block=served.scope == "block") for plan in turn_one.plans)
     schedule = Schedule((PrefillStep(PROMPT_LENGTH, segments), PrefillStep(len(second))))
     expected = served.reference.generate_scheduled(
         Prompt.from_ids(second), ReplayedPlans(config, turn_one.plans), schedule, MAX_NEW_TOKENS

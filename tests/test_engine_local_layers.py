@@ -2,7 +2,7 @@
 
 A tiny random Gemma 3 (three local layers with a 16-token window, then a global one; fp32) is served by
 stock SGLang and by the plugin with ``full`` in request scope and in block scope (48-token blocks),
-both with chunked prefill (64-token chunks), and per request with every other policy (unchunked servers). ``full`` keeps every global-layer entry and trims local
+both with chunked prefill (256-token chunks), and per request with every other policy. ``full`` keeps every global-layer entry and trims local
 layers to their window (``sgl_kvevict.local_layers``): lossless, so stock, the plugin and the HF
 reference decode the same greedy tokens over 3-turn chats whose answers outrun the window, shared
 prefixes that split compressed nodes (the split head gains the window before the divergence from the
@@ -36,12 +36,12 @@ KV_HEADS = 2
 BLOCK = 48
 OBSERVATION_WINDOW = 32  # full's window: request scope leaves the prompt's last 32 tokens dense
 ANSWER = 40  # longer than the window: later turns read only the answer in local layers
-FLAGS = ("--kv-evict-policy", "full", *client.ANY_REQUEST_OPTIONS, "--max-total-tokens", "4096", *client.TINY_SERVER_FLAGS)
-CHUNKED = ("--chunked-prefill-size", "64")
-# Plans and tokens of a compressing policy are compared with the one-forward reference on prompts prefilled in
-# one forward: a chunked prefill rounds its fp32 sums in other shapes, which can flip a near tie of this random
-# model's scores or logits (the lossless ``full`` is compared chunked).
-UNCHUNKED = ("--chunked-prefill-size", "1024")
+# A prompt over 256 new tokens is prefilled in chunks (the chat's first turn). Plans and tokens of a compressing
+# policy are compared with the one-forward reference on prompts prefilled in one forward: a chunked prefill
+# rounds its fp32 sums in other shapes, which can flip a near tie of this random model's scores or logits.
+CHUNK = 256
+FLAGS = ("--kv-evict-policy", "full", *client.ANY_REQUEST_OPTIONS, "--chunked-prefill-size", str(CHUNK),
+         "--max-total-tokens", "4096", *client.TINY_SERVER_FLAGS)  # fmt: skip
 SCOPES = {"request": (), "block": ("--kv-evict-scope", "block", "--kv-evict-block-size", str(BLOCK))}
 
 
@@ -67,31 +67,20 @@ def stock(gemma_dir, tmp_path_factory):
         yield server
 
 
-def plugin_server(gemma_dir, tmp_path_factory, scope: str, *flags: str):
-    dump_dir = tmp_path_factory.mktemp(f"plans-{scope}")
-    log_dir = tmp_path_factory.mktemp(f"plugin-{scope}")
-    with client.checked_server(gemma_dir, log_dir, *FLAGS, *SCOPES[scope], *flags, dump_dir=dump_dir) as server:
-        server.scope, server.dump_dir = scope, dump_dir
-        yield server
-
-
 @pytest.fixture(scope="module", params=sorted(SCOPES))
 def plugin(request, gemma_dir, tmp_path_factory):
-    """``full`` with 64-token chunks."""
-    yield from plugin_server(gemma_dir, tmp_path_factory, request.param, *CHUNKED)
-
-
-@pytest.fixture(scope="module", params=sorted(SCOPES))
-def unchunked(request, gemma_dir, tmp_path_factory):
-    yield from plugin_server(gemma_dir, tmp_path_factory, request.param, *UNCHUNKED)
+    dump_dir = tmp_path_factory.mktemp(f"plans-{request.param}")
+    log_dir = tmp_path_factory.mktemp(f"plugin-{request.param}")
+    with client.checked_server(gemma_dir, log_dir, *FLAGS, *SCOPES[request.param], dump_dir=dump_dir) as server:
+        server.scope, server.dump_dir = request.param, dump_dir
+        yield server
 
 
 @pytest.fixture(autouse=True)
 def flushed(request):
     yield
-    for name in ("plugin", "unchunked"):
-        if name in request.fixturenames:
-            client.assert_no_leak_after_flush(request.getfixturevalue(name))
+    if "plugin" in request.fixturenames:
+        client.assert_no_leak_after_flush(request.getfixturevalue("plugin"))
 
 
 def tokens(server, prompt: list[int], rid: str | None = None, options: str | None = None) -> list[int]:
@@ -100,14 +89,14 @@ def tokens(server, prompt: list[int], rid: str | None = None, options: str | Non
 
 def test_a_three_turn_chat_decodes_stocks_tokens_and_the_references(plugin, stock, reference):
     full = build_policy(EvictionConfig.for_policy("full"))
-    conversation = client.random_prompt(150, seed=1)
+    conversation = client.random_prompt(CHUNK + 50, seed=1)  # turn 1 in two chunks
     for turn in range(3):
         answer = tokens(plugin, conversation)
         assert answer == tokens(stock, conversation), f"turn {turn + 1}"
         assert tuple(answer) == reference.generate(conversation, full, max_new_tokens=ANSWER).output_ids
         conversation = conversation + answer + client.random_prompt(30, seed=10 + turn)
     after = client.stats(plugin)
-    assert after["compressed_nodes"] >= 1 and after["reuse_hits"] >= 2
+    assert after["compressed_nodes"] >= 1 and after["reuse_hits"] >= 2 and after["chunked_prefills"] >= 1
 
 
 def test_shared_prefixes_split_compressed_nodes_and_concurrent_requests_decode_stocks_tokens(plugin, stock):
@@ -126,13 +115,13 @@ def test_shared_prefixes_split_compressed_nodes_and_concurrent_requests_decode_s
     assert [tokens(plugin, prompt) for prompt in others] == served
 
 
-def test_trimming_local_layers_changes_no_token_of_snapkv(unchunked, reference):
+def test_trimming_local_layers_changes_no_token_of_snapkv(plugin, reference):
     """snapkv on the global layers (its plans equal the reference's: the every-policy test): the server's
     tokens equal the reference's with local layers trimmed and with them kept whole."""
     config = EvictionConfig.for_policy("snapkv", budget=0.3, window=8)
     prompt = client.random_prompt(200, seed=5)
-    answer = tokens(unchunked, prompt, options=client.request_options(config))
-    block_size = BLOCK if unchunked.scope == "block" else None
+    answer = tokens(plugin, prompt, options=client.request_options(config))
+    block_size = BLOCK if plugin.scope == "block" else None
     trimmed = reference.generate(prompt, build_policy(config), max_new_tokens=ANSWER, block_size=block_size)
     reference.local_layers, trimmed_layers = dataclasses.replace(reference.local_layers, trim=False), reference.local_layers
     try:
@@ -154,17 +143,17 @@ def policy_config(policy: str) -> EvictionConfig:
 
 
 @pytest.mark.parametrize("policy", sorted(set(registered_policies()) - {"full"}))
-def test_every_policy_keeps_the_references_plans_and_decodes_its_tokens(unchunked, reference, policy):
+def test_every_policy_keeps_the_references_plans_and_decodes_its_tokens(plugin, reference, policy):
     config = policy_config(policy)
     prompt = client.random_prompt(200, seed=7)
-    rid = f"{policy}-{unchunked.scope}"
-    answer = tokens(unchunked, prompt, rid=rid, options=client.request_options(config))
-    block_size = BLOCK if unchunked.scope == "block" else None
+    rid = f"{policy}-{plugin.scope}"
+    answer = tokens(plugin, prompt, rid=rid, options=client.request_options(config))
+    block_size = BLOCK if plugin.scope == "block" else None
     expected = reference.generate(prompt, build_policy(config), max_new_tokens=ANSWER, block_size=block_size)
-    dumped = [unchunked.dump_dir / f"{rid}.pt"] if block_size is None else [
-        unchunked.dump_dir / f"{rid}.block{index}.pt" for index in range(len(expected.plans))
+    dumped = [plugin.dump_dir / f"{rid}.pt"] if block_size is None else [
+        plugin.dump_dir / f"{rid}.block{index}.pt" for index in range(len(expected.plans))
     ]  # fmt: skip
-    assert len(expected.plans) >= 1 and not list(unchunked.dump_dir.glob(f"{rid}.block{len(expected.plans)}.pt"))
+    assert len(expected.plans) >= 1 and not list(plugin.dump_dir.glob(f"{rid}.block{len(expected.plans)}.pt"))
     for path, plan in zip(dumped, expected.plans):
         client.assert_same_plan(torch.load(path), plan)
         node = plan.restricted(plan.segment_start, plan.segment_end - (0 if block_size else config.window))

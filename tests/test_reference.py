@@ -281,8 +281,8 @@ def test_blocks_fed_one_forward_each_score_over_the_compressed_earlier_block(tin
     block = 48
     sequential = Schedule(
         (
-            PrefillStep(block, (Segment(0, block),)),
-            PrefillStep(2 * block, (Segment(block, 2 * block),)),
+            PrefillStep(block, (Segment(0, block, block=True),)),
+            PrefillStep(2 * block, (Segment(block, 2 * block, block=True),)),
             PrefillStep(len(tiny_prompt)),
         )
     )
@@ -308,7 +308,8 @@ def test_schedule_rejects_bad_segments():
         Schedule((PrefillStep(100, (Segment(0, 60), Segment(50, 100))),))
     with pytest.raises(ValueError, match="must end inside its step"):
         Schedule((PrefillStep(50), PrefillStep(100, (Segment(0, 40),))))
-    assert Schedule.for_mode(Mode.CONTEXT_ONLY, 100, 70, block_size=32).segments == (Segment(0, 32), Segment(32, 64))
+    blocks = (Segment(0, 32, block=True), Segment(32, 64, block=True))
+    assert Schedule.for_mode(Mode.CONTEXT_ONLY, 100, 70, block_size=32).segments == blocks
 
 
 def test_extend_rejects_a_window_outside_the_forward(tiny_engine, tiny_prompt):

@@ -34,6 +34,7 @@ import asyncio
 import hashlib
 import json
 import shlex
+import signal
 import sys
 import tempfile
 import time
@@ -395,6 +396,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     progress(f"server logs in {log_dir}")
     meta = {"command": shlex.join([*PROG.split(), *argv]), "config": config, "name": args.name}
     results: list[dict] = []
+    # Ctrl-C as KeyboardInterrupt wherever it lands: asyncio.run installs its own handler only over Python's
+    # default one, and that handler cancels the running task, which a coroutine awaiting a cancelled task of
+    # its own may take for that task's cancellation and swallow (the run would then go on to the end).
+    signal.signal(signal.SIGINT, _interrupt)
     try:
         for index, server in enumerate(servers, 1):
             if server.label in done:
@@ -414,6 +419,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for line in summary_lines(payload):
         progress(line)
     return 0
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def _rounded(tokens: int, step: int = 1024) -> int:

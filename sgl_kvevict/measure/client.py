@@ -220,10 +220,8 @@ class StatsSampler:
     async def stop(self) -> StatsPeaks:
         if self._task is not None:
             self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            # gather, not try/except CancelledError: a cancellation of this task while it waits must go on.
+            await asyncio.gather(self._task, return_exceptions=True)
             await self.sample()
         return self.result
 
