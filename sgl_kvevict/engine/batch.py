@@ -189,10 +189,12 @@ class DenseBatch:
             positions[index, : len(request_positions)] = request_positions
             slots[index] = request_slots[-1]  # the new token's slot: every request has one
             slots[index, : len(request_positions)] = request_slots
-        query_positions = torch.cat(
-            [torch.arange(r.first_query_position, r.seq_len, device=device) for r in requests]
-        )
-        return cls(slots, positions, query_positions)
+        return cls(slots, positions, query_positions(requests, device))
+
+
+def query_positions(requests: tuple[RequestSlice, ...], device: torch.device) -> torch.Tensor:
+    """int64 ``[N_r]``: the position of each query row of ``requests``, request-major."""
+    return torch.cat([torch.arange(r.first_query_position, r.seq_len, device=device) for r in requests])
 
 
 @dataclass(frozen=True)
@@ -205,12 +207,15 @@ class WindowKeys:
 
     rows int64 ``[L_local, B, H_kv, K]``; positions int64 ``[B, K]``: a padded key repeats its request's
     last key at its request's length, past every query, so the causal mask hides it; layer_rows: a
-    model layer's index into ``rows``.
+    model layer's index into ``rows``; query_rows, query_positions int64 ``[N_r]``: the requests' query
+    rows in the forward and their positions, request-major (built once, read by every local layer).
     """
 
     rows: torch.Tensor
     positions: torch.Tensor
     layer_rows: dict[int, int]
+    query_rows: torch.Tensor
+    query_positions: torch.Tensor
 
     @classmethod
     def of(cls, requests: tuple[RequestSlice, ...], req_to_token: torch.Tensor, space: CellSpace, local: LocalLayers) -> "WindowKeys":
@@ -228,7 +233,11 @@ class WindowKeys:
             padding = width - (end - start)
             rows.append(torch.cat([request_rows, request_rows[..., -1:].expand(-1, -1, padding)], dim=2))
             positions.append(torch.cat([own, torch.full((padding,), end, device=device)]))
-        return cls(torch.stack(rows, dim=1), torch.stack(positions), {layer: index for index, layer in enumerate(local.layers)})
+        query_rows = torch.cat([torch.arange(request.q_start, request.q_end, device=device) for request in requests])
+        return cls(
+            torch.stack(rows, dim=1), torch.stack(positions), {layer: index for index, layer in enumerate(local.layers)},
+            query_rows, query_positions(requests, device),
+        )  # fmt: skip
 
 
 def _read_compressed(rows: torch.Tensor, view: PathView, positions: torch.Tensor, local_layers: tuple[int, ...]) -> None:

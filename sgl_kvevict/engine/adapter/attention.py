@@ -306,21 +306,21 @@ class KVEvictTorchBackend(SegmentAttentionBackend, TorchNativeAttnBackend):
         batch, num_kv_heads, width = rows.shape
         k = k_rows.index_select(0, rows.reshape(-1)).view(batch, num_kv_heads, width, -1).transpose(1, 2)
         v = v_rows.index_select(0, rows.reshape(-1)).view(batch, num_kv_heads, width, -1).transpose(1, 2)
-        if all(request.num_queries == 1 for request in requests):
-            rows_of = torch.tensor([request.q_start for request in requests], device=queries.device)
-            query_positions = torch.tensor([[request.seq_len - 1] for request in requests], device=queries.device)
+        if len(keys.query_rows) == batch:  # one query per request: a decode batch
             out, _ = dense_attention(
-                queries.index_select(0, rows_of).unsqueeze(1), k, v, query_positions, keys.positions, layer.scaling, window_left
+                queries.index_select(0, keys.query_rows).unsqueeze(1), k, v, keys.query_positions.unsqueeze(1),
+                keys.positions, layer.scaling, window_left,
             )  # fmt: skip
             return out.squeeze(1).to(queries.dtype)
-        parts = []
+        parts, first = [], 0
         for index, request in enumerate(requests):
-            query_positions = torch.arange(request.first_query_position, request.seq_len, device=queries.device)
+            rows_of, last = keys.query_rows[first : first + request.num_queries], first + request.num_queries
             out, _ = dense_attention(
-                queries[request.q_start : request.q_end].unsqueeze(0), k[index : index + 1], v[index : index + 1],
-                query_positions.unsqueeze(0), keys.positions[index : index + 1], layer.scaling, window_left,
+                queries.index_select(0, rows_of).unsqueeze(0), k[index : index + 1], v[index : index + 1],
+                keys.query_positions[first:last].unsqueeze(0), keys.positions[index : index + 1], layer.scaling, window_left,
             )  # fmt: skip
             parts.append(out[0])
+            first = last
         return torch.cat(parts).to(queries.dtype)
 
     def _run_sdpa_forward_extend(
