@@ -14,7 +14,7 @@ address (a socket file in a private temporary directory it removes at shutdown) 
   no answer comes in time (the REQ socket is then replaced: a REQ socket that sent without receiving
   cannot send again). It asks the scheduler at most once per ``MIN_FETCH_INTERVAL_S``: every answer
   is a snapshot taken after its request arrived, but requests that arrive while one is being taken
-  share the next one, and a request arriving sooner after the last one waits for the interval. A
+  share the next one, and a request arriving sooner than the interval after the last answer waits. A
   client polling in a tight loop therefore costs the scheduler at most 20 snapshots a second: each
   takes the scheduler process's GIL from the scheduler thread, and unthrottled (about 240 a second)
   they doubled decode's inter-token latency p99 (docs/deployment.md#signals-and-faults).
@@ -105,20 +105,25 @@ class StatsClient:
         self._min_interval_s = min_interval_s
         self._lock = threading.Lock()
         self._socket: Optional[zmq.Socket] = None
-        self._last: Optional[tuple[float, dict]] = None  # (when the last snapshot was asked for, it)
+        # (when the last snapshot was asked for, when its answer arrived, it)
+        self._last: Optional[tuple[float, float, dict]] = None
 
     def fetch(self, timeout_s: float) -> dict:
         """A snapshot the scheduler took after this call began."""
         arrived = time.monotonic()
         with self._lock:
             if self._last is not None:
-                asked, stats = self._last
+                asked, answered, stats = self._last
                 if asked >= arrived:  # asked for while this call waited for the lock: fresh enough
                     return stats
-                time.sleep(max(0.0, asked + self._min_interval_s - time.monotonic()))
+                # Counted from the last answer, not the last request: the scheduler took that snapshot
+                # before its answer arrived, so the next one is at least the interval later however
+                # long the last request took to get there (counted from the request, a slow first
+                # delivery let two snapshots come 41 ms apart).
+                time.sleep(max(0.0, answered + self._min_interval_s - time.monotonic()))
             asked = time.monotonic()
             stats = self._ask(timeout_s)
-            self._last = (asked, stats)
+            self._last = (asked, time.monotonic(), stats)
             return stats
 
     def _ask(self, timeout_s: float) -> dict:
