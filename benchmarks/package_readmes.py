@@ -18,13 +18,19 @@ from pathlib import Path
 from sgl_kvevict.measure.chat import model_token_counter
 
 
+# Ours is installed too, and we wrote it.
+OWN_DISTRIBUTION = "sgl-kvevict"
+
+
 def readmes() -> list[tuple[str, str]]:
-    """``(package, README)`` of every installed distribution with a markdown long description, by name."""
+    """``(package, README)`` of every installed distribution but ours with a markdown long description, by name."""
     found = {}
     for distribution in importlib.metadata.distributions():
         metadata = distribution.read_text("METADATA") or ""
         message = email.parser.Parser().parsestr(metadata)
         body = message.get_payload()
+        if message["Name"].lower() == OWN_DISTRIBUTION:
+            continue
         if "markdown" in (message.get("Description-Content-Type") or "") and isinstance(body, str) and body.strip():
             found.setdefault(message["Name"].lower(), body.strip())
     return sorted(found.items())

@@ -18,7 +18,8 @@ import pytest
 
 from sgl_kvevict.evaluate import __main__ as evaluate
 from sgl_kvevict.evaluate.fidelity import Candidate, Cell, bucket_of, contains_reference, exact, recommend, token_f1
-from sgl_kvevict.evaluate.inputs import InputError, probes, read_documents, sentences
+from sgl_kvevict.evaluate.inputs import NEXT_SENTENCE_PREFIX, InputError, probes, read_documents, sentences
+from sgl_kvevict.evaluate.report import document_interval
 from sgl_kvevict.measure.servers import ServerError
 from sgl_kvevict.measure.tasks import filler_sentence
 
@@ -65,6 +66,34 @@ def test_a_threshold_recommendation_is_the_largest_threshold_and_families_compet
     assert recommend(thresholds + budgets, ["2K-4K"], 0.95, "both").chosen.label == "t-4.0"  # keeps 0.35 < 0.42
 
 
+def _answers(misses: dict[str, list[int]], per_document: int = 4) -> tuple[dict, dict]:
+    """Stock and a candidate answering ``per_document`` questions per form on each document; the
+    candidate differs from stock on the question indices ``misses[document]`` (both forms)."""
+    stock, candidate = [], []
+    for document, missed in misses.items():
+        for form in ("multi-request", "multi-turn"):
+            for index in range(per_document):
+                stock.append({"document": document, "form": form, "index": index, "text": f"answer {index}"})
+                candidate.append({"document": document, "form": form, "index": index, "text": "other" if index in missed else f"answer {index}"})
+    return {"answers": stock}, {"answers": candidate}
+
+
+def test_the_predictions_interval_draws_whole_documents():
+    names = {f"d{i}" for i in range(6)}
+    stock, same = _answers({d: [] for d in names})
+    assert document_interval(same, stock, names, "both") == (1.0, 1.0)
+    # Four misses in all (fidelity 20/24 either way): on one document the documents disagree, spread
+    # over four they barely do, so the interval is wider for the first.
+    stock, one = _answers({d: ([0, 1, 2, 3] if d == "d0" else []) for d in names})
+    stock, spread = _answers({d: ([0] if d in {"d0", "d1", "d2", "d3"} else []) for d in names})
+    low_one, high_one = document_interval(one, stock, names, "both")
+    low_spread, high_spread = document_interval(spread, stock, names, "both")
+    assert low_one <= 20 / 24 <= high_one and low_spread <= 20 / 24 <= high_spread
+    assert high_one - low_one > 1.5 * (high_spread - low_spread)
+    assert high_one == 1.0 and low_one <= 2 / 3 + 1e-9  # the bad document drawn 0 and 2+ times
+    assert document_interval(one, stock, {"elsewhere"}, "both") is None
+
+
 def test_probes_quote_the_documents_own_sentences(tmp_path):
     import random
 
@@ -77,6 +106,8 @@ def test_probes_quote_the_documents_own_sentences(tmp_path):
     for question in made:
         quoted = question.text.split('"')[1]
         assert quoted in text and any(s.startswith(quoted) or s == quoted for s in said)
+        # The reply starts for the model: the quoted head goes on, or the next sentence opens.
+        assert question.answer_prefix == (quoted if question.kind == "continue" else NEXT_SENTENCE_PREFIX)
     assert probes(text, 4, seed=1) == made and probes("Too short.", 3, seed=0) == ()
 
 

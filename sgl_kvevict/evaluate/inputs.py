@@ -10,7 +10,11 @@ from each document, or the bundled task set.
 A probe is a question any model can be checked on without a reference answer, because stock's own
 answer is the reference: ``continue`` quotes the first words of a sentence of the document and asks
 for the rest of it; ``next`` quotes a sentence and asks for the one after it. Probes are drawn from
-the sentences spread over the document (seeded), so both ends and the middle are asked about.
+the sentences spread over the document (seeded), so both ends and the middle are asked about. Each
+probe starts the reply for the model (``answer_prefix``: the quoted words, or an opening quote), so
+its first generated tokens come from the document: left to themselves small models echo the
+question first ("The sentence that starts ... is"), and a capped answer then compares mostly the
+echo, which reads the uncompressed question, not the document's kept cache.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from typing import Callable, Optional, Sequence
 
 DOCUMENT_SUFFIXES = (".txt", ".md")
 PROBE_KINDS = ("continue", "next")
+# How a ``next`` probe's reply starts: the sentence itself follows.
+NEXT_SENTENCE_PREFIX = 'The sentence after it is: "'
 # The bundled task set's document lengths, in model tokens, cycled (the default run: 6 documents of 2-5K).
 BUNDLED_LENGTHS = (2000, 3500, 5000)
 
@@ -141,10 +147,10 @@ def probes(text: str, count: int, seed: int, kinds: Sequence[str] = PROBE_KINDS)
             words = said[at].split()
             head = " ".join(words[: max(4, len(words) // 2)])
             made.append(Question(f'In the document above, how does the sentence that starts "{head}" go on? '
-                                 "Reply with the rest of that sentence only, word for word.", "continue"))  # fmt: skip
+                                 "Reply with that sentence, word for word.", "continue", answer_prefix=head))  # fmt: skip
         else:
             made.append(Question(f'In the document above, which sentence comes right after "{said[at]}"? '
-                                 "Reply with that sentence only, word for word.", "next"))  # fmt: skip
+                                 "Reply with that sentence only, word for word.", "next", answer_prefix=NEXT_SENTENCE_PREFIX))  # fmt: skip
     return tuple(made)
 
 

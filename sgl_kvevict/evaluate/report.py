@@ -4,6 +4,7 @@ against stock and against ``full``; the recommendation with its held-out check; 
 
 from __future__ import annotations
 
+import random
 import statistics
 from pathlib import Path
 from typing import Optional, Sequence
@@ -13,6 +14,9 @@ from sgl_kvevict.evaluate.run import speed
 from sgl_kvevict.measure.results import pyplot
 
 SPEED_FIELDS = ("output_tokens_per_second", "itl_mean", "itl_median", "ttft_median", "hit_rate")
+# The prediction's interval: documents drawn with replacement this many times, the central share kept.
+BOOTSTRAP_DRAWS = 2000
+INTERVAL_LEVEL = 0.9
 
 
 def _mean(values) -> Optional[float]:
@@ -46,6 +50,38 @@ def compare(server: dict, stock: dict, buckets: dict[str, str], documents: Optio
     return cells
 
 
+def _matches_by_document(server: dict, stock: dict, documents: set[str]) -> dict[str, dict[str, tuple[int, int]]]:
+    """Per document and form: (answers equal to stock's, answers compared)."""
+    reference = {(a["document"], a["form"], a["index"]): a for a in stock["answers"]}
+    counts = {d: {f: [0, 0] for f in FORMS} for d in documents}
+    for answer in server["answers"]:
+        key = (answer["document"], answer["form"], answer["index"])
+        if answer["document"] in counts and key in reference:
+            cell = counts[answer["document"]][answer["form"]]
+            cell[0] += exact(answer["text"], reference[key]["text"])
+            cell[1] += 1
+    return {d: {f: (c[0], c[1]) for f, c in forms.items()} for d, forms in counts.items()}
+
+
+def document_interval(server: dict, stock: dict, documents: set[str], form: str, seed: int = 0) -> Optional[tuple[float, float]]:
+    """The ``INTERVAL_LEVEL`` bootstrap interval of the fidelity ``form`` reads over ``documents``, drawing
+    whole documents (answers on one document are not independent: a document the model copies badly
+    fails most of its probes, so the documents, not the answers, are the sample)."""
+    counts = _matches_by_document(server, stock, documents)
+    names = sorted(d for d in counts if any(n for _, n in counts[d].values()))
+    if not names:
+        return None
+    forms = FORMS if form == "both" else (form,)
+    rng, values = random.Random(seed), []
+    for _ in range(BOOTSTRAP_DRAWS):
+        drawn = [counts[rng.choice(names)] for _ in names]
+        rates = [sum(d[f][0] for d in drawn) / n for f in forms if (n := sum(d[f][1] for d in drawn))]
+        values.append(min(rates))
+    values.sort()
+    tail = (1 - INTERVAL_LEVEL) / 2
+    return values[int(tail * (len(values) - 1))], values[int((1 - tail) * (len(values) - 1))]
+
+
 def analyse(servers: Sequence[dict], buckets: dict[str, str], holdout: set[str], min_fidelity: float, form: str) -> dict:
     """Fidelity tables (all documents, the calibration ones, the held-out ones), speed ratios, and the
     recommendation among the candidates (calibrated on the documents not held out)."""
@@ -63,21 +99,22 @@ def analyse(servers: Sequence[dict], buckets: dict[str, str], holdout: set[str],
     candidates = [_candidate(server, "fidelity_calibration" if holdout else "fidelity") for server in servers if server["role"] == "candidate"]
     calibration_buckets = {buckets[d] for d in calibration}
     recommendation = recommend(candidates, calibration_buckets, min_fidelity, form)
-    return {"recommendation": recommendation_json(recommendation, servers, holdout, form),
-            "held_out_by_server": held_out_by_server(servers, form) if holdout else None}
+    held_out = held_out_by_server(servers, stock, calibration, form) if holdout else None
+    return {"recommendation": recommendation_json(recommendation, servers, holdout, held_out, form), "held_out_by_server": held_out}
 
 
 def _reads(cell: dict, form: str) -> Optional[float]:
     return Cell({f: cell[f]["exact"] for f in FORMS}, {f: cell[f]["n"] for f in FORMS}, cell["kept_share"]).reads(form)
 
 
-def held_out_by_server(servers: Sequence[dict], form: str) -> dict:
-    """Per server, over all lengths: the fidelity the calibration documents predict and the one measured
-    on the held-out documents (the recommendation's check, for every candidate)."""
+def held_out_by_server(servers: Sequence[dict], stock: dict, calibration: set[str], form: str) -> dict:
+    """Per server, over all lengths: the fidelity the calibration documents predict, with its bootstrap
+    interval over those documents, and the one measured on the held-out documents (the
+    recommendation's check, for every candidate)."""
     rows = {}
     for server in servers[1:]:
         predicted, measured = _reads(server["fidelity_calibration"]["all"], form), _reads(server["fidelity_holdout"]["all"], form)
-        rows[server["label"]] = {"predicted": predicted, "measured": measured,
+        rows[server["label"]] = {"predicted": predicted, "interval": document_interval(server, stock, calibration, form), "measured": measured,
                                  "difference": None if predicted is None or measured is None else measured - predicted}  # fmt: skip
     return rows
 
@@ -94,7 +131,8 @@ def _candidate(server: dict, table: str) -> Candidate:
     return Candidate(server["label"], tuple(server["family"]), server["knob"], server["value"], tuple(server["recommend_flags"]), cells)
 
 
-def recommendation_json(recommendation: Recommendation, servers: Sequence[dict], holdout: set[str], form: str) -> dict:
+def recommendation_json(recommendation: Recommendation, servers: Sequence[dict], holdout: set[str], held_out: Optional[dict], form: str) -> dict:
+    """``held_out``: ``held_out_by_server``'s rows for the documents ``holdout`` (None: none held out)."""
     chosen = recommendation.chosen
     result = {
         "min_fidelity": recommendation.min_fidelity,
@@ -107,15 +145,16 @@ def recommendation_json(recommendation: Recommendation, servers: Sequence[dict],
         "per_bucket": {b: (c.label if c else None) for b, c in recommendation.per_bucket.items()},
         "held_out": None,
     }
-    if chosen is not None and holdout:
+    if chosen is not None and held_out:
         server = next(s for s in servers if s["label"] == chosen.label)
         measured = {b: _reads(c, form) for b, c in server["fidelity_holdout"].items()}
-        predicted_all = _reads(server["fidelity_calibration"]["all"], form)
+        row = held_out[chosen.label]
         result["held_out"] = {
             "documents": sorted(holdout),
             "measured": measured,
-            "predicted_all": predicted_all,
-            "difference_all": None if measured.get("all") is None or predicted_all is None else measured["all"] - predicted_all,
+            "predicted_all": row["predicted"],
+            "interval_all": row["interval"],
+            "difference_all": row["difference"],
         }
     return result
 
@@ -174,8 +213,10 @@ def recommendation_lines(result: dict, dense_flags: Sequence[str]) -> list[str]:
     held = rec["held_out"]
     if held:
         measured = ", ".join(f"{b} {_fmt(v)}" for b, v in held["measured"].items())
+        interval = held.get("interval_all")
+        interval = "" if interval is None else f" [{_fmt(interval[0])}, {_fmt(interval[1])}]"
         lines.append(f"- held out ({len(held['documents'])} documents): measured fidelity {measured}; predicted (all calibration "
-                     f"documents) {_fmt(held['predicted_all'])}, difference {_fmt(held['difference_all'])}")  # fmt: skip
+                     f"documents) {_fmt(held['predicted_all'])}{interval}, difference {_fmt(held['difference_all'])}")  # fmt: skip
     return lines
 
 
@@ -184,10 +225,12 @@ def held_out_rows(analysis: dict) -> list[str]:
     if not rows:
         return []
     form = analysis["recommendation"]["form"]
-    lines = [f"Held-out check, every server (fidelity read as the recommendation reads it: {form}; all lengths):", "",
-             "| server | predicted (calibration documents) | measured (held-out documents) | difference |", "|---|---|---|---|"]  # fmt: skip
+    lines = [f"Held-out check, every server (fidelity read as the recommendation reads it: {form}; all lengths; the interval: "
+             f"{INTERVAL_LEVEL:.0%} of {BOOTSTRAP_DRAWS} draws of the calibration documents with replacement):", "",
+             "| server | predicted (calibration documents) | interval | measured (held-out documents) | difference |", "|---|---|---|---|---|"]  # fmt: skip
     for label, row in rows.items():
-        lines.append(f"| {label} | {_fmt(row['predicted'])} | {_fmt(row['measured'])} | {_fmt(row['difference'])} |")
+        interval = "-" if row.get("interval") is None else f"[{_fmt(row['interval'][0])}, {_fmt(row['interval'][1])}]"
+        lines.append(f"| {label} | {_fmt(row['predicted'])} | {interval} | {_fmt(row['measured'])} | {_fmt(row['difference'])} |")
     return lines + [""]
 
 

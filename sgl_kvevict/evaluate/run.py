@@ -37,7 +37,7 @@ class Answer:
     form: str  # multi-request, multi-turn
     index: int  # the question's index in its document
     kind: str
-    text: str  # the answer prefix and what the server generated after it
+    text: str  # what the server generated after the answer prefix (what fidelity compares: the prefix is ours)
     correct: Optional[bool]  # against the reference, where one is given
     prompt_tokens: int
     cached_tokens: int
@@ -66,16 +66,15 @@ def itl_of(reply: StreamedReply) -> list[float]:
 
 
 def _answer(document: Document, form: str, index: int, question: Question, reply: StreamedReply) -> Answer:
-    text = question.answer_prefix + reply.text
     if document.checks:
         correct: Optional[bool] = document.checks[index](reply.text)
     elif question.reference is not None:
         from sgl_kvevict.evaluate.fidelity import contains_reference
 
-        correct = contains_reference(text, question.reference)
+        correct = contains_reference(question.answer_prefix + reply.text, question.reference)
     else:
         correct = None
-    return Answer(document.name, form, index, question.kind, text, correct, reply.prompt_tokens or 0, reply.cached_tokens or 0,
+    return Answer(document.name, form, index, question.kind, reply.text, correct, reply.prompt_tokens or 0, reply.cached_tokens or 0,
                   reply.completion_tokens or 0, reply.ttft or 0.0, reply.latency or 0.0, itl_of(reply))  # fmt: skip
 
 
