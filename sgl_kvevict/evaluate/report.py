@@ -27,7 +27,7 @@ def _mean(values) -> Optional[float]:
 def compare(server: dict, stock: dict, buckets: dict[str, str], documents: Optional[set[str]] = None) -> dict:
     """Per bucket (and ``all``): per form the exact-match and F1 fidelity to stock, accuracy, kept share;
     over the documents ``documents`` (None: all)."""
-    reference = {(a["document"], a["form"], a["index"]): a for a in stock["answers"]}
+    paired = _paired(server, stock)
     chosen = lambda name: documents is None or name in documents  # noqa: E731
     cells: dict[str, dict] = {}
     for bucket in sorted(set(buckets.values()), key=bucket_order) + ["all"]:
@@ -36,8 +36,7 @@ def compare(server: dict, stock: dict, buckets: dict[str, str], documents: Optio
             continue
         cell: dict = {"documents": len(names)}
         for form in FORMS:
-            pairs = [(a, reference[(a["document"], a["form"], a["index"])]) for a in server["answers"]
-                     if a["document"] in names and a["form"] == form and (a["document"], a["form"], a["index"]) in reference]  # fmt: skip
+            pairs = [(a, s) for a, s in paired if a["document"] in names and a["form"] == form]
             judged = [a["correct"] for a, _ in pairs if a["correct"] is not None]
             cell[form] = {
                 "n": len(pairs),
@@ -50,15 +49,19 @@ def compare(server: dict, stock: dict, buckets: dict[str, str], documents: Optio
     return cells
 
 
+def _paired(server: dict, stock: dict) -> list[tuple[dict, dict]]:
+    """(the server's answer, stock's to the same question) for every question both answered."""
+    reference = {(a["document"], a["form"], a["index"]): a for a in stock["answers"]}
+    return [(a, reference[key]) for a in server["answers"] if (key := (a["document"], a["form"], a["index"])) in reference]
+
+
 def _matches_by_document(server: dict, stock: dict, documents: set[str]) -> dict[str, dict[str, tuple[int, int]]]:
     """Per document and form: (answers equal to stock's, answers compared)."""
-    reference = {(a["document"], a["form"], a["index"]): a for a in stock["answers"]}
     counts = {d: {f: [0, 0] for f in FORMS} for d in documents}
-    for answer in server["answers"]:
-        key = (answer["document"], answer["form"], answer["index"])
-        if answer["document"] in counts and key in reference:
+    for answer, stocks in _paired(server, stock):
+        if answer["document"] in counts:
             cell = counts[answer["document"]][answer["form"]]
-            cell[0] += exact(answer["text"], reference[key]["text"])
+            cell[0] += exact(answer["text"], stocks["text"])
             cell[1] += 1
     return {d: {f: (c[0], c[1]) for f, c in forms.items()} for d, forms in counts.items()}
 
