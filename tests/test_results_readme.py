@@ -23,11 +23,14 @@ def test_rewrite_replaces_only_the_marked_part(tmp_path):
     for name in ("engine_overhead", "multiturn", "soak"):
         assert json.loads((RESULTS / f"{name}.json").read_text())["meta"]["command"] in text
     assert "![multi-turn benchmark](results/multiturn.png)" in text  # relative to docs/, where results.md lives
-    # The one-stream run serves full, so its table splits each ratio; the older multi-turn runs predate
-    # the full server, and their tables say so instead of a ratio.
+    # The one-stream run serves full, so its table splits each ratio; a multi-turn run that predates
+    # the full server says so instead of a ratio, and one that served it does not.
     assert "| topk:learned@0.25 / vanilla | topk:learned@0.25 / full | full / vanilla |" in text
-    assert text.count("`full` (the plugin's path with nothing evicted) is not in this run") >= 3
-    assert "| 1.00 (12353) | lava:learned@0.25 | 11.66 | 0.49 | 0.75 | 12/24 (50 [31, 69]) | 2.24 | 0.12 | 0.99 | full: not in this run |" in text
+    predating = [name for name in ("multiturn", "sweep", "block_scope")
+                 if not any(run["variant"]["policy"] == "full" for run in json.loads((RESULTS / f"{name}.json").read_text())["runs"])]  # fmt: skip
+    assert "multiturn" not in predating and "| full / vanilla | large |" in text
+    assert text.count("`full` (the plugin's path with nothing evicted) is not in this run") == len(predating)
+    assert ("full: not in this run |" in text) == ("sweep" in predating or "block_scope" in predating)
     # SGLang's client and the decode step: runs with full and keep-99, so the three ratios are shown.
     client = json.loads((RESULTS / "sglang_client.json").read_text())
     assert [row["comparison"] for row in client["ratios"]] == [
