@@ -314,9 +314,10 @@ class KVEvictTorchBackend(SegmentAttentionBackend, TorchNativeAttnBackend):
             return out.squeeze(1).to(queries.dtype)
         parts, first = [], 0
         for index, request in enumerate(requests):
-            rows_of, last = keys.query_rows[first : first + request.num_queries], first + request.num_queries
+            # A request's query rows are contiguous: a view of them, not a gather.
+            last = first + request.num_queries
             out, _ = dense_attention(
-                queries.index_select(0, rows_of).unsqueeze(0), k[index : index + 1], v[index : index + 1],
+                queries[request.q_start : request.q_end].unsqueeze(0), k[index : index + 1], v[index : index + 1],
                 keys.query_positions[first:last].unsqueeze(0), keys.positions[index : index + 1], layer.scaling, window_left,
             )  # fmt: skip
             parts.append(out[0])
