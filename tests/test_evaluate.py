@@ -17,7 +17,19 @@ import psutil
 import pytest
 
 from sgl_kvevict.evaluate import __main__ as evaluate
-from sgl_kvevict.evaluate.fidelity import Candidate, Cell, bucket_of, contains_reference, exact, recommend, token_f1
+from sgl_kvevict.evaluate.fidelity import (
+    Candidate,
+    Cell,
+    answers_needed,
+    bucket_of,
+    contains_reference,
+    exact,
+    expected_fidelity,
+    group_label,
+    length_groups,
+    recommend,
+    token_f1,
+)
 from sgl_kvevict.evaluate.inputs import NEXT_SENTENCE_PREFIX, InputError, probes, read_documents, sentences
 from sgl_kvevict.evaluate.report import document_interval
 from sgl_kvevict.measure.servers import ServerError
@@ -39,30 +51,64 @@ def test_length_buckets_are_powers_of_two_in_k_tokens():
 
 
 def _candidate(label, value, cells, knob="budget", family=("topk",)):
+    """``cells``: per bucket (multi-request matches, multi-turn matches, answers per form, kept share)."""
     return Candidate(label, family, knob, value, (f"--{knob}", str(value)),
-                     {b: Cell({"multi-request": mr, "multi-turn": mt}, {}, share) for b, (mr, mt, share) in cells.items()})  # fmt: skip
+                     {b: Cell({"multi-request": mr, "multi-turn": mt}, {"multi-request": n, "multi-turn": n}, share, 4)
+                      for b, (mr, mt, n, share) in cells.items()})  # fmt: skip
+
+
+def test_the_expected_fidelity_is_laplaces_rule_and_sets_the_answers_a_target_needs():
+    assert expected_fidelity(24, 24) == pytest.approx(25 / 26) and expected_fidelity(0, 0) == 0.5
+    assert answers_needed(0.95) == 18 and answers_needed(0.99) == 98 and answers_needed(0.5) == 0
+    assert expected_fidelity(18, 18) >= 0.95 > expected_fidelity(17, 17)
+    assert answers_needed(1.0) == float("inf")
+    cell = Cell({"multi-request": 9, "multi-turn": 10}, {"multi-request": 10, "multi-turn": 10}, 0.5)
+    assert cell.measured("both") == 0.9 and cell.measured("multi-turn") == 1.0
+    assert cell.reads("both") == pytest.approx(10 / 12) and cell.reads("multi-turn") == pytest.approx(11 / 12)
+
+
+def test_small_length_buckets_join_their_neighbours_until_they_can_show_the_target():
+    assert length_groups({"1K-2K": 3, "2K-4K": 9, "4K-8K": 6}, 18) == [("1K-2K", "2K-4K", "4K-8K")]
+    assert length_groups({"4K-8K": 20, "2K-4K": 30, "1K-2K": 3}, 18) == [("1K-2K", "2K-4K"), ("4K-8K",)]
+    assert length_groups({"2K-4K": 30, "4K-8K": 5}, 18) == [("2K-4K", "4K-8K")]  # a short remainder joins the last group
+    assert [group_label(g) for g in (("2K-4K",), ("1K-2K", "2K-4K", "4K-8K"), ("<1K", "1K-2K"))] == ["2K-4K", "1K-8K", "<2K"]
+    merged = Cell.merged([Cell({"multi-request": 3, "multi-turn": 2}, {"multi-request": 3, "multi-turn": 3}, 0.4, 1),
+                          Cell({"multi-request": 6, "multi-turn": 6}, {"multi-request": 6, "multi-turn": 6}, 0.7, 2)])  # fmt: skip
+    assert merged.matches == {"multi-request": 9, "multi-turn": 8} and merged.n == {"multi-request": 9, "multi-turn": 9}
+    assert merged.kept_share == pytest.approx(0.6) and merged.documents == 3
 
 
 def test_the_recommendation_is_the_smallest_budget_meeting_the_target_at_every_length():
     candidates = [
-        _candidate("0.25", 0.25, {"2K-4K": (1.0, 0.9, 0.3), "4K-8K": (0.8, 0.7, 0.3)}),
-        _candidate("0.4", 0.4, {"2K-4K": (1.0, 1.0, 0.45), "4K-8K": (0.9, 0.96, 0.45)}),
-        _candidate("0.6", 0.6, {"2K-4K": (1.0, 0.95, 0.65), "4K-8K": (1.0, 0.95, 0.65)}),
+        _candidate("0.25", 0.25, {"2K-4K": (40, 36, 40, 0.3), "4K-8K": (32, 28, 40, 0.3)}),
+        _candidate("0.4", 0.4, {"2K-4K": (40, 40, 40, 0.45), "4K-8K": (36, 40, 40, 0.45)}),
+        _candidate("0.6", 0.6, {"2K-4K": (40, 39, 40, 0.65), "4K-8K": (40, 39, 40, 0.65)}),
     ]
     both = recommend(candidates, ["4K-8K", "2K-4K"], 0.95, "both")
-    assert both.chosen.label == "0.6" and both.predicted == {"2K-4K": 0.95, "4K-8K": 0.95}
+    assert both.chosen.label == "0.6" and both.predicted == {"2K-4K": pytest.approx(40 / 42), "4K-8K": pytest.approx(40 / 42)}
     assert {b: c.label for b, c in both.per_bucket.items()} == {"2K-4K": "0.4", "4K-8K": "0.6"}
-    assert recommend(candidates, ["2K-4K", "4K-8K"], 0.95, "multi-turn").chosen.label == "0.4"  # 0.96 at 4K
-    assert recommend(candidates, ["2K-4K"], 0.9, "both").chosen.label == "0.25"
+    assert recommend(candidates, ["2K-4K", "4K-8K"], 0.95, "multi-turn").chosen.label == "0.4"
+    assert recommend(candidates, ["2K-4K"], 0.85, "both").chosen.label == "0.25"
     nothing = recommend(candidates, ["2K-4K", "4K-8K"], 0.99, "both")
     assert nothing.chosen is None and nothing.flag_lines(["--kv-evict-policy", "none"]) == ["--kv-evict-policy none"]
 
 
+def test_a_perfect_score_on_few_answers_recommends_nothing_and_a_lone_bucket_is_judged_with_its_neighbours():
+    # Three probes on the one 1K-2K document, all equal to stock's, do not make 0.25 safe there.
+    candidates = [_candidate("0.25", 0.25, {"1K-2K": (3, 3, 3, 0.4), "2K-4K": (30, 28, 30, 0.3)}),
+                  _candidate("0.6", 0.6, {"1K-2K": (3, 3, 3, 0.7), "2K-4K": (30, 30, 30, 0.6)})]  # fmt: skip
+    rec = recommend(candidates, ["1K-2K", "2K-4K"], 0.95, "both")
+    assert list(rec.per_bucket) == ["1K-4K"] and rec.chosen.label == "0.6" and rec.needed == 18
+    assert rec.predicted == {"1K-4K": pytest.approx(34 / 35)} and rec.kept_share == {"1K-4K": pytest.approx(0.65)}
+    few = [_candidate("0.25", 0.25, {"2K-4K": (12, 12, 12, 0.3)})]
+    assert recommend(few, ["2K-4K"], 0.95, "both").chosen is None  # 13/14 < 0.95: twelve answers cannot show it
+
+
 def test_a_threshold_recommendation_is_the_largest_threshold_and_families_compete_on_kept_share():
-    thresholds = [_candidate(f"t{t}", t, {"2K-4K": (f, f, s)}, knob="threshold", family=("kvzap",))
-                  for t, f, s in ((-3.0, 0.8, 0.2), (-4.0, 0.97, 0.35), (-5.0, 1.0, 0.5))]  # fmt: skip
+    thresholds = [_candidate(f"t{t}", t, {"2K-4K": (m, m, 40, s)}, knob="threshold", family=("kvzap",))
+                  for t, m, s in ((-3.0, 32, 0.2), (-4.0, 40, 0.35), (-5.0, 40, 0.5))]  # fmt: skip
     assert recommend(thresholds, ["2K-4K"], 0.95, "both").chosen.label == "t-4.0"
-    budgets = [_candidate("b0.4", 0.4, {"2K-4K": (1.0, 1.0, 0.42)})]
+    budgets = [_candidate("b0.4", 0.4, {"2K-4K": (40, 40, 40, 0.42)})]
     assert recommend(thresholds + budgets, ["2K-4K"], 0.95, "both").chosen.label == "t-4.0"  # keeps 0.35 < 0.42
 
 

@@ -3,8 +3,10 @@
 Answers are compared after SQuAD's normalisation (lower case, punctuation and the articles a/an/the
 dropped, whitespace collapsed): **exact** when the normalised texts are equal, **F1** over their
 tokens. Fidelity to stock is the share of questions a candidate answers exactly as stock did (the
-same right or wrong answer), in each question form; the recommendation reads the lower of the two
-forms (``--fidelity-form`` picks one).
+same right or wrong answer), in each question form. The recommendation reads, per form, the fidelity a
+further answer is expected to have, ``(matches + 1) / (answers + 2)`` (Laplace's rule of succession:
+24 of 24 answers equal to stock's predict 0.96, not 1.00, so a small calibration set cannot promise a
+perfect score), and the lower of the two forms (``--fidelity-form`` picks one).
 """
 
 from __future__ import annotations
@@ -66,20 +68,79 @@ def bucket_order(bucket: str) -> float:
 # ---- the recommendation ----------------------------------------------------------------------------
 
 
+def expected_fidelity(matches: int, answers: int) -> float:
+    """The fidelity a further answer is expected to have after ``matches`` of ``answers`` equal stock's:
+    the mean of the uniform prior's posterior (Laplace's rule of succession)."""
+    return (matches + 1) / (answers + 2)
+
+
+def answers_needed(min_fidelity: float) -> float:
+    """The fewest answers per form whose expected fidelity can reach ``min_fidelity`` (all equal to
+    stock's): 18 for 0.95, 98 for 0.99; infinite for 1.0, which no finite sample promises."""
+    return max(0, math.ceil((2 * min_fidelity - 1) / (1 - min_fidelity) - 1e-9)) if min_fidelity < 1 else math.inf
+
+
 @dataclass(frozen=True)
 class Cell:
-    """One candidate at one length bucket: fidelity (exact, per form) over ``n`` questions per form, and
-    the mean kept share of its documents (None where the server reports no slots: stock)."""
+    """One candidate at one length bucket: per form the answers equal to stock's (``matches``) of ``n``
+    compared, over ``documents`` documents, and their mean kept share (None where the server reports no
+    slots: stock)."""
 
-    fidelity: dict[str, Optional[float]]
+    matches: dict[str, int]
     n: dict[str, int]
     kept_share: Optional[float]
+    documents: int = 1
+
+    def _forms(self, form: str) -> list[str]:
+        return [f for f in (FORMS if form == "both" else (form,)) if self.n.get(f)]
 
     def reads(self, form: str) -> Optional[float]:
-        """The fidelity the recommendation reads: ``form``, or with ``both`` the lower of the two."""
-        values = [self.fidelity.get(f) for f in (FORMS if form == "both" else (form,))]
-        values = [v for v in values if v is not None]
+        """The expected fidelity the recommendation reads: ``form``'s, or with ``both`` the lower one."""
+        values = [expected_fidelity(self.matches[f], self.n[f]) for f in self._forms(form)]
         return min(values) if values else None
+
+    def measured(self, form: str) -> Optional[float]:
+        """The share of answers equal to stock's: ``form``'s, or with ``both`` the lower one."""
+        values = [self.matches[f] / self.n[f] for f in self._forms(form)]
+        return min(values) if values else None
+
+    def answers(self) -> int:
+        """The answers of the form with fewer (what limits how high ``reads`` can go)."""
+        return min((self.n.get(f, 0) for f in FORMS), default=0)
+
+    @staticmethod
+    def merged(cells: Sequence["Cell"]) -> "Cell":
+        """The cells of several buckets as one (kept share weighted by documents)."""
+        shares = [(c.kept_share, c.documents) for c in cells if c.kept_share is not None]
+        weight = sum(d for _, d in shares)
+        return Cell({f: sum(c.matches.get(f, 0) for c in cells) for f in FORMS}, {f: sum(c.n.get(f, 0) for c in cells) for f in FORMS},
+                    sum(s * d for s, d in shares) / weight if weight else None, sum(c.documents for c in cells))  # fmt: skip
+
+
+def length_groups(answers: dict[str, int], needed: float) -> list[tuple[str, ...]]:
+    """Adjacent length buckets joined, shortest first, until each group has ``needed`` answers
+    (``answers``: per bucket); a short remainder joins the last group. A bucket of one document
+    cannot show 0.95 with three probes: it is judged with its neighbours, not on its own."""
+    groups: list[list[str]] = []
+    current: list[str] = []
+    for bucket in sorted(answers, key=bucket_order):
+        current.append(bucket)
+        if sum(answers[b] for b in current) >= needed:
+            groups.append(current)
+            current = []
+    if current and groups:
+        groups[-1].extend(current)
+    elif current:
+        groups.append(current)
+    return [tuple(group) for group in groups]
+
+
+def group_label(group: Sequence[str]) -> str:
+    """``2K-4K`` + ``4K-8K`` -> ``2K-8K``; ``<1K`` + ``1K-2K`` -> ``<2K``."""
+    if len(group) == 1:
+        return group[0]
+    high = group[-1].split("-")[-1]
+    return f"<{high}" if group[0] == "<1K" else f"{group[0].split('-')[0]}-{high}"
 
 
 @dataclass(frozen=True)
@@ -97,8 +158,9 @@ class Candidate:
 
 @dataclass(frozen=True)
 class Recommendation:
-    """The chosen candidate (None: no candidate meets the target at every bucket), per bucket the most
-    evicting candidate that meets it there, and the fidelity predicted per bucket."""
+    """The chosen candidate (None: no candidate meets the target in every length group), per length
+    group the most evicting candidate that meets it there, and the expected fidelity and kept share per
+    group. ``needed``: the answers per form a group must have to show the target at all."""
 
     chosen: Optional[Candidate]
     per_bucket: dict[str, Optional[Candidate]]
@@ -106,6 +168,7 @@ class Recommendation:
     kept_share: dict[str, Optional[float]]
     min_fidelity: float
     form: str
+    needed: float = 0
 
     def flag_lines(self, dense_flags: Sequence[str]) -> list[str]:
         """What to start the server with; dense (no eviction) when nothing met the target."""
@@ -120,29 +183,35 @@ def _evicts_more(candidate: Candidate) -> float:
 
 
 def recommend(candidates: Sequence[Candidate], buckets: Iterable[str], min_fidelity: float, form: str) -> Recommendation:
-    """Per family, the most evicting candidate whose fidelity meets ``min_fidelity`` at every bucket;
-    across families, the one keeping the least (mean kept share over buckets, then the family order).
-    Per bucket, the most evicting candidate meeting the target there (what a length-aware deployment
-    could use)."""
+    """Per family, the most evicting candidate whose expected fidelity meets ``min_fidelity`` in every
+    length group (buckets joined until each holds ``answers_needed`` answers per form); across families,
+    the one keeping the least (mean kept share over groups, then the family order). Per group, the most
+    evicting candidate meeting the target there (what a length-aware deployment could use)."""
     buckets = sorted(buckets, key=bucket_order)
+    needed = answers_needed(min_fidelity)
+    answers = {b: max((c.cells[b].answers() for c in candidates if b in c.cells), default=0) for b in buckets}
+    groups = length_groups(answers, needed)
 
-    def meets(candidate: Candidate, bucket: str) -> bool:
-        cell = candidate.cells.get(bucket)
-        value = None if cell is None else cell.reads(form)
+    def cell(candidate: Candidate, group: tuple[str, ...]) -> Optional[Cell]:
+        parts = [candidate.cells[b] for b in group if b in candidate.cells]
+        return Cell.merged(parts) if parts else None
+
+    def meets(candidate: Candidate, group: tuple[str, ...]) -> bool:
+        value = None if (merged := cell(candidate, group)) is None else merged.reads(form)
         return value is not None and value >= min_fidelity
 
     ordered = sorted(candidates, key=_evicts_more)
-    per_bucket = {bucket: next((c for c in ordered if meets(c, bucket)), None) for bucket in buckets}
+    per_bucket = {group_label(g): next((c for c in ordered if meets(c, g)), None) for g in groups}
     families: dict[tuple[str, ...], Candidate] = {}
     for candidate in ordered:
-        if candidate.family not in families and all(meets(candidate, b) for b in buckets):
+        if candidate.family not in families and all(meets(candidate, g) for g in groups):
             families[candidate.family] = candidate
 
     def kept(candidate: Candidate) -> float:
-        shares = [candidate.cells[b].kept_share for b in buckets if candidate.cells[b].kept_share is not None]
+        shares = [share for g in groups if (share := cell(candidate, g).kept_share) is not None]
         return sum(shares) / len(shares) if shares else 1.0
 
     chosen = min(families.values(), key=kept) if families else None
-    predicted = {b: (chosen.cells[b].reads(form) if chosen else None) for b in buckets}
-    shares = {b: (chosen.cells[b].kept_share if chosen else None) for b in buckets}
-    return Recommendation(chosen, per_bucket, predicted, shares, min_fidelity, form)
+    predicted = {group_label(g): (cell(chosen, g).reads(form) if chosen else None) for g in groups}
+    shares = {group_label(g): (cell(chosen, g).kept_share if chosen else None) for g in groups}
+    return Recommendation(chosen, per_bucket, predicted, shares, min_fidelity, form, needed)

@@ -38,9 +38,11 @@ def compare(server: dict, stock: dict, buckets: dict[str, str], documents: Optio
         for form in FORMS:
             pairs = [(a, s) for a, s in paired if a["document"] in names and a["form"] == form]
             judged = [a["correct"] for a, _ in pairs if a["correct"] is not None]
+            matches = [exact(a["text"], s["text"]) for a, s in pairs]
             cell[form] = {
                 "n": len(pairs),
-                "exact": _mean(float(exact(a["text"], s["text"])) for a, s in pairs),
+                "matches": sum(matches),
+                "exact": _mean(map(float, matches)),
                 "f1": _mean(token_f1(a["text"], s["text"]) for a, s in pairs),
                 "accuracy": _mean(map(float, judged)),
             }
@@ -106,18 +108,22 @@ def analyse(servers: Sequence[dict], buckets: dict[str, str], holdout: set[str],
     return {"recommendation": recommendation_json(recommendation, servers, holdout, held_out, form), "held_out_by_server": held_out}
 
 
-def _reads(cell: dict, form: str) -> Optional[float]:
-    return Cell({f: cell[f]["exact"] for f in FORMS}, {f: cell[f]["n"] for f in FORMS}, cell["kept_share"]).reads(form)
+def _cell(cell: dict) -> Cell:
+    """``compare``'s cell as the recommendation reads it."""
+    return Cell({f: cell[f]["matches"] for f in FORMS}, {f: cell[f]["n"] for f in FORMS}, cell["kept_share"], cell["documents"])
 
 
 def held_out_by_server(servers: Sequence[dict], stock: dict, calibration: set[str], form: str) -> dict:
-    """Per server, over all lengths: the fidelity the calibration documents predict, with its bootstrap
-    interval over those documents, and the one measured on the held-out documents (the
-    recommendation's check, for every candidate)."""
+    """Per server, over all lengths: the fidelity the calibration documents predict (the expected
+    fidelity the recommendation reads), the bootstrap interval of the fidelity measured on those
+    documents, and the fidelity measured on the held-out documents (the recommendation's check, for
+    every candidate)."""
     rows = {}
     for server in servers[1:]:
-        predicted, measured = _reads(server["fidelity_calibration"]["all"], form), _reads(server["fidelity_holdout"]["all"], form)
-        rows[server["label"]] = {"predicted": predicted, "interval": document_interval(server, stock, calibration, form), "measured": measured,
+        calibrated = _cell(server["fidelity_calibration"]["all"])
+        predicted, measured = calibrated.reads(form), _cell(server["fidelity_holdout"]["all"]).measured(form)
+        rows[server["label"]] = {"predicted": predicted, "calibration": calibrated.measured(form), "measured": measured,
+                                 "interval": document_interval(server, stock, calibration, form),
                                  "difference": None if predicted is None or measured is None else measured - predicted}  # fmt: skip
     return rows
 
@@ -127,10 +133,7 @@ def _ratios(mine: dict, base: dict) -> dict:
 
 
 def _candidate(server: dict, table: str) -> Candidate:
-    cells = {
-        bucket: Cell({f: cell[f]["exact"] for f in FORMS}, {f: cell[f]["n"] for f in FORMS}, cell["kept_share"])
-        for bucket, cell in (server[table] or {}).items() if bucket != "all"
-    }  # fmt: skip
+    cells = {bucket: _cell(cell) for bucket, cell in (server[table] or {}).items() if bucket != "all"}
     return Candidate(server["label"], tuple(server["family"]), server["knob"], server["value"], tuple(server["recommend_flags"]), cells)
 
 
@@ -146,16 +149,18 @@ def recommendation_json(recommendation: Recommendation, servers: Sequence[dict],
         "predicted": recommendation.predicted,
         "kept_share": recommendation.kept_share,
         "per_bucket": {b: (c.label if c else None) for b, c in recommendation.per_bucket.items()},
+        "answers_needed": recommendation.needed if recommendation.needed != float("inf") else None,
         "held_out": None,
     }
     if chosen is not None and held_out:
         server = next(s for s in servers if s["label"] == chosen.label)
-        measured = {b: _reads(c, form) for b, c in server["fidelity_holdout"].items()}
+        measured = {b: _cell(c).measured(form) for b, c in server["fidelity_holdout"].items()}
         row = held_out[chosen.label]
         result["held_out"] = {
             "documents": sorted(holdout),
             "measured": measured,
             "predicted_all": row["predicted"],
+            "calibration_all": row["calibration"],
             "interval_all": row["interval"],
             "difference_all": row["difference"],
         }
@@ -202,9 +207,12 @@ def speed_rows(servers: Sequence[dict]) -> list[str]:
 
 def recommendation_lines(result: dict, dense_flags: Sequence[str]) -> list[str]:
     rec = result["recommendation"]
-    lines = []
+    needed = rec.get("answers_needed")
+    lines = [f"Expected fidelity = (answers equal to stock's + 1) / (answers + 2) per form, the lower form read ({rec['form']}); "
+             + (f"length buckets joined until each has {needed} answers per form, the fewest whose expected fidelity can reach "
+                f"{rec['min_fidelity']:g}." if needed is not None else f"no finite sample can show {rec['min_fidelity']:g}."), ""]  # fmt: skip
     for bucket, label in rec["per_bucket"].items():
-        lines.append(f"- {bucket}: the most evicting candidate with fidelity >= {rec['min_fidelity']:g} ({rec['form']}): {label or 'none'}")
+        lines.append(f"- {bucket}: the most evicting candidate with expected fidelity >= {rec['min_fidelity']:g}: {label or 'none'}")
     if rec["chosen"] is None:
         lines.append(f"- no candidate meets fidelity >= {rec['min_fidelity']:g} at every length: serve dense (`{' '.join(dense_flags)}`), "
                      "or try larger budgets / lower thresholds, or a lower --min-fidelity")  # fmt: skip
@@ -219,7 +227,8 @@ def recommendation_lines(result: dict, dense_flags: Sequence[str]) -> list[str]:
         interval = held.get("interval_all")
         interval = "" if interval is None else f" [{_fmt(interval[0])}, {_fmt(interval[1])}]"
         lines.append(f"- held out ({len(held['documents'])} documents): measured fidelity {measured}; predicted (all calibration "
-                     f"documents) {_fmt(held['predicted_all'])}{interval}, difference {_fmt(held['difference_all'])}")  # fmt: skip
+                     f"documents) {_fmt(held['predicted_all'])}, measured there {_fmt(held.get('calibration_all'))}{interval}, "
+                     f"difference {_fmt(held['difference_all'])}")  # fmt: skip
     return lines
 
 
@@ -228,12 +237,15 @@ def held_out_rows(analysis: dict) -> list[str]:
     if not rows:
         return []
     form = analysis["recommendation"]["form"]
-    lines = [f"Held-out check, every server (fidelity read as the recommendation reads it: {form}; all lengths; the interval: "
-             f"{INTERVAL_LEVEL:.0%} of {BOOTSTRAP_DRAWS} draws of the calibration documents with replacement):", "",
-             "| server | predicted (calibration documents) | interval | measured (held-out documents) | difference |", "|---|---|---|---|---|"]  # fmt: skip
+    lines = [f"Held-out check, every server (read as the recommendation reads it: {form}; all lengths; predicted: the expected "
+             "fidelity of the calibration documents' answers; measured: the share equal to stock's; the interval: the measured share's "
+             f"{INTERVAL_LEVEL:.0%} over {BOOTSTRAP_DRAWS} draws of the calibration documents with replacement):", "",
+             "| server | predicted (calibration documents) | measured there | interval | measured (held-out documents) | difference |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
     for label, row in rows.items():
         interval = "-" if row.get("interval") is None else f"[{_fmt(row['interval'][0])}, {_fmt(row['interval'][1])}]"
-        lines.append(f"| {label} | {_fmt(row['predicted'])} | {interval} | {_fmt(row['measured'])} | {_fmt(row['difference'])} |")
+        lines.append(f"| {label} | {_fmt(row['predicted'])} | {_fmt(row.get('calibration'))} | {interval} | {_fmt(row['measured'])} "
+                     f"| {_fmt(row['difference'])} |")  # fmt: skip
     return lines + [""]
 
 
