@@ -287,9 +287,21 @@ def test_an_evaluation_through_the_tiny_server_both_forms_scopes_and_a_threshold
     assert (tmp_path / "out" / "evaluate.png").stat().st_size > 0 and "Held-out check" in (tmp_path / "out" / "evaluate.md").read_text()
     assert psutil.Process().children(recursive=True) == []
 
+    assert all(s["measured_on"]["git_commit"] == payload["environment"]["git_commit"] for s in payload["servers"])
+    assert "Measured on" not in (tmp_path / "out" / "evaluate.md").read_text()
+
+    # A resumed report analyses the kept servers with today's code and says on which commit they ran
+    # (a record without its own stamp, as older runs wrote, takes its file's).
+    payload["environment"]["git_commit"] = "0ld0ld0"
+    for server in payload["servers"]:
+        server.pop("measured_on")
+    (tmp_path / "out" / "evaluate.json").write_text(json.dumps(payload))
     again = run_command(*argv, "--resume")
     assert again.returncode == 0 and "serving on" not in again.stdout and again.stdout.count("kept from") == 4
     assert again.stdout.strip().splitlines()[-1] == out[-1]
+    resumed = json.loads((tmp_path / "out" / "evaluate.json").read_text())
+    assert {s["measured_on"]["git_commit"] for s in resumed["servers"]} == {"0ld0ld0"}
+    assert "Measured on: stock, full block, topk:learned@0.3 block, threshold: sgl-kvevict 0ld0ld0" in (tmp_path / "out" / "evaluate.md").read_text()
     other = run_command(*[a if a != "6" else "7" for a in argv], "--resume")
     assert other.returncode == 2 and "another configuration" in other.stderr
 
@@ -319,3 +331,50 @@ def test_ctrl_c_stops_the_server_it_started(tiny_llama_dir, tmp_path):
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_an_answer_the_model_ends_at_once_is_an_empty_answer_not_a_failure():
+    """SGLang's stream for a reply whose first token is the end of turn: a role chunk, a finish chunk,
+    the usage chunk and [DONE], no content (seen on a probe whose given start ended the sentence)."""
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    from sgl_kvevict.evaluate.run import speed
+    from sgl_kvevict.measure.client import CHAT_PATH, ask
+    from sgl_kvevict.measure.servers import ServerError
+
+    async def empty_reply(request):
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        chunks = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
+                  {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+                  {"choices": [], "usage": {"prompt_tokens": 40, "completion_tokens": 0, "prompt_tokens_details": {"cached_tokens": 32}}}]  # fmt: skip
+        for chunk in chunks:
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    async def scenario():
+        app = web.Application()
+        app.router.add_post(CHAT_PATH, empty_reply)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        base_url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        messages = [{"role": "user", "content": "Continue."}, {"role": "assistant", "content": 'It says: "'}]
+        try:
+            async with aiohttp.ClientSession() as session:
+                with pytest.raises(ServerError, match="no token streamed"):
+                    await ask(session, base_url, messages, 8)
+                return await ask(session, base_url, messages, 8, empty_ok=True)
+        finally:
+            await runner.cleanup()
+
+    reply = asyncio.run(scenario())
+    assert reply.text == "" and reply.ttft is None and reply.completion_tokens == 0 and reply.problems == []
+    answers = [{"itl": [0.1, 0.1], "prompt_tokens": 40, "cached_tokens": 32, "ttft": 2.0},
+               {"itl": [], "prompt_tokens": 40, "cached_tokens": 32, "ttft": None}]  # fmt: skip
+    assert speed(answers)["ttft_median"] == 2.0 and speed(answers)["hit_rate"] == 0.8

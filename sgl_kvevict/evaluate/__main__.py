@@ -321,7 +321,13 @@ def measure(server: Server, args: argparse.Namespace, documents: list, pool: int
         with launched_server(args.model, server.variant, pool, log_dir, extra=extra, startup_timeout=args.startup_timeout) as running:
             log(f"  serving on {running.base_url} ({time.perf_counter() - started:.0f} s to start)")
             result = records(running.base_url)
-    return server.as_json() | result | {"seconds": time.perf_counter() - started}
+    return server.as_json() | result | {"seconds": time.perf_counter() - started, "measured_on": measured_on(environment())}
+
+
+def measured_on(env: dict) -> dict:
+    """What a server's answers were measured with, kept with them: a ``--resume`` may analyse them with
+    later code, and its page then says on which commit each server ran."""
+    return {key: env.get(key) for key in ("git_commit", "git_worktree_dirty", "date")}
 
 
 def configuration(args: argparse.Namespace, documents: list, pool: int, servers: Sequence[Server]) -> dict:
@@ -339,7 +345,7 @@ def resumed(path: Path, config: dict) -> dict[str, dict]:
     theirs = {k: v for k, v in previous["meta"]["config"].items() if k != "servers"}
     if mine != theirs:
         raise EvaluateError(f"--resume: {path} is of another configuration (model, documents, pool or answer caps differ)")
-    return {server["label"]: server for server in previous["servers"]}
+    return {server["label"]: server | {"measured_on": server.get("measured_on") or measured_on(previous["environment"])} for server in previous["servers"]}
 
 
 def progress(message: str) -> None:

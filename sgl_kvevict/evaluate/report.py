@@ -249,6 +249,22 @@ def held_out_rows(analysis: dict) -> list[str]:
     return lines + [""]
 
 
+def measured_lines(servers: Sequence[dict], env: dict) -> list[str]:
+    """A line naming the commit each server ran on, where any differs from the report's (``--resume``)."""
+    def code(on: dict) -> str:
+        return f"{on['git_commit']}{' (uncommitted changes)' if on.get('git_worktree_dirty') else ''}"
+
+    here = code(env)
+    runs: dict[str, list[dict]] = {}
+    for server in servers:
+        runs.setdefault(code(server["measured_on"]) if server.get("measured_on") else here, []).append(server)
+    if set(runs) == {here}:
+        return []
+    described = [f"{', '.join(s['label'] for s in ran)}: sgl-kvevict {commit}"
+                 + (f" ({ran[0]['measured_on']['date']})" if ran[0].get("measured_on") else "") for commit, ran in runs.items()]  # fmt: skip
+    return ["", f"Measured on: {'; '.join(described)}. The report's analysis is sgl-kvevict {here}'s (`--resume` keeps measured servers)."]
+
+
 def markdown(payload: dict) -> str:
     meta, servers, env = payload["meta"], payload["servers"], payload["environment"]
     config = meta["config"]
@@ -258,6 +274,7 @@ def markdown(payload: dict) -> str:
         f"Machine: {env['cpu_model']}, {env['cpu_cores']} cores, GPU: {env['gpu']}. SGLang {env['sglang']}, sgl-kvevict "
         f"{env['git_commit'] or env['sgl_kvevict']}, {env['date']}. Model `{config['model']}`, every server at --max-total-tokens "
         f"{config['pool_tokens']}; {len(payload['documents'])} documents ({payload['source']}), {sum(s['seconds'] for s in servers) / 60:.1f} min of servers.",
+        *measured_lines(servers, env),
         "",
         "Fidelity = share of answers equal to stock's after normalisation (exact) and their token F1; multi-request: each "
         "question in a new request right after the document; multi-turn: each question in a later turn after the summary "

@@ -42,7 +42,7 @@ class Answer:
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
-    ttft: float
+    ttft: Optional[float]  # None: the server ended the answer without a token
     latency: float
     itl: list[float]  # seconds between consecutive content chunks
 
@@ -75,7 +75,7 @@ def _answer(document: Document, form: str, index: int, question: Question, reply
     else:
         correct = None
     return Answer(document.name, form, index, question.kind, reply.text, correct, reply.prompt_tokens or 0, reply.cached_tokens or 0,
-                  reply.completion_tokens or 0, reply.ttft or 0.0, reply.latency or 0.0, itl_of(reply))  # fmt: skip
+                  reply.completion_tokens or 0, reply.ttft, reply.latency or 0.0, itl_of(reply))  # fmt: skip
 
 
 def _asking(question: Question) -> list[dict]:
@@ -97,11 +97,11 @@ async def run_document(
     for index, question in enumerate(document.questions):
         messages = _asking(question)
         messages[0] = {"role": "user", "content": f"{document.text}\n\n{question.text}"}
-        reply = await ask(session, base_url, messages, answer_tokens)
+        reply = await ask(session, base_url, messages, answer_tokens, empty_ok=True)
         answers.append(_answer(document, "multi-request", index, question, reply))
     history = turn_one + [{"role": "assistant", "content": first.text}]
     for index, question in enumerate(document.questions):
-        reply = await ask(session, base_url, history + _asking(question), answer_tokens)
+        reply = await ask(session, base_url, history + _asking(question), answer_tokens, empty_ok=True)
         answers.append(_answer(document, "multi-turn", index, question, reply))
         history += [{"role": "user", "content": question.text},
                     {"role": "assistant", "content": question.answer_prefix + reply.text}]  # fmt: skip
@@ -137,6 +137,6 @@ def speed(answers: Sequence[dict]) -> dict:
         "output_tokens_per_second": (len(itl) / decode_time) if decode_time else None,
         "itl_mean": statistics.mean(itl) if itl else None,
         "itl_median": statistics.median(itl) if itl else None,
-        "ttft_median": statistics.median(a["ttft"] for a in answers) if answers else None,
+        "ttft_median": statistics.median(ttfts) if (ttfts := [a["ttft"] for a in answers if a["ttft"] is not None]) else None,
         "hit_rate": sum(a["cached_tokens"] for a in answers) / prompt if prompt else None,
     }

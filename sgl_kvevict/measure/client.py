@@ -249,11 +249,14 @@ async def flush_when_idle(session: aiohttp.ClientSession, base_url: str, timeout
     return False
 
 
-async def ask(session: aiohttp.ClientSession, base_url: str, messages: list[dict], max_tokens: int) -> StreamedReply:
+async def ask(session: aiohttp.ClientSession, base_url: str, messages: list[dict], max_tokens: int, empty_ok: bool = False) -> StreamedReply:
+    """A greedy chat completion, streamed; raises ``ServerError`` unless it completed well-formed with a
+    token. ``empty_ok``: a well-formed reply without a token is an answer too (a model continuing a
+    reply's given start may end its turn at once; its ``ttft`` is then None)."""
     payload = {"model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0}
     if messages[-1]["role"] == "assistant":
         payload["continue_final_message"] = True
     reply = await stream_completion(session, base_url + CHAT_PATH, payload)
-    if reply.error or reply.problems or reply.ttft is None:
+    if reply.error or reply.problems or (reply.ttft is None and not empty_ok):
         raise ServerError(f"request failed: {reply.error or reply.problems or 'no token streamed'}")
     return reply
