@@ -214,7 +214,7 @@ def recommendation_lines(result: dict, dense_flags: Sequence[str]) -> list[str]:
     for bucket, label in rec["per_bucket"].items():
         lines.append(f"- {bucket}: the most evicting candidate with expected fidelity >= {rec['min_fidelity']:g}: {label or 'none'}")
     if rec["chosen"] is None:
-        lines.append(f"- no candidate meets fidelity >= {rec['min_fidelity']:g} at every length: serve dense (`{' '.join(dense_flags)}`), "
+        lines.append(f"- no candidate meets expected fidelity >= {rec['min_fidelity']:g} in every length group: serve dense (`{' '.join(dense_flags)}`), "
                      "or try larger budgets / lower thresholds, or a lower --min-fidelity")  # fmt: skip
         return lines
     predicted = ", ".join(f"{b} {_fmt(v)}" for b, v in rec["predicted"].items())
