@@ -16,7 +16,7 @@ import re
 import string
 from collections import Counter
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 FORMS = ("multi-request", "multi-turn")
 FIDELITY_FORMS = ("both", *FORMS)
@@ -91,18 +91,18 @@ class Cell:
     kept_share: Optional[float]
     documents: int = 1
 
-    def _forms(self, form: str) -> list[str]:
-        return [f for f in (FORMS if form == "both" else (form,)) if self.n.get(f)]
+    def _lower(self, form: str, rate: Callable[[int, int], float]) -> Optional[float]:
+        """``rate(matches, answers)`` of ``form``, or with ``both`` the lower of the two forms'."""
+        values = [rate(self.matches[f], self.n[f]) for f in (FORMS if form == "both" else (form,)) if self.n.get(f)]
+        return min(values) if values else None
 
     def reads(self, form: str) -> Optional[float]:
         """The expected fidelity the recommendation reads: ``form``'s, or with ``both`` the lower one."""
-        values = [expected_fidelity(self.matches[f], self.n[f]) for f in self._forms(form)]
-        return min(values) if values else None
+        return self._lower(form, expected_fidelity)
 
     def measured(self, form: str) -> Optional[float]:
         """The share of answers equal to stock's: ``form``'s, or with ``both`` the lower one."""
-        values = [self.matches[f] / self.n[f] for f in self._forms(form)]
-        return min(values) if values else None
+        return self._lower(form, lambda matches, answers: matches / answers)
 
     def answers(self) -> int:
         """The answers of the form with fewer (what limits how high ``reads`` can go)."""
