@@ -22,6 +22,7 @@ from sgl_kvevict.evaluate.fidelity import (
     Cell,
     answers_needed,
     bucket_of,
+    document_correlation,
     contains_reference,
     exact,
     expected_fidelity,
@@ -31,7 +32,7 @@ from sgl_kvevict.evaluate.fidelity import (
     token_f1,
 )
 from sgl_kvevict.evaluate.inputs import NEXT_SENTENCE_PREFIX, InputError, probes, read_documents, sentences
-from sgl_kvevict.evaluate.report import document_interval
+from sgl_kvevict.evaluate.report import analyse, calibration_correlation, document_interval, recommendation_lines
 from sgl_kvevict.measure.servers import ServerError
 from sgl_kvevict.measure.tasks import filler_sentence
 
@@ -50,10 +51,12 @@ def test_length_buckets_are_powers_of_two_in_k_tokens():
     assert [bucket_of(n) for n in (500, 1024, 2047, 2048, 5000, 9000)] == ["<1K", "1K-2K", "1K-2K", "2K-4K", "4K-8K", "8K-16K"]
 
 
-def _candidate(label, value, cells, knob="budget", family=("topk",)):
-    """``cells``: per bucket (multi-request matches, multi-turn matches, answers per form, kept share)."""
+def _candidate(label, value, cells, knob="budget", family=("topk",), per_document=None):
+    """``cells``: per bucket (multi-request matches, multi-turn matches, answers per form, kept share);
+    4 documents per bucket, or ``per_document`` answers on each."""
     return Candidate(label, family, knob, value, (f"--{knob}", str(value)),
-                     {b: Cell({"multi-request": mr, "multi-turn": mt}, {"multi-request": n, "multi-turn": n}, share, 4)
+                     {b: Cell({"multi-request": mr, "multi-turn": mt}, {"multi-request": n, "multi-turn": n}, share,
+                              n // per_document if per_document else 4)
                       for b, (mr, mt, n, share) in cells.items()})  # fmt: skip
 
 
@@ -112,6 +115,45 @@ def test_a_threshold_recommendation_is_the_largest_threshold_and_families_compet
     assert recommend(thresholds + budgets, ["2K-4K"], 0.95, "both").chosen.label == "t-4.0"  # keeps 0.35 < 0.42
 
 
+def test_answers_on_one_document_count_by_how_alike_they_are():
+    # One document missing all four, others none: the documents, not the answers, differ (rho 1);
+    # one miss on each document: no document differs from another (rho 0); no miss: nothing to estimate.
+    assert document_correlation([[(0, 4), (4, 4), (4, 4), (4, 4)]]) == pytest.approx(1.0)
+    assert document_correlation([[(3, 4)] * 4]) == 0.0
+    assert document_correlation([[(4, 4)] * 4, [(2, 2)] * 3]) is None
+    # By hand: mean 13/16, between-document mean square 0.5625, within 0.0625, 4 answers each.
+    assert document_correlation([[(1, 4), (4, 4), (4, 4), (4, 4)]]) == pytest.approx((0.5625 - 0.0625) / (0.5625 + 3 * 0.0625))
+    # Each group has its own mean: a candidate missing everywhere is no evidence of correlation.
+    assert document_correlation([[(4, 4)] * 4, [(3, 4)] * 4]) == 0.0
+    # 28 of 28 on 7 documents: as 28 answers (rho 0), 14 (rho 1/3: design effect 2) or 7 (rho 1).
+    cell = Cell({"multi-request": 28, "multi-turn": 28}, {"multi-request": 28, "multi-turn": 28}, 0.9, 7)
+    assert cell.reads("both") == pytest.approx(29 / 30) and cell.answers() == 28
+    assert cell.reads("both", 1 / 3) == pytest.approx(15 / 16) and cell.answers(1 / 3) == pytest.approx(14)
+    assert cell.reads("both", 1.0) == pytest.approx(8 / 9) and cell.measured("both") == 1.0
+
+
+def test_correlated_answers_need_more_documents_before_a_length_is_called_safe():
+    # The 33-README run's failure: 0.95 met 1K-2K on 28 of 28 calibration answers (7 documents) and
+    # missed all four answers of one held-out document there.
+    candidates = [_candidate("0.95", 0.95, {"1K-2K": (28, 28, 28, 0.95), "2K-4K": (40, 39, 40, 0.95)}, per_document=4)]
+    independent = recommend(candidates, ["1K-2K", "2K-4K"], 0.95, "both")
+    assert list(independent.per_bucket) == ["1K-2K", "2K-4K"] and independent.per_bucket["1K-2K"].label == "0.95"
+    alike = recommend(candidates, ["1K-2K", "2K-4K"], 0.95, "both", correlation=1 / 3)
+    assert alike.correlation == pytest.approx(1 / 3)
+    assert list(alike.per_bucket) == ["1K-4K"]  # 14 effective answers cannot show 0.95 alone
+    assert alike.chosen.label == "0.95" and alike.predicted["1K-4K"] == pytest.approx((67 / 2 + 1) / (68 / 2 + 2))
+    assert recommend(candidates, ["1K-2K", "2K-4K"], 0.95, "both", correlation=1.0).chosen is None
+
+
+def test_the_runs_correlation_is_estimated_from_the_calibration_documents_only():
+    names = {f"d{i}" for i in range(6)}
+    stock, clustered = _answers({d: ([0, 1, 2, 3] if d == "d0" else []) for d in names})
+    assert calibration_correlation([clustered], stock, names, "both") == pytest.approx(1.0)
+    assert calibration_correlation([clustered], stock, names - {"d0"}, "both") is None  # the miss is held out
+    stock, spread = _answers({d: ([0] if d in {"d0", "d1", "d2", "d3"} else []) for d in names})
+    assert 0.0 <= calibration_correlation([spread], stock, names, "multi-turn") < 0.2
+
+
 def _answers(misses: dict[str, list[int]], per_document: int = 4) -> tuple[dict, dict]:
     """Stock and a candidate answering ``per_document`` questions per form on each document; the
     candidate differs from stock on the question indices ``misses[document]`` (both forms)."""
@@ -138,6 +180,38 @@ def test_the_predictions_interval_draws_whole_documents():
     assert high_one - low_one > 1.5 * (high_spread - low_spread)
     assert high_one == 1.0 and low_one <= 2 / 3 + 1e-9  # the bad document drawn 0 and 2+ times
     assert document_interval(one, stock, {"elsewhere"}, "both") is None
+
+
+def _server(label, role, answers, value=None):
+    """A server's record as ``analyse`` reads it, from ``_answers``'s answers."""
+    timed = [a | {"itl": [0.1], "prompt_tokens": 10, "cached_tokens": 5, "ttft": 0.5, "correct": None} for a in answers["answers"]]
+    return {"label": label, "role": role, "scope": "block", "answers": timed, "family": ["topk"], "knob": "budget", "value": value,
+            "recommend_flags": ["--kv-evict-budget", str(value)],
+            "documents": [{"document": d, "kept_share": value} for d in sorted({a["document"] for a in timed})]}  # fmt: skip
+
+
+def test_each_length_groups_pick_is_checked_on_the_held_out_documents_of_that_group():
+    # 2K-4K: d0-d11, d1 and d3 held out, 0.5 misses every answer on d0 and d1; 4K-8K: d12-d20, d13
+    # held out, 0.5 misses every answer there only.
+    names = [f"d{i}" for i in range(21)]
+    buckets = {d: "2K-4K" if i < 12 else "4K-8K" for i, d in enumerate(names)}
+    holdout = {"d1", "d3", "d13"}
+    stock, clean = _answers({d: [] for d in names}, per_document=6)
+    _, half = _answers({d: (list(range(6)) if d in {"d0", "d1", "d13"} else []) for d in names}, per_document=6)
+    servers = [_server("stock", "stock", stock), _server("0.5", "candidate", half, 0.5), _server("0.8", "candidate", clean, 0.8)]
+    analysis = analyse(servers, buckets, holdout, 0.9, "both")
+    rec = analysis["recommendation"]
+    assert rec["correlation_estimated"] and rec["correlation"] == pytest.approx(1.0)  # d0's misses: all of a document
+    # Each document counts as one answer, so 0.9 needs 8 per group: 10 and 8 calibration documents.
+    check = rec["per_bucket_check"]
+    assert set(check) == {"2K-4K", "4K-8K"} and rec["chosen"] == "0.8"
+    # 2K-4K: 0.5 fails d0 of 10 (10/12 < 0.9), 0.8 none (11/12); held out d1, d3: all answered.
+    assert check["2K-4K"] == {"candidate": "0.8", "predicted": pytest.approx(11 / 12), "held_out": 1.0, "held_out_documents": 2}
+    # 4K-8K: 0.5 fails none of 8 (9/10), and fails the held-out d13: the check shows it.
+    assert check["4K-8K"] == {"candidate": "0.5", "predicted": pytest.approx(9 / 10), "held_out": 0.0, "held_out_documents": 1}
+    lines = recommendation_lines(analysis, ["--kv-evict-policy", "none"])
+    assert "rho = 1.00" in lines[0]
+    assert "- 4K-8K: the most evicting candidate with expected fidelity >= 0.9: 0.5 (predicted 0.90; held out: 0.00 over 1 document)" in lines
 
 
 def test_probes_quote_the_documents_own_sentences(tmp_path):
@@ -283,6 +357,8 @@ def test_an_evaluation_through_the_tiny_server_both_forms_scopes_and_a_threshold
     assert budget["vs_full"]["output_tokens_per_second"] is not None and stock["speed"]["hit_rate"] > 0
     rec = payload["analysis"]["recommendation"]
     assert rec["held_out"] is None or rec["held_out"]["documents"] == ["longer.txt"]
+    assert 0 <= rec["correlation"] <= 1 and rec["correlation_estimated"] in (True, False)
+    assert all(set(check) == {"candidate", "predicted", "held_out", "held_out_documents"} for check in rec["per_bucket_check"].values())
     assert set(payload["analysis"]["held_out_by_server"]) == {"full block", "topk:learned@0.3 block", "threshold"}
     assert (tmp_path / "out" / "evaluate.png").stat().st_size > 0 and "Held-out check" in (tmp_path / "out" / "evaluate.md").read_text()
     assert psutil.Process().children(recursive=True) == []

@@ -22,8 +22,10 @@ accuracy where references are given, the kept share (KV slots held / dense token
 nothing evicted) of the same run. The recommendation: per candidate family, the smallest budget (or
 with --thresholds the largest score threshold) whose expected fidelity, (matches + 1) / (answers + 2),
 is >= --min-fidelity in every length group (buckets joined until each has enough answers to show it:
-18 per form for 0.95); the flags to use are the last line of the output. With --holdout a share of the documents is
-kept out of the calibration and the recommendation's fidelity is measured on them. Writes
+18 per form for 0.95). Answers on one document count less the more alike they are (the counts are
+divided by the design effect of their intraclass correlation, estimated from the run); the flags to
+use are the last line of the output. With --holdout a share of the documents is kept out of the
+calibration and the recommendation's fidelity is measured on them. Writes
 <name>.json (every answer), <name>.md and <name>.png into --out. docs/before-production.md explains the
 report and what it cannot see.
 """
@@ -95,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-total-tokens", type=int, help="every server's KV pool (default: the longest conversation + 512, rounded up to 1024)")
     add("--url", action="append", default=[], metavar="LABEL=URL [FLAGS]", help="a running server instead of starting one: 'stock=URL' first, then candidates, each optionally with the eviction flags it was started with (default: read from /kvevict/stats) (repeatable)")
     add("--api-key", help="with --url: the key the running servers take")
-    add("--min-fidelity", type=float, default=0.95, help="the expected fidelity to stock a recommendation must reach in every length group (default 0.95; needs 18 answers per form per group, 0.99 needs 98)")
+    add("--min-fidelity", type=float, default=0.95, help="the expected fidelity to stock a recommendation must reach in every length group (default 0.95; needs 18 effective answers per form per group, 0.99 needs 98; answers on one document count less the more alike they are)")
     add("--fidelity-form", default="both", choices=FIDELITY_FORMS, help="which question form the recommendation reads; both: the lower of the two (default both)")
     add("--holdout", type=float, default=0.0, help="share of the documents kept out of the calibration, on which the recommendation's fidelity is then measured (default 0: none)")
     add("--summary-tokens", type=int, default=32, help="turn 1's summary cap (default 32)")

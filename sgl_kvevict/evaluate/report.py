@@ -9,7 +9,9 @@ import statistics
 from pathlib import Path
 from typing import Optional, Sequence
 
-from sgl_kvevict.evaluate.fidelity import FORMS, Candidate, Cell, Recommendation, bucket_of, bucket_order, exact, recommend, token_f1
+from sgl_kvevict.evaluate.fidelity import (
+    FORMS, Candidate, Cell, Recommendation, bucket_of, bucket_order, document_correlation, exact, recommend, token_f1,
+)
 from sgl_kvevict.evaluate.run import speed
 from sgl_kvevict.measure.results import pyplot
 
@@ -103,9 +105,21 @@ def analyse(servers: Sequence[dict], buckets: dict[str, str], holdout: set[str],
         server["vs_full"] = _ratios(server["speed"], full["speed"]) if full is not None and server["role"] == "candidate" else None
     candidates = [_candidate(server, "fidelity_calibration" if holdout else "fidelity") for server in servers if server["role"] == "candidate"]
     calibration_buckets = {buckets[d] for d in calibration}
-    recommendation = recommend(candidates, calibration_buckets, min_fidelity, form)
-    held_out = held_out_by_server(servers, stock, calibration, form) if holdout else None
-    return {"recommendation": recommendation_json(recommendation, servers, holdout, held_out, form), "held_out_by_server": held_out}
+    estimate = calibration_correlation([s for s in servers if s["role"] == "candidate"], stock, calibration, form)
+    correlation = 1.0 if estimate is None else estimate
+    recommendation = recommend(candidates, calibration_buckets, min_fidelity, form, correlation)
+    held_out = held_out_by_server(servers, stock, calibration, form, correlation) if holdout else None
+    result = recommendation_json(recommendation, servers, holdout, held_out, form)
+    result["correlation_estimated"] = estimate is not None
+    return {"recommendation": result, "held_out_by_server": held_out}
+
+
+def calibration_correlation(candidates: Sequence[dict], stock: dict, calibration: set[str], form: str) -> Optional[float]:
+    """The intraclass correlation of the candidates' answers on the calibration documents, in the forms
+    ``form`` reads (None: not estimable, e.g. no miss)."""
+    forms = FORMS if form == "both" else (form,)
+    counts = [_matches_by_document(server, stock, calibration) for server in candidates]
+    return document_correlation([[by_document[d][f] for d in sorted(by_document)] for by_document in counts for f in forms])
 
 
 def _cell(cell: dict) -> Cell:
@@ -113,15 +127,15 @@ def _cell(cell: dict) -> Cell:
     return Cell({f: cell[f]["matches"] for f in FORMS}, {f: cell[f]["n"] for f in FORMS}, cell["kept_share"], cell["documents"])
 
 
-def held_out_by_server(servers: Sequence[dict], stock: dict, calibration: set[str], form: str) -> dict:
+def held_out_by_server(servers: Sequence[dict], stock: dict, calibration: set[str], form: str, correlation: float) -> dict:
     """Per server, over all lengths: the fidelity the calibration documents predict (the expected
-    fidelity the recommendation reads), the bootstrap interval of the fidelity measured on those
+    fidelity the recommendation reads, with the run's ``correlation``), the bootstrap interval of the fidelity measured on those
     documents, and the fidelity measured on the held-out documents (the recommendation's check, for
     every candidate)."""
     rows = {}
     for server in servers[1:]:
         calibrated = _cell(server["fidelity_calibration"]["all"])
-        predicted, measured = calibrated.reads(form), _cell(server["fidelity_holdout"]["all"]).measured(form)
+        predicted, measured = calibrated.reads(form, correlation), _cell(server["fidelity_holdout"]["all"]).measured(form)
         rows[server["label"]] = {"predicted": predicted, "calibration": calibrated.measured(form), "measured": measured,
                                  "interval": document_interval(server, stock, calibration, form),
                                  "difference": None if predicted is None or measured is None else measured - predicted}  # fmt: skip
@@ -137,6 +151,18 @@ def _candidate(server: dict, table: str) -> Candidate:
     return Candidate(server["label"], tuple(server["family"]), server["knob"], server["value"], tuple(server["recommend_flags"]), cells)
 
 
+def _group_check(recommendation: Recommendation, label: str, candidate: Candidate, servers: Sequence[dict], holdout: set[str], form: str) -> dict:
+    """A length group's pick: the fidelity its calibration answers predict there and, with held-out
+    documents, the share measured on the held-out documents of that group."""
+    group = recommendation.groups[label]
+    check = {"candidate": candidate.label, "predicted": candidate.over(group).reads(form, recommendation.correlation)}
+    if holdout:
+        table = next(s for s in servers if s["label"] == candidate.label)["fidelity_holdout"]
+        held = Cell.merged([_cell(table[b]) for b in group if b in table]) if any(b in table for b in group) else None
+        check |= {"held_out": None if held is None else held.measured(form), "held_out_documents": 0 if held is None else held.documents}
+    return check
+
+
 def recommendation_json(recommendation: Recommendation, servers: Sequence[dict], holdout: set[str], held_out: Optional[dict], form: str) -> dict:
     """``held_out``: ``held_out_by_server``'s rows for the documents ``holdout`` (None: none held out)."""
     chosen = recommendation.chosen
@@ -149,7 +175,9 @@ def recommendation_json(recommendation: Recommendation, servers: Sequence[dict],
         "predicted": recommendation.predicted,
         "kept_share": recommendation.kept_share,
         "per_bucket": {b: (c.label if c else None) for b, c in recommendation.per_bucket.items()},
+        "per_bucket_check": {b: _group_check(recommendation, b, c, servers, holdout, form) for b, c in recommendation.per_bucket.items() if c},
         "answers_needed": recommendation.needed if recommendation.needed != float("inf") else None,
+        "correlation": recommendation.correlation,
         "held_out": None,
     }
     if chosen is not None and held_out:
@@ -208,11 +236,16 @@ def speed_rows(servers: Sequence[dict]) -> list[str]:
 def recommendation_lines(result: dict, dense_flags: Sequence[str]) -> list[str]:
     rec = result["recommendation"]
     needed = rec.get("answers_needed")
-    lines = [f"Expected fidelity = (answers equal to stock's + 1) / (answers + 2) per form, the lower form read ({rec['form']}); "
-             + (f"length buckets joined until each has {needed} answers per form, the fewest whose expected fidelity can reach "
+    lines = [f"Expected fidelity = (answers equal to stock's + 1) / (answers + 2) per form, the lower form read ({rec['form']}), "
+             f"on effective counts: divided by the design effect 1 + (m - 1) x rho, m answers per document, {_correlation_text(rec)}; "
+             + (f"length buckets joined until each has {needed} effective answers per form, the fewest whose expected fidelity can reach "
                 f"{rec['min_fidelity']:g}." if needed is not None else f"no finite sample can show {rec['min_fidelity']:g}."), ""]  # fmt: skip
     for bucket, label in rec["per_bucket"].items():
-        lines.append(f"- {bucket}: the most evicting candidate with expected fidelity >= {rec['min_fidelity']:g}: {label or 'none'}")
+        check = rec.get("per_bucket_check", {}).get(bucket)
+        held = "" if check is None or "held_out" not in check else (
+            f"; held out: {_fmt(check['held_out'])} over {_documents(check['held_out_documents'])}" if check["held_out_documents"] else "; no held-out document there")
+        said = label if check is None else f"{label} (predicted {_fmt(check['predicted'])}{held})"
+        lines.append(f"- {bucket}: the most evicting candidate with expected fidelity >= {rec['min_fidelity']:g}: {said or 'none'}")
     if rec["chosen"] is None:
         lines.append(f"- no candidate meets expected fidelity >= {rec['min_fidelity']:g} in every length group: serve dense (`{' '.join(dense_flags)}`), "
                      "or try larger budgets / lower thresholds, or a lower --min-fidelity")  # fmt: skip
@@ -232,13 +265,26 @@ def recommendation_lines(result: dict, dense_flags: Sequence[str]) -> list[str]:
     return lines
 
 
+def _documents(count: int) -> str:
+    return f"{count} document{'' if count == 1 else 's'}"
+
+
+def _correlation_text(rec: dict) -> str:
+    """How the page got rho (records analysed before it existed read as independent answers)."""
+    if "correlation" not in rec:
+        return "rho 0 (answers taken as independent)"
+    if rec.get("correlation_estimated", True):
+        return f"rho = {rec['correlation']:.2f}, how alike the answers on one document are (intraclass correlation of the calibration answers)"
+    return "rho = 1: the calibration answers hold no miss to estimate it from, so each document counts as one answer"
+
+
 def held_out_rows(analysis: dict) -> list[str]:
     rows = analysis.get("held_out_by_server")
     if not rows:
         return []
     form = analysis["recommendation"]["form"]
     lines = [f"Held-out check, every server (read as the recommendation reads it: {form}; all lengths; predicted: the expected "
-             "fidelity of the calibration documents' answers; measured: the share equal to stock's; the interval: the measured share's "
+             "fidelity of the calibration documents' effective answers; measured: the share equal to stock's; the interval: the measured share's "
              f"{INTERVAL_LEVEL:.0%} over {BOOTSTRAP_DRAWS} draws of the calibration documents with replacement):", "",
              "| server | predicted (calibration documents) | measured there | interval | measured (held-out documents) | difference |",
              "|---|---|---|---|---|---|"]  # fmt: skip
