@@ -29,11 +29,12 @@ stock run has succeeded). Recorded with them: each server's dtype (``/server_inf
 bf16 or fp32 by the CPU's flags) and its KV pool's (its log), the CPU flags that decide it, and the
 load average before each server.
 
-``--profile-batch B`` adds one pass of batch ``B`` per server (after the timed ones, not timed, first
-round only) with ``py-spy record`` sampling SGLang's scheduler process (py-spy must be on PATH: ``pip
+``--profile-batch B`` adds one pass of batch ``B`` per server in every round (after the timed ones,
+not timed) with ``py-spy record`` sampling SGLang's scheduler process (py-spy must be on PATH: ``pip
 install py-spy``); its samples are sorted into the parts of a decode step (``STEP_PARTS``) by the
 innermost frame that names one, and the summary keeps each variant's ms per part and its attention
-ms per step. Writes ``<name>.json`` (every sample), ``<name>.md`` and ``<name>.png`` into ``--out``.
+ms per step (medians over rounds), and its attention over keep-99's in the same round (a sampled
+profile moves between passes; one pass is one sample of it). Writes ``<name>.json`` (every sample), ``<name>.md`` and ``<name>.png`` into ``--out``.
 """
 
 from __future__ import annotations
@@ -328,23 +329,44 @@ def summarize(runs: Sequence[dict], config: DecodeStepConfig) -> dict:
     return {"rounds": rounds, "steps": steps, "profile": profile_summary(runs, config.variants)}
 
 
+def _profile_pass_figures(profile: dict) -> dict:
+    """One profiled pass: its step time (median over its streams), each part's ms per step (its share of
+    the samples times the step) and the attention backend's ms per step (its parts together)."""
+    total, step_ms = sum(profile["samples"].values()), statistics.median(profile["step_seconds"]) * 1000
+    ms_per_part = {part: count / total * step_ms for part, count in profile["samples"].items()} if total else {}
+    return {"step_ms": step_ms, "samples": total, "ms_per_part": ms_per_part,
+            "attention_ms": sum(ms for part, ms in ms_per_part.items() if part in ATTENTION_PARTS)}  # fmt: skip
+
+
 def profile_summary(runs: Sequence[dict], variants: Sequence[str]) -> dict:
-    """Per variant, from its first profiled run: the pass's batch and step time (median over its
-    streams), each step part's ms per step (its share of the samples times the step) and the attention
-    backend's ms per step (its parts together), so that e.g. attention at the default over attention at
-    keep-99 reads off two numbers."""
-    summary: dict = {}
+    """Per variant, over its profiled passes (one per round): the batch, the rounds, and the medians over
+    rounds of the step time, of each part's ms per step and of the attention backend's ms per step;
+    ``attention_by_round``; and ``attention_vs_keep_all``: per round the variant's attention ms over
+    keep-99's in the same round, and their median, so that the attention eviction saves reads off one
+    number that no single pass decides."""
+    passes: dict[str, dict[int, dict]] = {}
     for run in runs:
         profile = None if run["error"] else run["samples"]["profile"]
-        if not profile or run["variant"] in summary:
-            continue
-        total, step_ms = sum(profile["samples"].values()), statistics.median(profile["step_seconds"]) * 1000
-        ms_per_part = {part: count / total * step_ms for part, count in profile["samples"].items()} if total else {}
-        summary[run["variant"]] = {
-            "round": run["round"], "batch": profile["batch"], "step_ms": step_ms, "samples": total, "ms_per_part": ms_per_part,
-            "attention_ms": sum(ms for part, ms in ms_per_part.items() if part in ATTENTION_PARTS),
+        if profile:
+            passes.setdefault(run["variant"], {})[run["round"]] = _profile_pass_figures(profile) | {"batch": profile["batch"]}
+    summary: dict = {}
+    for variant in [v for v in variants if v in passes]:
+        by_round = passes[variant]
+        parts = {part for figures in by_round.values() for part in figures["ms_per_part"]}
+        attention = {r: figures["attention_ms"] for r, figures in sorted(by_round.items())}
+        summary[variant] = {
+            "rounds": sorted(by_round), "batch": next(iter(by_round.values()))["batch"],
+            "step_ms": statistics.median(f["step_ms"] for f in by_round.values()),
+            "samples": sum(f["samples"] for f in by_round.values()),
+            "ms_per_part": {part: statistics.median(f["ms_per_part"].get(part, 0.0) for f in by_round.values()) for part in parts},
+            "attention_ms": statistics.median(attention.values()), "attention_by_round": attention,
         }  # fmt: skip
-    return {variant: summary[variant] for variant in variants if variant in summary}
+        keep_all = passes.get(KEEP_ALL, {})
+        shared = [r for r in attention if r in keep_all and keep_all[r]["attention_ms"]]
+        if variant != KEEP_ALL and shared:
+            ratios = {r: attention[r] / keep_all[r]["attention_ms"] for r in shared}
+            summary[variant]["attention_vs_keep_all"] = {"by_round": ratios, "median": statistics.median(ratios.values())}
+    return summary
 
 
 def _range(values: Sequence[float], digits: int) -> str:
@@ -357,11 +379,13 @@ def _profile_rows(profiles: dict) -> list[str]:
         return []
     shown = list(profiles)
     batch = next(iter(profiles.values()))["batch"]
+    profiled_rounds = ", ".join(str(r + 1) for r in sorted({r for profile in profiles.values() for r in profile["rounds"]}))
     lines = [
         "",
         f"Where a decode step's host time goes at batch {batch} (py-spy on SGLang's scheduler process, 200 Hz, "
         "samples sorted by the innermost frame that names a part; ms per step = share x the profiled pass's step time; "
-        "the JSON's `summary.profile` holds each variant's ms per part and `attention_ms`):",
+        f"one pass per server in each profiled round ({profiled_rounds}), medians over them; the JSON's `summary.profile` "
+        "holds each variant's ms per part, `attention_ms` and its rounds):",
         "",
         "| part | " + " | ".join(shown) + " |",
         "|---|" + "---|" * len(shown),
@@ -376,7 +400,17 @@ def _profile_rows(profiles: dict) -> list[str]:
     attention = [f"{profiles[v]['attention_ms']:.1f} ms" for v in shown]
     lines.append("| **attention backend (the parts above the model's)** | " + " | ".join(attention) + " |")
     lines.append("| **step (the profiled pass)** | " + " | ".join(f"{profiles[v]['step_ms']:.1f} ms" for v in shown) + " |")
+    if any("attention_vs_keep_all" in profiles[v] for v in shown):
+        lines.append(f"| **attention / {KEEP_ALL}'s, same round (median; by round)** | " + " | ".join(attention_share_text(profiles[v]) for v in shown) + " |")
     return lines
+
+
+def attention_share_text(profile: dict) -> str:
+    """``profile_summary``'s attention over keep-99's: the median, then each round's in brackets."""
+    ratio = profile.get("attention_vs_keep_all")
+    if ratio is None:
+        return "-"
+    return f"{ratio['median']:.2f} ({', '.join(f'{value:.2f}' for value in ratio['by_round'].values())})"
 
 
 def _ratio_cell(row: dict, reference: str) -> str:
@@ -484,7 +518,7 @@ def markdown(report: dict) -> str:
         "evicted, and a policy's `/ keep-99` what its eviction itself buys per step. The machine is shared with "
         "other sessions' servers and tests (see the load averages): absolute step times move by tens of percent "
         "between rounds; the per-round ratios, taken from servers run minutes apart, move less, and their range "
-        "over rounds is shown. The profile is one pass per server (not timed, first round), so its step times "
+        "over rounds is shown. The profile's passes are not timed, so their step times "
         "are from another moment than the table's.",
     ]
     return "\n".join(lines) + "\n"
@@ -544,7 +578,7 @@ def run(config: DecodeStepConfig, out: Path, name: str, log_dir: Path, argv: Seq
                 variant = server_variant(variant_name, config.score)
                 with launched_server(config.model, variant, config.pool_tokens, log_dir, config.launcher_extra) as server:
                     profiled = None
-                    if config.profile_batch and round_index == 0:
+                    if config.profile_batch:
                         profiled = (_scheduler_pid(server.descendants), log_dir)
                     entry["samples"] = asyncio.run(_measure(server.base_url, config, prompts, log, profiled))
                     entry["samples"]["dtypes"]["kv_pool"] = kv_pool_dtype(server.child.output())

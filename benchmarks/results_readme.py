@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from benchmarks.decode_step import attention_share_text
 from benchmarks.decode_step import step_table as decode_step_table
 from benchmarks.engine_overhead import speed_table as engine_overhead_table
 from benchmarks.load.report import attribution_note, versus_full, versus_full_column, versus_stock
@@ -248,7 +249,7 @@ def sglang_client_part(report: dict) -> list[str]:
 
 def decode_step_part(report: dict) -> list[str]:
     meta, cfg = report["meta"], report["meta"]["config"]
-    attention = {variant: part["attention_ms"] for variant, part in report["summary"]["profile"].items()}
+    profiles = report["summary"]["profile"]
     lines = [
         "### One decode step at equal batch and context",
         "",
@@ -261,11 +262,11 @@ def decode_step_part(report: dict) -> list[str]:
         "",
         *decode_step_table(report),
     ]
-    if "keep-99" in attention:
-        shares = ", ".join(
-            f"{variant} {attention[variant] / attention['keep-99']:.2f}" for variant in attention if variant.startswith("default")
-        )
-        lines += ["", f"Attention backend per step against keep-99's (py-spy profile, batch {cfg['profile_batch']}): {shares}."]
+    shares = [f"{variant} {attention_share_text(profile)}" for variant, profile in profiles.items()
+              if variant.startswith("default") and "attention_vs_keep_all" in profile]  # fmt: skip
+    if shares:
+        lines += ["", f"Attention backend per step against keep-99's in the same round (py-spy profile, batch {cfg['profile_batch']}; "
+                  f"median over rounds, each round's in parentheses): {', '.join(shares)}."]  # fmt: skip
     return lines
 
 

@@ -147,9 +147,35 @@ def test_the_profile_summary_holds_each_variants_attention_ms_per_step():
     assert profile[BASELINE]["attention_ms"] == pytest.approx(720.0)
     assert profile[KEEP_ALL]["attention_ms"] == pytest.approx(180.0) and profile[KEEP_ALL]["ms_per_part"][model] == pytest.approx(120.0)
     assert profile["default-block"]["attention_ms"] / profile[KEEP_ALL]["attention_ms"] == pytest.approx(100 / 180)
+    assert profile["default-block"]["attention_vs_keep_all"] == {"by_round": {0: pytest.approx(100 / 180)}, "median": pytest.approx(100 / 180)}
+    assert "attention_vs_keep_all" not in profile[KEEP_ALL]
     text = markdown(report)
     assert "| **attention backend (the parts above the model's)** | 720.0 ms | 180.0 ms | 100.0 ms |" in text
     assert f"| {attention} | - | 50% (150.0 ms) | 50% (100.0 ms) |" in text
+    assert f"| **attention / {KEEP_ALL}'s, same round (median; by round)** | 4.00 (4.00) | - | 0.56 (0.56) |" in text
+
+
+def test_every_round_is_profiled_and_the_attention_share_is_the_median_of_same_round_ratios():
+    config = config_of((BASELINE, KEEP_ALL, "default-block"), rounds=3)
+    attention, model = "decode attention (one pass over cells and dense keys)", "model: projections, MLP, norms, rotary, logits"
+
+    def profiled(round_index, variant, attention_samples, step):
+        return run(round_index, variant, {1: [0.1], 4: [0.4] * 4},
+                   {"batch": 4, "step_seconds": [step] * 4, "samples": {attention: attention_samples, model: 100 - attention_samples}})  # fmt: skip
+
+    # keep-99's attention 150, 100, 200 ms; the default's 60, 50, 40 ms: ratios 0.4, 0.5, 0.2. A ratio of
+    # medians (50 / 150 = 0.33) would pair passes from different rounds.
+    runs = [run(r, BASELINE, {1: [0.1], 4: [0.4] * 4}) for r in range(3)]
+    runs += [profiled(0, KEEP_ALL, 50, 0.3), profiled(1, KEEP_ALL, 50, 0.2), profiled(2, KEEP_ALL, 50, 0.4)]
+    runs += [profiled(0, "default-block", 30, 0.2), profiled(1, "default-block", 25, 0.2), profiled(2, "default-block", 20, 0.2)]
+    runs.append(profiled(3, "default-block", 10, 0.2) | {"error": "server exited"})  # a failed run adds nothing
+    profile = report_of(config, runs)["summary"]["profile"]
+    assert profile[KEEP_ALL]["rounds"] == [0, 1, 2] and profile[KEEP_ALL]["attention_ms"] == pytest.approx(150.0)
+    assert profile["default-block"]["attention_by_round"] == {0: pytest.approx(60.0), 1: pytest.approx(50.0), 2: pytest.approx(40.0)}
+    assert profile["default-block"]["attention_ms"] == pytest.approx(50.0) and profile["default-block"]["step_ms"] == pytest.approx(200.0)
+    ratio = profile["default-block"]["attention_vs_keep_all"]
+    assert ratio["by_round"] == {0: pytest.approx(0.4), 1: pytest.approx(0.5), 2: pytest.approx(0.2)} and ratio["median"] == pytest.approx(0.4)
+    assert profile["default-block"]["ms_per_part"][model] == pytest.approx(150.0)  # median of 140, 150, 160
 
 
 def test_variants_rank_by_the_chosen_score_and_bad_input_is_refused():

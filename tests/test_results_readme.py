@@ -39,7 +39,8 @@ def test_rewrite_replaces_only_the_marked_part(tmp_path):
     for row in client["ratios"]:
         assert f"| {row['comparison']} | {row['output_throughput']:.2f} |" in text
     assert "### One decode step at equal batch and context" in text and "default-block / keep-99 tok/s" in text
-    assert "Attention backend per step against keep-99's (py-spy profile, batch 8): default-block" in text
+    profile = json.loads((RESULTS / "decode_step.json").read_text())["summary"]["profile"]["default-block"]
+    assert f"per step against keep-99's in the same round (py-spy profile, batch 8; median over rounds, each round's in parentheses): default-block {profile['attention_vs_keep_all']['median']:.2f} (" in text
 
 
 def test_the_committed_results_page_is_up_to_date(tmp_path):
