@@ -34,7 +34,8 @@ not timed) with ``py-spy record`` sampling SGLang's scheduler process (py-spy mu
 install py-spy``); its samples are sorted into the parts of a decode step (``STEP_PARTS``) by the
 innermost frame that names one, and the summary keeps each variant's ms per part and its attention
 ms per step (medians over rounds), and its attention over keep-99's in the same round (a sampled
-profile moves between passes; one pass is one sample of it). Writes ``<name>.json`` (every sample), ``<name>.md`` and ``<name>.png`` into ``--out``.
+profile moves between passes; one pass is one sample of it). Writes ``<name>.json`` (every sample),
+``<name>.md`` and ``<name>.png`` into ``--out``.
 """
 
 from __future__ import annotations
@@ -406,7 +407,7 @@ def _profile_rows(profiles: dict) -> list[str]:
 
 
 def attention_share_text(profile: dict) -> str:
-    """``profile_summary``'s attention over keep-99's: the median, then each round's in brackets."""
+    """``profile_summary``'s attention over keep-99's: the median, then each round's in parentheses."""
     ratio = profile.get("attention_vs_keep_all")
     if ratio is None:
         return "-"
