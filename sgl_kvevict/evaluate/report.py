@@ -129,9 +129,9 @@ def _cell(cell: dict) -> Cell:
 
 def held_out_by_server(servers: Sequence[dict], stock: dict, calibration: set[str], form: str, correlation: float) -> dict:
     """Per server, over all lengths: the fidelity the calibration documents predict (the expected
-    fidelity the recommendation reads, with the run's ``correlation``), the bootstrap interval of the fidelity measured on those
-    documents, and the fidelity measured on the held-out documents (the recommendation's check, for
-    every candidate)."""
+    fidelity the recommendation reads, with the run's ``correlation``), the bootstrap interval of the
+    fidelity measured on those documents, and the fidelity measured on the held-out documents (the
+    recommendation's check, for every candidate)."""
     rows = {}
     for server in servers[1:]:
         calibrated = _cell(server["fidelity_calibration"]["all"])
@@ -241,7 +241,7 @@ def recommendation_lines(result: dict, dense_flags: Sequence[str]) -> list[str]:
              + (f"length buckets joined until each has {needed} effective answers per form, the fewest whose expected fidelity can reach "
                 f"{rec['min_fidelity']:g}." if needed is not None else f"no finite sample can show {rec['min_fidelity']:g}."), ""]  # fmt: skip
     for bucket, label in rec["per_bucket"].items():
-        check = rec.get("per_bucket_check", {}).get(bucket)
+        check = rec["per_bucket_check"].get(bucket)
         held = "" if check is None or "held_out" not in check else (
             f"; held out: {_fmt(check['held_out'])} over {_documents(check['held_out_documents'])}" if check["held_out_documents"] else "; no held-out document there")
         said = label if check is None else f"{label} (predicted {_fmt(check['predicted'])}{held})"
@@ -270,10 +270,8 @@ def _documents(count: int) -> str:
 
 
 def _correlation_text(rec: dict) -> str:
-    """How the page got rho (records analysed before it existed read as independent answers)."""
-    if "correlation" not in rec:
-        return "rho 0 (answers taken as independent)"
-    if rec.get("correlation_estimated", True):
+    """How the analysis got rho: estimated, or 1 for want of a miss."""
+    if rec["correlation_estimated"]:
         return f"rho = {rec['correlation']:.2f}, how alike the answers on one document are (intraclass correlation of the calibration answers)"
     return "rho = 1: the calibration answers hold no miss to estimate it from, so each document counts as one answer"
 
