@@ -103,9 +103,10 @@ def analyse(servers: Sequence[dict], buckets: dict[str, str], holdout: set[str],
         full = fulls.get(server.get("scope"))
         server["vs_stock"] = _ratios(server["speed"], stock["speed"])
         server["vs_full"] = _ratios(server["speed"], full["speed"]) if full is not None and server["role"] == "candidate" else None
-    candidates = [_candidate(server, "fidelity_calibration" if holdout else "fidelity") for server in servers if server["role"] == "candidate"]
+    candidate_servers = [server for server in servers if server["role"] == "candidate"]
+    candidates = [_candidate(server, "fidelity_calibration" if holdout else "fidelity") for server in candidate_servers]
     calibration_buckets = {buckets[d] for d in calibration}
-    estimate = calibration_correlation([s for s in servers if s["role"] == "candidate"], stock, calibration, form)
+    estimate = calibration_correlation(candidate_servers, stock, calibration, form)
     correlation = 1.0 if estimate is None else estimate
     recommendation = recommend(candidates, calibration_buckets, min_fidelity, form, correlation)
     held_out = held_out_by_server(servers, stock, calibration, form, correlation) if holdout else None
@@ -157,8 +158,7 @@ def _group_check(recommendation: Recommendation, label: str, candidate: Candidat
     group = recommendation.groups[label]
     check = {"candidate": candidate.label, "predicted": candidate.over(group).reads(form, recommendation.correlation)}
     if holdout:
-        table = next(s for s in servers if s["label"] == candidate.label)["fidelity_holdout"]
-        held = Cell.merged([_cell(table[b]) for b in group if b in table]) if any(b in table for b in group) else None
+        held = _candidate(next(s for s in servers if s["label"] == candidate.label), "fidelity_holdout").over(group)
         check |= {"held_out": None if held is None else held.measured(form), "held_out_documents": 0 if held is None else held.documents}
     return check
 
