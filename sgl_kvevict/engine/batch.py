@@ -318,8 +318,8 @@ class DecodeKeys:
     rows int64 ``[L, B * H_kv, W]``: the ``k_rows``/``v_rows`` row of each key of each layer; a padded
         entry repeats a real key of its sequence (never the pool's placeholder slot 0, whose content is
         undefined: NaN x 0 would be NaN).
-    mask fp32 ``[L, B * H_kv, 1, W]``: 0 for a key, -inf for padding (added to the fp32 logits, broadcast
-        over the group's queries).
+    visible bool ``[L, B * H_kv, 1, 1, W]``: True for a key, False for padding (SDPA's mask, broadcast over
+        the group's queries).
     ends int64 ``[L, B * H_kv]``: the keys of each sequence, i.e. where its next key goes.
     longest: per request, its longest sequence (host ints); ``W - max(longest)`` more steps fit.
     buckets: per layer, its sequences grouped by key count (``key_buckets``), computed when first asked for
@@ -328,7 +328,7 @@ class DecodeKeys:
     """
 
     rows: torch.Tensor
-    mask: torch.Tensor
+    visible: torch.Tensor
     ends: torch.Tensor
     longest: list[int]
     space: CellSpace
@@ -382,11 +382,10 @@ class DecodeKeys:
 
     @classmethod
     def of_rows(cls, rows: torch.Tensor, ends: torch.Tensor, longest: list[int], space: CellSpace) -> "DecodeKeys":
-        """The keys ``rows`` ``[L, S, W]`` with ``ends`` ``[L, S]`` keys per sequence; the mask from them."""
+        """The keys ``rows`` ``[L, S, W]`` with ``ends`` ``[L, S]`` keys per sequence; ``visible`` from them."""
         num_layers, sequences, width = rows.shape
-        mask = torch.zeros(num_layers, sequences, 1, width, dtype=torch.float32, device=rows.device)
-        mask.masked_fill_(torch.arange(width, device=rows.device) >= ends.view(num_layers, sequences, 1, 1), float("-inf"))
-        return cls(rows, mask, ends, longest, space)
+        visible = torch.arange(width, device=rows.device) < ends.view(num_layers, sequences, 1, 1, 1)
+        return cls(rows, visible, ends, longest, space)
 
     @classmethod
     def joined(cls, parts: list[tuple["DecodeKeys", int]], space: CellSpace) -> "DecodeKeys":
@@ -419,7 +418,7 @@ class DecodeKeys:
         slots = new_slots.to(torch.int64).repeat_interleave(heads)
         new_rows = self.space.entry_rows(layers, slots.view(1, -1), (chosen % heads).view(1, -1))
         self.rows.view(-1).index_copy_(0, entries.view(-1), new_rows.view(-1))
-        self.mask.view(-1).index_fill_(0, entries.view(-1), 0)
+        self.visible.view(-1).index_fill_(0, entries.view(-1), True)
         self.ends.view(-1).index_add_(0, flat.view(-1), torch.ones_like(flat.view(-1)))
         for request in requests:
             self.longest[request] += 1

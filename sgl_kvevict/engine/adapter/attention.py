@@ -267,35 +267,35 @@ class KVEvictTorchBackend(SegmentAttentionBackend, TorchNativeAttnBackend):
         """Every request of a decode batch, plain ones included, in one pass over each (request, KV head)'s
         keys (``DecodeKeys``: its cells and its dense positions, padded), the GQA group as the queries of
         its KV head: no merge of two parts, no loop over requests. A layer's sequences go in buckets of
-        similar key counts (``key_buckets``), each padded to its own longest, so the work follows the keys
-        kept. queries ``[B, H_q, D]``; returns ``[B, H_q, D_v]``.
+        similar key counts (``key_buckets``), each padded to its own longest and attended in one call of
+        ATen's SDPA, so the work follows the keys kept. queries ``[B, H_q, D]``; returns ``[B, H_q, D_v]``.
 
-        The logits, the softmax and the weighted sum run in fp32 whatever the KV dtype, as stock's SDPA
-        does on CPU (ATen's kernel accumulates QK and PV in fp32): logits rounded to bf16 before the
-        softmax would err several times more than stock does."""
+        SDPA is stock's own kernel (the per-request decode of ``torch_native`` calls it): on CPU it keeps
+        QK, the softmax and PV in fp32 for bf16 inputs and rounds the output once, so the numerics are
+        stock's; it reads the gathered keys in their dtype (no fp32 copy of them), which halves the step's
+        attention against an fp32 ``baddbmm`` / ``softmax`` / ``bmm`` on one core."""
         keys, (k_rows, v_rows) = self.decode_keys, self.cell_rows
-        rows, mask = keys.rows[layer.layer_id], keys.mask[layer.layer_id]  # [S, W], [S, 1, W]; S = B * H_kv
+        rows, visible = keys.rows[layer.layer_id], keys.visible[layer.layer_id]  # [S, W], [S, 1, 1, W]; S = B * H_kv
         sequences = rows.shape[0]
         group = layer.tp_q_head_num // layer.tp_k_head_num
-        q = queries.reshape(sequences, group, -1).float()  # query head h * G + g is KV head h's g-th
+        q = queries.reshape(sequences, 1, group, -1)  # query head h * G + g is KV head h's g-th: [S, 1, G, D]
         out = None
         for bucket in keys.layer_buckets(layer.layer_id):
             chosen, width = bucket.sequences, bucket.width
-            bucket_rows, bucket_mask, bucket_q = rows[:, :width], mask[..., :width], q
+            bucket_rows, bucket_visible, bucket_q = rows[:, :width], visible[..., :width], q
             if chosen is not None:
-                bucket_rows, bucket_mask, bucket_q = (t.index_select(0, chosen) for t in (bucket_rows, bucket_mask, q))
+                bucket_rows, bucket_visible, bucket_q = (t.index_select(0, chosen) for t in (bucket_rows, bucket_visible, q))
             # index_select, not k_rows[rows]: advanced indexing by a 2-D index is several times slower on CPU.
             flat = bucket_rows.reshape(-1)
-            k = k_rows.index_select(0, flat).view(len(bucket_q), width, -1).float()
-            v = v_rows.index_select(0, flat).view(len(bucket_q), width, -1).float()
-            logits = torch.baddbmm(bucket_mask, bucket_q, k.transpose(1, 2), alpha=layer.scaling)  # [n, G, width]
-            attended = torch.bmm(torch.softmax(logits, dim=-1), v)  # [n, G, D_v]
+            k = k_rows.index_select(0, flat).view(len(bucket_q), 1, width, -1).to(q.dtype)
+            v = v_rows.index_select(0, flat).view(len(bucket_q), 1, width, -1).to(q.dtype)
+            attended = scaled_dot_product_attention(bucket_q, k, v, attn_mask=bucket_visible, scale=layer.scaling)  # [n, 1, G, D_v]
             if chosen is None:
                 out = attended
             else:
-                out = q.new_empty(sequences, group, v.shape[-1]) if out is None else out
+                out = q.new_empty(sequences, 1, group, v.shape[-1]) if out is None else out
                 out.index_copy_(0, chosen, attended)
-        return out.view(queries.shape[0], layer.tp_q_head_num, -1).to(queries.dtype)
+        return out.view(queries.shape[0], layer.tp_q_head_num, -1)
 
     def _window_attention(self, queries: torch.Tensor, layer, requests, window_left: int) -> torch.Tensor:
         """A local layer's attention for ``requests`` (the ``WindowKeys`` of this forward, in that order) over
