@@ -119,7 +119,12 @@ class Arena:
         Free cells of borrowed slots go first, fullest slots first (fewer holes); then slots from
         ``adoptable`` (int64 host: slots the caller is about to free, handed over instead), then new
         slots borrowed from SGLang. Adopted slots must hold nothing the caller still needs once it has
-        read its sources: it copies into the new cells only after reading every source."""
+        read its sources: it copies into the new cells only after reading every source.
+
+        The cells are handed out in ascending cell id: an owner's entries are layer-major, then KV head, then
+        position, and cell ids are layer-major too, so one (layer, head)'s entries land in neighbouring rows
+        of the pool (adjacent slots of one layer), and a decode's gather of them reads runs of memory
+        instead of one row per layer region (a slot's cells span every layer)."""
         missing = max(0, math.ceil((count - self.cells_free) / self.cells_per_slot))
         adopted = adoptable[:missing] if adoptable is not None else torch.empty(0, dtype=torch.int64)
         borrowed = torch.empty(0, dtype=torch.int64)
@@ -128,7 +133,8 @@ class Arena:
             if borrowed is None:
                 return None
         self._bind_slots(torch.cat([adopted, borrowed]))
-        self._assign(torch.full((count,), owner.owner_id), self._take_free_cells(count), torch.arange(count))
+        cells = torch.sort(self._take_free_cells(count)).values
+        self._assign(torch.full((count,), owner.owner_id), cells, torch.arange(count))
         return adopted
 
     def transfer(self, owner: CellOwner, indices: torch.Tensor, new_owner: CellOwner, new_indices: torch.Tensor):
