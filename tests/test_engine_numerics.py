@@ -15,7 +15,8 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from torch.nn.functional import scaled_dot_product_attention
 
 from sgl_kvevict.engine import batch as batch_module
-from sgl_kvevict.engine.adapter.attention import KVEvictTorchBackend
+from sgl_kvevict.engine.adapter import attention as attention_module
+from sgl_kvevict.engine.adapter.attention import KVEvictTorchBackend, dense_attention
 from sgl_kvevict.engine.cells import CellSpace
 
 
@@ -65,3 +66,34 @@ def test_compressed_extend_errs_against_float64_no_more_than_stock_sdpa(dtype):
         exact = naive_attention(scenario, layer)
         ours_error, stock_error = ((out.double() - exact).abs().max() for out in (ours, stock))
         assert ours_error <= 1.5 * stock_error + 1e-6, (layer_id, float(ours_error), float(stock_error))
+
+
+@pytest.mark.parametrize("window_left", [None, 6])
+@pytest.mark.parametrize("chunk", ["_flash_chunk", "_formula_chunk"])
+def test_dense_part_is_the_causal_formula_by_position_with_its_lse(monkeypatch, window_left, chunk):
+    """``dense_attention`` against float64, on CPU through ATen's flash kernel (G query heads as query rows)
+    and through the formula other devices use: positions with holes (compressed ranges), a second request,
+    more queries than one chunk, queries that see no key (lse -inf, out 0, so a merge weighs them 0) and a
+    local layer's window."""
+    monkeypatch.setattr(attention_module, "_flash_chunk", getattr(attention_module, chunk))
+    generator = torch.Generator().manual_seed(1)
+    batch, queries, length, heads, group, dim = 2, 600, 40, 2, 3, 16
+    q = torch.randn(batch, queries, heads * group, dim, generator=generator).bfloat16()
+    keys = torch.randn(batch, length, heads, dim, generator=generator).bfloat16()
+    values = torch.randn(batch, length, heads, dim, generator=generator).bfloat16()
+    key_positions = torch.stack([torch.arange(10, 10 + 2 * length, 2), torch.arange(length)])  # request 0: keys from 10
+    query_positions = torch.arange(queries).repeat(batch, 1)
+    out, lse = dense_attention(q, keys, values, query_positions, key_positions, 0.25, window_left)
+    visible = key_positions[:, None, :] <= query_positions[:, :, None]
+    if window_left is not None:
+        visible &= key_positions[:, None, :] >= query_positions[:, :, None] - window_left
+    logits = torch.einsum("btkgd,blkd->btkgl", q.double().view(batch, queries, heads, group, dim), keys.double()) * 0.25
+    logits = logits.masked_fill(~visible[:, :, None, None, :], float("-inf")).flatten(2, 3)  # [B, T, H_q, L]
+    exact_lse = torch.logsumexp(logits, dim=-1)
+    probs = torch.nan_to_num(torch.exp(logits - exact_lse[..., None]))
+    exact = torch.einsum("bthl,blhd->bthd", probs, values.double().repeat_interleave(group, dim=2))
+    empty = ~visible.any(-1)
+    assert empty.any() and (~empty).any()
+    assert torch.isinf(lse[empty]).all() and (lse[empty] < 0).all() and (out[empty] == 0).all()
+    torch.testing.assert_close(lse[~empty].double(), exact_lse[~empty], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.double(), exact, atol=1e-5, rtol=1e-5)

@@ -51,10 +51,7 @@ from sgl_kvevict.engine.coordinator import CompressionCoordinator
 from sgl_kvevict.engine.registry import Engine, engine_for
 from sgl_kvevict.kernels import merge_attention_states, segment_attention
 
-_QUERY_CHUNK = 512  # bounds an extend's dense part: its fp32 mask is [chunk * G, L] per request
-# ATen's CPU flash attention (what ``scaled_dot_product_attention`` runs on CPU), called directly for the
-# log-sum-exp it computes anyway and the public function drops: fp32 in, fp32 out and natural-log lse.
-_FLASH_ATTENTION_WITH_LSE = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_QUERY_CHUNK = 512  # bounds an extend's dense part: its fp32 mask (logits, off CPU) is [chunk * H_q, L] per request
 
 
 def dense_attention(
@@ -73,34 +70,57 @@ def dense_attention(
     ``key_positions[b, p] <= query_positions[b, t]``, and, with ``window_left`` (a local layer's, SGLang's
     ``sliding_window_size``), ``key_positions[b, p] >= query_positions[b, t] - window_left``. Returns out fp32 ``[B, T, H_q, D_v]`` (rounded only
     once merged with the cells' part, as stock's SDPA rounds once) and natural-log lse fp32 ``[B, T, H_q]``
-    (``-inf``, out 0, without keys).
-
-    ATen's CPU flash kernel on fp32 copies: a KV head's ``G`` query heads are ``G`` more query rows of it
-    (row ``t * G + g``), so the keys are read once per KV head, and the kernel never materialises the
-    ``[T, H_q, L]`` logits (a query chunk of 512 over 1.4K keys: 26 ms against 93 ms for the einsum
-    formula, equal to 1e-6)."""
+    (``-inf``, out 0, without keys). On CPU through ATen's flash kernel (``_flash_chunk``), elsewhere the
+    formula (``_formula_chunk``: the torch backend runs on any device)."""
     batch, num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = keys.shape[2]
     group = num_q_heads // num_kv_heads
     keys, values = keys.float().transpose(1, 2), values.float().transpose(1, 2)  # [B, H_kv, L, D]
+    attend = _flash_chunk if q.device.type == "cpu" else _formula_chunk
     out = torch.empty(batch, num_tokens, num_q_heads, values.shape[-1], dtype=torch.float32, device=q.device)
     lse = torch.empty(batch, num_tokens, num_q_heads, dtype=torch.float32, device=q.device)
     for start in range(0, num_tokens, _QUERY_CHUNK):
         end = min(start + _QUERY_CHUNK, num_tokens)
-        rows = (end - start) * group
         queries = q[:, start:end].float().view(batch, end - start, num_kv_heads, group, head_dim)
-        queries = queries.permute(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, rows, head_dim)
         visible = key_positions[:, None, :] <= query_positions[:, start:end, None]  # [B, T, L]
         if window_left is not None:
             visible &= key_positions[:, None, :] >= query_positions[:, start:end, None] - window_left
-        mask = torch.zeros(visible.shape, dtype=torch.float32, device=q.device).masked_fill_(~visible, float("-inf"))
-        mask = mask.repeat_interleave(group, dim=1).unsqueeze(1)  # [B, 1, T * G, L]
-        chunk_out, chunk_lse = _FLASH_ATTENTION_WITH_LSE(queries, keys, values, 0.0, False, attn_mask=mask, scale=scaling)
-        chunk_lse = chunk_lse.view(batch, num_kv_heads, end - start, group).transpose(1, 2).reshape(batch, end - start, num_q_heads)
-        # The kernel gives a query without keys out 0 and lse 0: lse -inf, so that a merge weighs it 0.
-        lse[:, start:end] = chunk_lse.masked_fill(~visible.any(-1, keepdim=True), float("-inf"))
-        out[:, start:end] = chunk_out.view(batch, num_kv_heads, end - start, group, -1).transpose(1, 2).reshape(batch, end - start, num_q_heads, -1)
+        chunk_out, chunk_lse = attend(queries, keys, values, visible, scaling)
+        out[:, start:end] = chunk_out.reshape(batch, end - start, num_q_heads, -1)
+        lse[:, start:end] = chunk_lse.reshape(batch, end - start, num_q_heads)
     return out, lse
+
+
+# ATen's CPU flash attention (what ``scaled_dot_product_attention`` runs on CPU), called directly for the
+# log-sum-exp it computes anyway and the public function drops: fp32 in, fp32 out and natural-log lse.
+_FLASH_ATTENTION_WITH_LSE = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+def _flash_chunk(queries, keys, values, visible, scaling) -> tuple[torch.Tensor, torch.Tensor]:
+    """One query chunk of ``dense_attention`` through ATen's CPU flash kernel: a KV head's ``G`` query heads are
+    ``G`` more query rows of it (row ``t * G + g``), so its keys are read once, and no ``[T, H_q, L]`` logits
+    are materialised (a 512-query chunk over 1.4K keys: 26 ms against the formula's 93, equal to 1e-6).
+
+    queries fp32 ``[B, T, H_kv, G, D]``; keys, values fp32 ``[B, H_kv, L, D]``; visible ``[B, T, L]``. Returns
+    out ``[B, T, H_kv, G, D_v]`` and lse ``[B, T, H_kv, G]``."""
+    batch, num_tokens, num_kv_heads, group, head_dim = queries.shape
+    rows = queries.permute(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, num_tokens * group, head_dim)
+    mask = torch.zeros(visible.shape, dtype=torch.float32, device=visible.device).masked_fill_(~visible, float("-inf"))
+    mask = mask.repeat_interleave(group, dim=1).unsqueeze(1)  # [B, 1, T * G, L], broadcast over the KV heads
+    out, lse = _FLASH_ATTENTION_WITH_LSE(rows, keys, values, 0.0, False, attn_mask=mask, scale=scaling)
+    out = out.view(batch, num_kv_heads, num_tokens, group, -1).transpose(1, 2)
+    lse = lse.view(batch, num_kv_heads, num_tokens, group).transpose(1, 2)
+    # The kernel gives a query without keys out 0 and lse 0: lse -inf, so that a merge weighs it 0.
+    return out, lse.masked_fill(~visible.any(-1)[:, :, None, None], float("-inf"))
+
+
+def _formula_chunk(queries, keys, values, visible, scaling) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_flash_chunk``'s result by the formula, on any device (its ``[B, T, H_kv, G, L]`` logits in memory)."""
+    logits = torch.einsum("btkgd,bkld->btkgl", queries, keys) * scaling
+    logits = logits.masked_fill(~visible[:, :, None, None, :], float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)  # [B, T, H_kv, G]
+    probs = torch.exp(logits - lse.masked_fill(lse == float("-inf"), 0.0)[..., None])
+    return torch.einsum("btkgl,bkld->btkgd", probs, values), lse
 
 
 def compressed_attention(
