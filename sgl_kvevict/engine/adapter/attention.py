@@ -51,7 +51,7 @@ from sgl_kvevict.engine.coordinator import CompressionCoordinator
 from sgl_kvevict.engine.registry import Engine, engine_for
 from sgl_kvevict.kernels import merge_attention_states, segment_attention
 
-_QUERY_CHUNK = 512  # bounds an extend's dense part: its fp32 mask (logits, off CPU) is [chunk * H_q, L] per request
+_QUERY_CHUNK = 512  # bounds an extend's dense part per request: its fp32 mask [chunk * G, L] (the formula's logits, off CPU: [chunk * H_q, L])
 
 
 def dense_attention(
