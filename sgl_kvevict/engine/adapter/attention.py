@@ -51,7 +51,9 @@ from sgl_kvevict.engine.coordinator import CompressionCoordinator
 from sgl_kvevict.engine.registry import Engine, engine_for
 from sgl_kvevict.kernels import merge_attention_states, segment_attention
 
-_QUERY_CHUNK = 512  # bounds an extend's dense part per request: its fp32 mask [chunk * G, L] (the formula's logits, off CPU: [chunk * H_q, L])
+# Bounds an extend's dense part per request: its fp32 mask [chunk * G, L] (the formula's logits, off CPU:
+# [chunk * H_q, L]).
+_QUERY_CHUNK = 512
 
 
 def dense_attention(
