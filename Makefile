@@ -54,6 +54,8 @@ $(STAMP): requirements/cpu.txt pyproject.toml
 	echo "import sgl_kvevict.torchvision_hook" > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/sgl_kvevict_torchvision_hook.pth"
 	$(PY) -c "import sgl_kvevict.compat as c; c.activate_cpu_mode(); import sglang.srt.server_args, transformers, sglang_router.router"
 	$(PY) -m sglang.benchmark.serving --help > /dev/null
+	# The CPU decode kernel, compiled once here rather than by the first server (kernels/paged_decode.py).
+	$(PY) -c "from sgl_kvevict.kernels.paged_decode import paged_decode_available as built; print('CPU paged decode kernel built:', built())"
 	touch $(STAMP)
 
 serve: setup

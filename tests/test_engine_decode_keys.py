@@ -142,11 +142,13 @@ def test_buckets_cover_every_sequence_once_each_padded_to_its_own_longest(monkey
 
 @pytest.mark.parametrize("overhead", [batch_module.BUCKET_OVERHEAD_KEYS, 0])
 def test_decode_in_buckets_attends_as_the_formula(monkeypatch, overhead):
-    """With no overhead every group of sequences is its own padded call (the scenario's heads keep
-    different counts): each step must still give the formula's result."""
+    """The padded SDPA path (``padded_sdpa_decode``, where the CPU kernel is not built): with no overhead
+    every group of sequences is its own padded call (the scenario's heads keep different counts): each step
+    must still give the formula's result."""
     monkeypatch.setattr(batch_module, "BUCKET_OVERHEAD_KEYS", overhead)
     scenario = build_scenario(DECODE, ForwardMode.DECODE, NUM_KV_HEADS, GROUP)
     backend = torch_backend(scenario)
+    backend._paged_decode = False
     assert_attends_as_the_formula(backend, scenario)
     most_calls = max(len(backend.decode_keys.layer_buckets(layer)) for layer in range(NUM_LAYERS))
     assert most_calls == 1 if overhead else most_calls > 2

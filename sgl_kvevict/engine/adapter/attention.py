@@ -50,6 +50,7 @@ from sgl_kvevict.engine.cells import CellSpace
 from sgl_kvevict.engine.coordinator import CompressionCoordinator
 from sgl_kvevict.engine.registry import Engine, engine_for
 from sgl_kvevict.kernels import merge_attention_states, segment_attention
+from sgl_kvevict.kernels.paged_decode import paged_decode, paged_decode_available
 
 # Bounds an extend's dense part per request: its fp32 mask [chunk * G, L] (the formula's logits, off CPU:
 # [chunk * H_q, L]).
@@ -234,6 +235,34 @@ def local_window(layer) -> Optional[int]:
     return window if window is not None and window > -1 else None
 
 
+def padded_sdpa_decode(
+    q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, keys: DecodeKeys, layer_id: int, scale: float
+) -> torch.Tensor:
+    """The decode attention of ``keys``' sequences in layer ``layer_id`` through ATen's SDPA (any device, any
+    pool dtype): a layer's sequences go in buckets of similar key counts (``key_buckets``), each gathered,
+    padded to its own longest and attended in one call. q ``[S, G, D]``; returns ``[S, G, D_v]`` in q's dtype."""
+    rows, visible = keys.rows[layer_id], keys.visible[layer_id]  # [S, W], [S, 1, 1, W]
+    sequences, group = q.shape[0], q.shape[1]
+    q = q.unsqueeze(1)  # [S, 1, G, D]
+    out = None
+    for bucket in keys.layer_buckets(layer_id):
+        chosen, width = bucket.sequences, bucket.width
+        bucket_rows, bucket_visible, bucket_q = rows[:, :width], visible[..., :width], q
+        if chosen is not None:
+            bucket_rows, bucket_visible, bucket_q = (t.index_select(0, chosen) for t in (bucket_rows, bucket_visible, q))
+        # index_select, not k_rows[rows]: advanced indexing by a 2-D index is several times slower on CPU.
+        flat = bucket_rows.reshape(-1)
+        k = k_rows.index_select(0, flat).view(len(bucket_q), 1, width, -1).to(q.dtype)
+        v = v_rows.index_select(0, flat).view(len(bucket_q), 1, width, -1).to(q.dtype)
+        attended = scaled_dot_product_attention(bucket_q, k, v, attn_mask=bucket_visible, scale=scale)  # [n, 1, G, D_v]
+        if chosen is None:
+            out = attended
+        else:
+            out = q.new_empty(sequences, 1, group, v.shape[-1]) if out is None else out
+            out.index_copy_(0, chosen, attended)
+    return out.squeeze(1)
+
+
 class KVEvictTorchBackend(SegmentAttentionBackend, TorchNativeAttnBackend):
     """``TorchNativeAttnBackend`` that scores prompts for eviction and attends over compressed nodes.
 
@@ -249,6 +278,8 @@ class KVEvictTorchBackend(SegmentAttentionBackend, TorchNativeAttnBackend):
     def __init__(self, model_runner):
         super().__init__(model_runner)
         self._decode_keys = DecodeKeysCache()
+        # Built (or loaded from its cache) here, at start-up, not on the first decode step of a request.
+        self._paged_decode = torch.device(self.device).type == "cpu" and paged_decode_available()
 
     def _init_segment_metadata(self, forward_batch, segments: SegmentMetadata) -> None:
         TorchNativeAttnBackend.init_forward_metadata(self, forward_batch)  # per-request SDPA needs nothing planned
@@ -296,36 +327,21 @@ class KVEvictTorchBackend(SegmentAttentionBackend, TorchNativeAttnBackend):
 
     def _decode_attention(self, queries: torch.Tensor, layer) -> torch.Tensor:
         """Every request of a decode batch, plain ones included, in one pass over each (request, KV head)'s
-        keys (``DecodeKeys``: its cells and its dense positions, padded), the GQA group as the queries of
-        its KV head: no merge of two parts, no loop over requests. A layer's sequences go in buckets of
-        similar key counts (``key_buckets``), each padded to its own longest and attended in one call of
-        ATen's SDPA, so the work follows the keys kept. queries ``[B, H_q, D]``; returns ``[B, H_q, D_v]``.
+        keys (``DecodeKeys``: its cells and its dense positions), the GQA group as the queries of its KV
+        head: no merge of two parts, no loop over requests. queries ``[B, H_q, D]``; returns ``[B, H_q, D_v]``.
 
-        SDPA is stock's own kernel (the per-request decode of ``torch_native`` calls it): on CPU it keeps
-        QK, the softmax and PV in fp32 for bf16 inputs and rounds the output once, so the numerics are
-        stock's; it reads the gathered keys in their dtype (no fp32 copy of them), which halves the step's
-        attention against an fp32 ``baddbmm`` / ``softmax`` / ``bmm`` on one core."""
+        On CPU the compiled kernel (``kernels.paged_decode``) reads each sequence's rows in place and stops
+        at its own end, so the work follows the keys kept; where it is not built, or the pool's dtype is not
+        the queries', ``padded_sdpa_decode``. Both accumulate QK, the softmax and PV in fp32 for bf16 inputs
+        and round the output once, as stock's per-request SDPA does."""
         keys, (k_rows, v_rows) = self.decode_keys, self.cell_rows
-        rows, visible = keys.rows[layer.layer_id], keys.visible[layer.layer_id]  # [S, W], [S, 1, 1, W]; S = B * H_kv
-        sequences = rows.shape[0]
-        group = layer.tp_q_head_num // layer.tp_k_head_num
-        q = queries.reshape(sequences, 1, group, -1)  # query head h * G + g is KV head h's g-th: [S, 1, G, D]
-        out = None
-        for bucket in keys.layer_buckets(layer.layer_id):
-            chosen, width = bucket.sequences, bucket.width
-            bucket_rows, bucket_visible, bucket_q = rows[:, :width], visible[..., :width], q
-            if chosen is not None:
-                bucket_rows, bucket_visible, bucket_q = (t.index_select(0, chosen) for t in (bucket_rows, bucket_visible, q))
-            # index_select, not k_rows[rows]: advanced indexing by a 2-D index is several times slower on CPU.
-            flat = bucket_rows.reshape(-1)
-            k = k_rows.index_select(0, flat).view(len(bucket_q), 1, width, -1).to(q.dtype)
-            v = v_rows.index_select(0, flat).view(len(bucket_q), 1, width, -1).to(q.dtype)
-            attended = scaled_dot_product_attention(bucket_q, k, v, attn_mask=bucket_visible, scale=layer.scaling)  # [n, 1, G, D_v]
-            if chosen is None:
-                out = attended
-            else:
-                out = q.new_empty(sequences, 1, group, v.shape[-1]) if out is None else out
-                out.index_copy_(0, chosen, attended)
+        sequences = keys.rows.shape[1]  # B * H_kv
+        q = queries.reshape(sequences, layer.tp_q_head_num // layer.tp_k_head_num, -1)  # head h * G + g: [S, G, D]
+        if self._paged_decode and k_rows.dtype == q.dtype:
+            rows, ends = keys.rows[layer.layer_id], keys.ends[layer.layer_id]
+            out = paged_decode(q.contiguous(), k_rows, v_rows, rows, ends, layer.scaling)
+        else:
+            out = padded_sdpa_decode(q, k_rows, v_rows, keys, layer.layer_id, layer.scaling)
         return out.view(queries.shape[0], layer.tp_q_head_num, -1)
 
     def _window_attention(self, queries: torch.Tensor, layer, requests, window_left: int) -> torch.Tensor:
