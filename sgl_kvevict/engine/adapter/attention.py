@@ -19,7 +19,8 @@ compressed ones; each layer runs on it, then tells the coordinator the layer is 
 * **The torch backend's decode** needs no merge: one query per request sees every key, so each
   (request, KV head) is one sequence of its cells and its dense positions together (``DecodeKeys``,
   kept across decode steps), attended in one batched call per layer for every request of the batch,
-  plain ones included. Its extend merges the two parts as above.
+  plain ones included (on CPU a C++ kernel that reads each key in place, ``kernels.paged_decode``). Its
+  extend merges the two parts as above.
 
 The dispatch lives in ``SegmentAttentionBackend`` and is shared with the CUDA backend
 (``flashinfer_backend.py``), as is ``compressed_attention``. Everything a layer runs indexes tensors
