@@ -106,7 +106,7 @@ def expected(process: Process, enabled: bool) -> list[tuple[str, str]]:
     return [
         (names.get(c.kind, c.kind.name), c.target)
         for c in CONTACTS
-        if c.process is process and (enabled or c.kind in (Kind.PROBE, Kind.ROUTE))
+        if c.process is process and (enabled or c.stock)
     ]
 
 
@@ -120,15 +120,42 @@ def test_the_plugin_entry_point_makes_every_scheduler_contact_and_no_other(monke
     assert "sgl_kvevict.engine.adapter.flashinfer_backend" not in sys.modules
 
 
-def test_stock_sglang_gets_only_the_probe_and_the_stats_route(monkeypatch):
+def test_stock_sglang_gets_only_the_probe_the_stats_route_and_the_sigterm_watchdog(monkeypatch):
     recorder = Recorder(monkeypatch)
     monkeypatch.delenv(ENV_VAR, raising=False)
     contacts.register()
     contacts.register_http(app=object(), serving=ServingConfig.from_env())
-    assert recorder.made == expected(Process.SCHEDULER, enabled=False) + expected(Process.HTTP, enabled=False)
+    stock_http = expected(Process.HTTP, enabled=False)
+    assert {kind for kind, _ in stock_http} == {"ROUTE", "AROUND"}
+    assert recorder.made == expected(Process.SCHEDULER, enabled=False) + stock_http + [("applied", "")]
 
 
 def test_the_http_process_makes_its_contacts_then_applies_its_hooks(monkeypatch):
     recorder = Recorder(monkeypatch)
     contacts.register_http(app=object(), serving=ServingConfig("snapkv"))
     assert recorder.made == [*expected(Process.HTTP, enabled=True), ("applied", "")]
+
+
+def test_the_sigterm_watchdog_hands_over_to_sglangs_once_the_flag_is_set():
+    """SGLang's own watchdog looks for the flag every 5 s; the hook waits for it, then runs SGLang's, which
+    drains and exits: called once, after SIGTERM, with the flag set."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from sgl_kvevict.engine.adapter.http import prompt_sigterm_watchdog
+
+    manager = SimpleNamespace(gracefully_exit=False)
+    calls = []
+
+    async def sglangs_watchdog(tokenizer_manager):
+        calls.append((tokenizer_manager, tokenizer_manager.gracefully_exit))
+
+    async def scenario():
+        watchdog = asyncio.create_task(prompt_sigterm_watchdog(sglangs_watchdog, manager))
+        await asyncio.sleep(0.3)
+        assert not calls and not watchdog.done()  # no SIGTERM yet: still watching
+        manager.gracefully_exit = True  # what SGLang's SIGTERM handler sets
+        await asyncio.wait_for(watchdog, timeout=2.0)  # well under SGLang's 5-s poll
+
+    asyncio.run(scenario())
+    assert calls == [(manager, True)]

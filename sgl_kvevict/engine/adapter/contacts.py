@@ -9,8 +9,9 @@ entry points read ``CONTACTS``:
 * ``register_http``: called by the launcher's SGLang process (``sgl_kvevict.server.sglang_entry``) with
   SGLang's FastAPI app, for the ``HTTP`` contacts.
 
-The debug probe (it acts only with its own variable set) and the stats route are made for stock
-SGLang too, so stock servers are measured and polled the same way.
+The contacts marked ``stock`` are made for stock SGLang too (no policy): the debug probe (it acts only
+with its own variable set) and the stats route, so stock servers are measured and polled the same way,
+and the prompt SIGTERM watchdog, so every server the launcher starts stops as fast.
 
 A handler is named ``module:attribute`` inside this package and imported when its contact is made,
 except a backend factory's, imported when SGLang first calls it (the FlashInfer backend's module
@@ -54,7 +55,8 @@ class Process(enum.Enum):
 @dataclass(frozen=True)
 class Contact:
     """target: what of SGLang is touched (a dotted name, a backend or route name); handler:
-    ``module:attribute`` in ``sgl_kvevict.engine.adapter``; why: one line for the design document."""
+    ``module:attribute`` in ``sgl_kvevict.engine.adapter``; why: one line for the design document;
+    stock: made without a policy too."""
 
     process: Process
     kind: Kind
@@ -62,6 +64,7 @@ class Contact:
     handler: str
     why: str
     configured: bool = False
+    stock: bool = False
 
     def resolve(self, serving: ServingConfig):
         module_name, attribute = self.handler.split(":")
@@ -85,7 +88,7 @@ _DECODE_GRAPH_RUNNER = "sglang.srt.model_executor.runner.decode_cuda_graph_runne
 S, H = Process.SCHEDULER, Process.HTTP
 CONTACTS: tuple[Contact, ...] = (
     Contact(S, Kind.PROBE, "torch.Tensor syncing methods, ModelRunner.forward", "sync_probe:install",
-            "counts host-synchronising calls per forward (KVEVICT_SYNC_PROBE; tests/test_engine_sync.py)"),
+            "counts host-synchronising calls per forward (KVEVICT_SYNC_PROBE; tests/test_engine_sync.py)", stock=True),
     Contact(S, Kind.PATCH, "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._create_buffers_normal",
             "pool:install_contiguous_kv_buffers", "every layer's K/V in one allocation, so cells can hold any layer's entry"),
     Contact(S, Kind.RADIX_CACHE_BACKEND, RADIX_CACHE_BACKEND, "factory:radix_cache_factory",
@@ -110,16 +113,17 @@ CONTACTS: tuple[Contact, ...] = (
     Contact(S, Kind.AROUND, f"{_DECODE_GRAPH_RUNNER}.can_run_graph", "scheduler_hooks:replays_only_fitting_batches",
             "a batch whose cells exceed the segments graph's buffers decodes eagerly"),
     Contact(H, Kind.ROUTE, "GET /kvevict/stats", "http:stats_route",
-            "the scheduler's compression statistics over HTTP", configured=True),
+            "the scheduler's compression statistics over HTTP", configured=True, stock=True),
     Contact(H, Kind.AFTER, "sglang.srt.entrypoints.api_contract.generate_contract_error", "http:check_generate_body",
             "/generate refuses eviction options the server does not serve (HTTP 400)", configured=True),
     Contact(H, Kind.BEFORE, "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request",
             "http:check_generate_request", "every other route refuses them too (HTTP 400)", configured=True),
+    Contact(H, Kind.AROUND, "sglang.srt.managers.tokenizer_manager.TokenizerManager.sigterm_watchdog",
+            "http:prompt_sigterm_watchdog", "SIGTERM noticed within 50 ms, not SGLang's 5-s poll; the drain is SGLang's",
+            stock=True),
 )  # fmt: skip
 _HOOK_KINDS = (Kind.AFTER, Kind.AROUND, Kind.BEFORE)
 _FACTORY_KINDS = (Kind.ATTENTION_BACKEND, Kind.RADIX_CACHE_BACKEND)
-# Made for stock SGLang too (no policy): the probe measures stock servers, the route says there is no policy.
-_ALWAYS = (Kind.PROBE, Kind.ROUTE)
 
 
 def register() -> None:
@@ -134,7 +138,7 @@ def register_http(app, serving: ServingConfig) -> None:
 
 
 def _make(serving: ServingConfig, process: Process, app) -> None:
-    contacts = [c for c in CONTACTS if c.process is process and (serving.enabled or c.kind in _ALWAYS)]
+    contacts = [c for c in CONTACTS if c.process is process and (serving.enabled or c.stock)]
     if serving.enabled:
         check_sglang_version()  # the engine hooks into one SGLang version's internals
     if not contacts:
@@ -163,9 +167,8 @@ def _make(serving: ServingConfig, process: Process, app) -> None:
 def render_table() -> str:
     lines = ["| process | kind | SGLang target | handler (`engine/adapter/`) | why |", "|---|---|---|---|---|"]
     for contact in CONTACTS:
-        lines.append(
-            f"| {contact.process.value} | {contact.kind.value} | `{contact.target}` | `{contact.handler}` | {contact.why} |"
-        )
+        kind = f"{contact.kind.value} (stock too)" if contact.stock else contact.kind.value
+        lines.append(f"| {contact.process.value} | {kind} | `{contact.target}` | `{contact.handler}` | {contact.why} |")
     return "\n".join(lines)
 
 
