@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -70,14 +71,48 @@ def check_port_free(host: str, port: int) -> None:
             raise StartupError(f"cannot listen on {host}:{port}: {error.strerror}") from None
 
 
-def free_loopback_ports(count: int) -> list[int]:
-    """``count`` distinct ports free on 127.0.0.1 now (the kernel's picks; held open together so they
-    differ). Another process could take one before its server binds it: that server then fails to
-    start and the launcher reports it."""
-    sockets = [socket.socket() for _ in range(count)]
+# Ports are picked below the kernel's ephemeral range, from which bind(0) and every outgoing connection
+# take theirs: a port the kernel handed out (the first version of this function) could become a
+# client connection's local port before its server bound it, and uvicorn then failed with "address
+# already in use" (seen once in a test run). SGLang picks its own internal ports in 22000-29999
+# (``get_free_port_below_ephemeral``) and ``make serve`` listens on 30000: both are left out.
+PICKED_PORT_RANGES = ((10000, 21999), (30001, 32767))
+
+
+def ephemeral_port_range() -> tuple[int, int]:
     try:
-        for sock in sockets:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def free_loopback_ports(count: int) -> list[int]:
+    """``count`` distinct ports free on 127.0.0.1 now, drawn at random outside the kernel's ephemeral
+    range (``PICKED_PORT_RANGES``; the kernel's own picks where that range overlaps them all). Another
+    process could still bind one before its server does: that server then fails to start and the
+    launcher reports it."""
+    ephemeral_low, ephemeral_high = ephemeral_port_range()
+    candidates = [port for low, high in PICKED_PORT_RANGES for port in range(low, high + 1)
+                  if not ephemeral_low <= port <= ephemeral_high]  # fmt: skip
+    # SystemRandom: processes forked from one parent share the ``random`` module's state.
+    candidates = random.SystemRandom().sample(candidates, len(candidates)) if len(candidates) >= 64 * count else []
+    sockets: list[socket.socket] = []
+    try:
+        for port in candidates:
+            sock = socket.socket()
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                sock.close()
+                continue
+            sockets.append(sock)
+            if len(sockets) == count:
+                break
+        while len(sockets) < count:
+            sock = socket.socket()
             sock.bind(("127.0.0.1", 0))
+            sockets.append(sock)
         return [sock.getsockname()[1] for sock in sockets]
     finally:
         for sock in sockets:

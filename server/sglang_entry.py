@@ -1,9 +1,10 @@
 """The SGLang server process the launcher starts.
 
-SGLang spawns its scheduler and detokenizer processes with the ``spawn`` start method, and a spawned
+SGLang starts its scheduler and detokenizer processes with the ``spawn`` start method, and a spawned
 child re-imports the parent's main module (unless it is a ``__main__`` module). This module is that
 main module, so the CPU development mode below is active in every SGLang process, before any of them
-imports sglang.
+imports sglang. (In CPU development mode they are forked instead while this process has one thread,
+``sgl_kvevict.engine.adapter.start_method``, and inherit the mode.)
 """
 
 import os

@@ -120,13 +120,13 @@ def test_the_plugin_entry_point_makes_every_scheduler_contact_and_no_other(monke
     assert "sgl_kvevict.engine.adapter.flashinfer_backend" not in sys.modules
 
 
-def test_stock_sglang_gets_only_the_probe_the_stats_route_and_the_sigterm_watchdog(monkeypatch):
+def test_stock_sglang_gets_only_the_probe_the_stats_route_the_sigterm_watchdog_and_the_start_method(monkeypatch):
     recorder = Recorder(monkeypatch)
     monkeypatch.delenv(ENV_VAR, raising=False)
     contacts.register()
     contacts.register_http(app=object(), serving=ServingConfig.from_env())
     stock_http = expected(Process.HTTP, enabled=False)
-    assert {kind for kind, _ in stock_http} == {"ROUTE", "AROUND"}
+    assert sorted(kind for kind, _ in stock_http) == ["AFTER", "AROUND", "ROUTE"]
     assert recorder.made == expected(Process.SCHEDULER, enabled=False) + stock_http + [("applied", "")]
 
 
@@ -159,3 +159,31 @@ def test_the_sigterm_watchdog_hands_over_to_sglangs_once_the_flag_is_set():
 
     asyncio.run(scenario())
     assert calls == [(manager, True)]
+
+
+START_METHOD_AFTER_SGLANGS = """
+import multiprocessing, sys, threading
+from sgl_kvevict.compat import activate_cpu_mode
+activate_cpu_mode()
+from sgl_kvevict.engine.adapter.start_method import fork_children_on_cpu
+if sys.argv[1] == "thread":
+    threading.Thread(target=threading.Event().wait, daemon=True).start()
+multiprocessing.set_start_method("spawn", force=True)  # what engine._set_envs_and_config does
+fork_children_on_cpu(None, object())
+print(multiprocessing.get_start_method())
+"""
+
+
+@pytest.mark.parametrize("threads, start_method", [("none", "fork"), ("thread", "spawn")])
+def test_sglangs_children_are_forked_on_cpu_only_from_a_single_threaded_process(threads, start_method):
+    """A fork copies one thread, so with a second one (here a Python thread; an OpenMP pool counts the
+    same, /proc/self/task) SGLang's spawn stays. A fresh interpreter, as the launcher starts SGLang's
+    (one OpenMP thread, so torch starts no pool): the start method is process-wide."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-c", START_METHOD_AFTER_SGLANGS, threads], capture_output=True, text=True,
+                         cwd=ROOT, env=env, timeout=120)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split()[-1] == start_method

@@ -15,7 +15,7 @@ import pytest
 
 from sgl_kvevict.server.capacity import GIB, WorkerFootprint, check_gpus, check_host_memory, worker_footprint
 from sgl_kvevict.server.port_relay import PortRelay
-from sgl_kvevict.server.processes import StartupError, free_loopback_ports
+from sgl_kvevict.server.processes import PICKED_PORT_RANGES, StartupError, ephemeral_port_range, free_loopback_ports
 from sgl_kvevict.server.stats_aggregate import StatsServer, aggregate
 
 
@@ -28,6 +28,19 @@ def worker_stats(reuse_hits: int, served: dict, served_max: int) -> dict:
 class QuietHandler(BaseHTTPRequestHandler):
     def log_message(self, *_args):  # one line per request on the test's stderr otherwise
         pass
+
+
+def test_picked_ports_are_distinct_free_and_outside_the_ephemeral_range_and_sglangs():
+    """No port the kernel hands a client connection (or SGLang its own ports, 22000-29999) is picked, so
+    none can be taken between the pick and the server's bind but by another explicit bind."""
+    [taken] = free_loopback_ports(1)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", taken))
+        ports = free_loopback_ports(16)
+    ephemeral_low, ephemeral_high = ephemeral_port_range()
+    assert len(set(ports)) == 16 and taken not in ports
+    assert all(any(low <= port <= high for low, high in PICKED_PORT_RANGES) for port in ports), ports
+    assert not any(ephemeral_low <= port <= ephemeral_high or 22000 <= port <= 30000 for port in ports), ports
 
 
 def serve_in_thread(handler: type[BaseHTTPRequestHandler]) -> tuple[ThreadingHTTPServer, int]:

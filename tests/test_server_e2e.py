@@ -9,6 +9,7 @@ import pytest
 
 from serving import running_server
 from sgl_kvevict.compat import cpu_mode_needed
+from sgl_kvevict.engine.adapter.start_method import FORK_ANNOUNCEMENT
 
 pytestmark = pytest.mark.server
 
@@ -48,6 +49,7 @@ def test_tiny_model_chat_and_prefix_cache(tiny_llama_dir, tmp_path):
         # SGLang's warning per model module the CPU mode cannot import, folded into one line
         # (sgl_kvevict/compat/skipped_models.py).
         assert "Ignore import error" not in log
+        assert FORK_ANNOUNCEMENT in log  # the scheduler and detokenizer inherit SGLang's modules
         assert len(re.findall(r"\] \d+ SGLang model modules skipped on CPU \(", log)) == 1, log[-3000:]
 
 

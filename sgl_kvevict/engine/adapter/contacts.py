@@ -4,14 +4,16 @@ SGLang spawns its processes, so registries filled in the launcher do not reach t
 entry points read ``CONTACTS``:
 
 * ``register``: the ``sglang.srt.plugins`` entry point (pyproject.toml), run by SGLang's plugin loader
-  in every SGLang process, the scheduler included (docs/sglang.md#processes-and-plugin-loading). It
-  makes the ``SCHEDULER`` contacts when a policy is set (the launcher's ``KVEVICT_SERVING``);
+  in every SGLang process, the scheduler included (docs/sglang.md#processes-and-plugin-loading; a
+  scheduler forked in CPU development mode inherits what it made in the HTTP process). It makes the
+  ``SCHEDULER`` contacts when a policy is set (the launcher's ``KVEVICT_SERVING``);
 * ``register_http``: called by the launcher's SGLang process (``sgl_kvevict.server.sglang_entry``) with
   SGLang's FastAPI app, for the ``HTTP`` contacts.
 
 The contacts marked ``stock`` are made for stock SGLang too (no policy): the debug probe (it acts only
 with its own variable set) and the stats route, so stock servers are measured and polled the same way,
-and the prompt SIGTERM watchdog, so every server the launcher starts stops as fast.
+and the prompt SIGTERM watchdog and the CPU start method, so every server the launcher starts starts
+and stops as fast.
 
 A handler is named ``module:attribute`` inside this package and imported when its contact is made,
 except a backend factory's, imported when SGLang first calls it (the FlashInfer backend's module
@@ -118,6 +120,9 @@ CONTACTS: tuple[Contact, ...] = (
             "/generate refuses eviction options the server does not serve (HTTP 400)", configured=True),
     Contact(H, Kind.BEFORE, "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request",
             "http:check_generate_request", "every other route refuses them too (HTTP 400)", configured=True),
+    Contact(H, Kind.AFTER, "sglang.srt.entrypoints.engine._set_envs_and_config", "start_method:fork_children_on_cpu",
+            "CPU development mode: the scheduler and detokenizer forked, not spawned (no re-import of SGLang)",
+            stock=True),
     Contact(H, Kind.AROUND, "sglang.srt.managers.tokenizer_manager.TokenizerManager.sigterm_watchdog",
             "http:prompt_sigterm_watchdog", "SIGTERM noticed within 50 ms, not SGLang's 5-s poll; the drain is SGLang's",
             stock=True),
