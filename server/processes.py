@@ -87,32 +87,38 @@ def ephemeral_port_range() -> tuple[int, int]:
         return 32768, 60999  # Linux's default
 
 
+def _loopback_socket_bound_to(port: int) -> Optional[socket.socket]:
+    sock = socket.socket()
+    try:
+        sock.bind(("127.0.0.1", port))
+    except OSError:
+        sock.close()
+        return None
+    return sock
+
+
 def free_loopback_ports(count: int) -> list[int]:
-    """``count`` distinct ports free on 127.0.0.1 now, drawn at random outside the kernel's ephemeral
-    range (``PICKED_PORT_RANGES``; the kernel's own picks where that range overlaps them all). Another
-    process could still bind one before its server does: that server then fails to start and the
-    launcher reports it."""
+    """``count`` distinct ports free on 127.0.0.1 now (held open together so they differ), drawn at
+    random from ``PICKED_PORT_RANGES`` outside the kernel's ephemeral range; the kernel's own picks
+    where no draw binds. Another process could still bind one before its server does: that server
+    then fails to start and the launcher reports it."""
     ephemeral_low, ephemeral_high = ephemeral_port_range()
     candidates = [port for low, high in PICKED_PORT_RANGES for port in range(low, high + 1)
                   if not ephemeral_low <= port <= ephemeral_high]  # fmt: skip
     # SystemRandom: processes forked from one parent share the ``random`` module's state.
-    candidates = random.SystemRandom().sample(candidates, len(candidates)) if len(candidates) >= 64 * count else []
+    draws = random.SystemRandom().sample(candidates, min(len(candidates), 64 * count))
     sockets: list[socket.socket] = []
     try:
-        for port in candidates:
-            sock = socket.socket()
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                sock.close()
-                continue
-            sockets.append(sock)
+        for port in draws:
             if len(sockets) == count:
                 break
+            sock = _loopback_socket_bound_to(port)
+            if sock is not None:
+                sockets.append(sock)
         while len(sockets) < count:
             sock = socket.socket()
-            sock.bind(("127.0.0.1", 0))
             sockets.append(sock)
+            sock.bind(("127.0.0.1", 0))
         return [sock.getsockname()[1] for sock in sockets]
     finally:
         for sock in sockets:

@@ -3,6 +3,8 @@ table is that table, each handler exists, and registration makes exactly those c
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -179,9 +181,6 @@ def test_sglangs_children_are_forked_on_cpu_only_from_a_single_threaded_process(
     """A fork copies one thread, so with a second one (here a Python thread; an OpenMP pool counts the
     same, /proc/self/task) SGLang's spawn stays. A fresh interpreter, as the launcher starts SGLang's
     (one OpenMP thread, so torch starts no pool): the start method is process-wide."""
-    import os
-    import subprocess
-
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     run = subprocess.run([sys.executable, "-c", START_METHOD_AFTER_SGLANGS, threads], capture_output=True, text=True,
                          cwd=ROOT, env=env, timeout=120)  # fmt: skip

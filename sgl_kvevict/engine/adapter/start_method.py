@@ -16,6 +16,8 @@ import logging
 import multiprocessing
 import os
 
+from sgl_kvevict.compat import cpu_mode_needed
+
 logger = logging.getLogger(__name__)
 
 FORK_ANNOUNCEMENT = "sgl-kvevict: CPU development mode: SGLang's processes forked, not spawned"
@@ -29,8 +31,6 @@ def os_thread_count() -> int:
 def fork_children_on_cpu(result, *args, **kwargs) -> None:
     """After ``engine._set_envs_and_config``, which set ``spawn``: ``fork`` in CPU development mode while
     this process is single-threaded (the module docstring says why)."""
-    from sgl_kvevict.compat import cpu_mode_needed
-
     if not cpu_mode_needed():
         return
     threads = os_thread_count()
