@@ -122,13 +122,14 @@ def test_the_plugin_entry_point_makes_every_scheduler_contact_and_no_other(monke
     assert "sgl_kvevict.engine.adapter.flashinfer_backend" not in sys.modules
 
 
-def test_stock_sglang_gets_only_the_probe_the_stats_route_the_sigterm_watchdog_and_the_start_method(monkeypatch):
+def test_stock_sglang_gets_only_the_probe_the_stats_route_and_the_start_and_stop_contacts(monkeypatch):
+    """The start and stop contacts: the CPU start method, the SIGTERM watchdog, the early /freeze_gc skipped."""
     recorder = Recorder(monkeypatch)
     monkeypatch.delenv(ENV_VAR, raising=False)
     contacts.register()
     contacts.register_http(app=object(), serving=ServingConfig.from_env())
     stock_http = expected(Process.HTTP, enabled=False)
-    assert sorted(kind for kind, _ in stock_http) == ["AFTER", "AROUND", "ROUTE"]
+    assert sorted(kind for kind, _ in stock_http) == ["AFTER", "AROUND", "AROUND", "ROUTE"]
     assert recorder.made == expected(Process.SCHEDULER, enabled=False) + stock_http + [("applied", "")]
 
 
@@ -161,6 +162,21 @@ def test_the_sigterm_watchdog_hands_over_to_sglangs_once_the_flag_is_set():
 
     asyncio.run(scenario())
     assert calls == [(manager, True)]
+
+
+@pytest.mark.parametrize("skip_server_warmup, sglangs_freeze_runs", [(True, False), (False, True)])
+def test_sglangs_own_freeze_gc_runs_only_after_a_warmup(monkeypatch, skip_server_warmup, sglangs_freeze_runs):
+    """Without a warm-up SGLang would post /freeze_gc before uvicorn listens; the launcher freezes then."""
+    from types import SimpleNamespace
+
+    import sglang.srt.runtime_context as runtime_context
+
+    from sgl_kvevict.engine.adapter.http import freeze_gc_after_warmup_only
+
+    monkeypatch.setattr(runtime_context, "get_serving", lambda: SimpleNamespace(skip_server_warmup=skip_server_warmup))
+    calls = []
+    freeze_gc_after_warmup_only(calls.append, "server_args")
+    assert calls == (["server_args"] if sglangs_freeze_runs else [])
 
 
 START_METHOD_AFTER_SGLANGS = """

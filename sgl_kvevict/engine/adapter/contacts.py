@@ -12,8 +12,8 @@ entry points read ``CONTACTS``:
 
 The contacts marked ``stock`` are made for stock SGLang too (no policy): the debug probe (it acts only
 with its own variable set) and the stats route, so stock servers are measured and polled the same way,
-and the prompt SIGTERM watchdog and the CPU start method, so every server the launcher starts starts
-and stops as fast.
+and the prompt SIGTERM watchdog, the CPU start method and the skipped early ``/freeze_gc``, so every
+server the launcher starts starts and stops as fast and as quietly.
 
 A handler is named ``module:attribute`` inside this package and imported when its contact is made,
 except a backend factory's, imported when SGLang first calls it (the FlashInfer backend's module
@@ -126,6 +126,9 @@ CONTACTS: tuple[Contact, ...] = (
     Contact(H, Kind.AROUND, "sglang.srt.managers.tokenizer_manager.TokenizerManager.sigterm_watchdog",
             "http:prompt_sigterm_watchdog", "SIGTERM noticed within 50 ms, not SGLang's 5-s poll; the drain is SGLang's",
             stock=True),
+    Contact(H, Kind.AROUND, "sglang.srt.entrypoints.http_server._freeze_gc_after_server_warmup",
+            "http:freeze_gc_after_warmup_only", "with --skip-server-warmup, no /freeze_gc before uvicorn listens (the "
+            "launcher freezes once /health answers)", stock=True),
 )  # fmt: skip
 _HOOK_KINDS = (Kind.AFTER, Kind.AROUND, Kind.BEFORE)
 _FACTORY_KINDS = (Kind.ATTENTION_BACKEND, Kind.RADIX_CACHE_BACKEND)

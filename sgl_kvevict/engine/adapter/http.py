@@ -1,6 +1,6 @@
 """The HTTP process's contacts (``contacts.CONTACTS``, made by ``contacts.register_http``): the stats
-route on SGLang's FastAPI app, the refusal of eviction options a server does not serve, and a SIGTERM
-noticed at once.
+route on SGLang's FastAPI app, the refusal of eviction options a server does not serve, a SIGTERM
+noticed at once, and no post-warm-up garbage-collector freeze before the HTTP server listens.
 
 A request whose ``extra_key`` names eviction options the server does not serve
 (``sgl_kvevict.request_options``) gets HTTP 400 with the one-line reason before it reaches the
@@ -78,3 +78,16 @@ async def prompt_sigterm_watchdog(original, tokenizer_manager):
     while not tokenizer_manager.gracefully_exit:
         await asyncio.sleep(SIGTERM_POLL_SECONDS)
     await original(tokenizer_manager)
+
+
+def freeze_gc_after_warmup_only(original, server_args):
+    """Around ``http_server._freeze_gc_after_server_warmup``: SGLang posts its own ``/freeze_gc`` once its
+    warm-up ran, but with ``--skip-server-warmup`` (the CPU default) that post races uvicorn's start, and
+    refused it logged a 70-line traceback (in 40 of the 65 server starts of a test run). Without a
+    warm-up the launcher freezes the garbage collectors itself once ``/health`` answers
+    (``server.processes.freeze_gc``), so SGLang's early post is skipped; after a warm-up SGLang's own
+    runs as before."""
+    from sglang.srt.runtime_context import get_serving
+
+    if not get_serving().skip_server_warmup:
+        original(server_args)
