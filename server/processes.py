@@ -145,10 +145,11 @@ def authorization(key: Optional[str]) -> dict[str, str]:
 
 def freeze_gc(base_url: str, key: Optional[str]) -> None:
     """Ask a healthy SGLang server to freeze its processes' garbage collectors (``POST /freeze_gc``, an
-    admin route: ``key`` is the admin key or the API key). SGLang asks this of itself after its warm-up,
-    but with ``--skip-server-warmup`` (the CPU default) it asks before its HTTP server listens and the
-    call often fails; unfrozen, every full collection walks the whole heap, and at shutdown the HTTP
-    process took 10-20 s to exit instead of 1-2 (docs/deployment.md)."""
+    admin route: ``key`` is the admin key or the API key). SGLang asks this of itself after its warm-up;
+    with ``--skip-server-warmup`` (the CPU default) it would ask before its HTTP server listens, so that
+    call is skipped (``engine/adapter/http.py``) and this is the only freeze. Unfrozen, every full
+    collection walks the whole heap, and at shutdown the HTTP process took 10-20 s to exit instead of
+    1-2 (docs/deployment.md)."""
     request = urllib.request.Request(f"{base_url}/freeze_gc", data=b"", method="POST", headers=authorization(key))
     try:
         with urllib.request.urlopen(request, timeout=30):
