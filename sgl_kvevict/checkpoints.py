@@ -1,17 +1,19 @@
 """Build model folders that SGLang and HF both load: the GGUF conversion and tiny random models.
 
-Both produce a plain HF folder (config.json, model.safetensors, tokenizer files with a chat template).
+Both produce a plain HF folder (config.json, model.safetensors, tokenizer files with a chat template; a
+base model converted from its GGUF keeps none).
 Outside ``reference/`` because the model resolver (``models.py``) needs the conversion and the reference
 engine needs the resolver; like ``reference/``, it prepares transformers before importing its models.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import torch
 
@@ -28,24 +30,36 @@ CHATML_TEMPLATE = (
 )
 
 
-def convert_gguf_to_safetensors(gguf_file: Path, out_dir: Path) -> None:
-    """Dequantise a GGUF checkpoint into a safetensors folder (config, weights, tokenizer, template)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def convert_gguf_to_safetensors(
+    gguf_file: Path, out_dir: Path, *, chat_template: Optional[str] = CHATML_TEMPLATE, add_bos_token: Optional[bool] = None
+) -> None:
+    """Dequantise a GGUF checkpoint into a safetensors folder (config, weights, tokenizer, template).
+
+    ``chat_template``: the template of a tokenizer whose GGUF has none (None: a base model keeps none);
+    ``add_bos_token``: whether the tokenizer starts every text with BOS (None: as transformers' GGUF
+    tokenizer does, which drops the GGUF's ``tokenizer.ggml.add_bos_token`` for Gemma 3)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src_dir, name = str(gguf_file.parent), gguf_file.name
     quantised = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.float32)
-    config = AutoConfig.from_pretrained(src_dir, gguf_file=name)
     # A fresh model from the config drops the GGUF quantization_config, so the folder loads as a plain
-    # fp32 checkpoint everywhere (SGLang included) instead of re-entering the GGUF path.
+    # fp32 checkpoint everywhere (SGLang included) instead of re-entering the GGUF path. Its config is
+    # the loaded model's (reading the GGUF's metadata again costs seconds), and it is built on the meta
+    # device and given the dequantised tensors (a random initialisation first costs seconds too).
+    config = copy.deepcopy(quantised.config)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config.dtype = torch.float32
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(quantised.state_dict())
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(quantised.state_dict(), assign=True)
+    model.tie_weights()
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
-    if not tokenizer.chat_template:
-        tokenizer.chat_template = CHATML_TEMPLATE
+    if not tokenizer.chat_template and chat_template is not None:
+        tokenizer.chat_template = chat_template
+    if add_bos_token is not None:
+        tokenizer.add_bos_token = add_bos_token  # rewrites the post-processor that tokenizer.json keeps
     tokenizer.save_pretrained(out_dir)
 
 

@@ -87,3 +87,11 @@ def smollm2_dir() -> "Path":
     from sgl_kvevict.models import resolve_model
 
     return resolve_model("smollm2")
+
+
+@pytest.fixture(scope="session")
+def gemma3_dir() -> "Path":
+    """The bundled Gemma 3 270M (base) as a safetensors folder (converted once, about a minute, then cached)."""
+    from sgl_kvevict.models import resolve_model
+
+    return resolve_model("gemma3-270m")
