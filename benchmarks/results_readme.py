@@ -60,7 +60,8 @@ def _fmt(value: Optional[float], digits: int = 2) -> str:
 
 def _provenance(env: dict) -> str:
     dirty = " with uncommitted changes" if env.get("git_worktree_dirty") else ""
-    return f"sgl-kvevict {env['git_commit']}{dirty}, {env['date']}"
+    cpu = f", {env['cpu_model']}" if env.get("cpu_model") else ""
+    return f"sgl-kvevict {env['git_commit']}{dirty}, {env['date']}{cpu}"
 
 
 def engine_overhead_part(report: dict) -> list[str]:
@@ -307,8 +308,9 @@ def generated_part(results: Path) -> str:
     lines = [
         BEGIN,
         "",
-        f"Measured on {env['cpu_model']}, {env['cpu_cores']} cores, GPU: {env['gpu']}; Python {env['python']}, SGLang "
-        f"{env['sglang']}, torch {env['torch']}; SmolLM2-135M-Instruct in bf16, servers run one at a time.",
+        f"Measured on {env['cpu_cores']}-core CPU machines, GPU: {env['gpu']}; each table names its commit, date and CPU. "
+        f"Python {env['python']}, SGLang {env['sglang']}, torch {env['torch']}; SmolLM2-135M-Instruct in bf16 unless the "
+        "command passes `--dtype=float32`; servers run one at a time.",
         "",
         *engine_overhead_part(overhead),
         "",

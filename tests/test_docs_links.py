@@ -1,4 +1,5 @@
-"""The README stays a five-minute page, and every relative link of the documentation resolves: each
+"""The README stays a five-minute page, its front pages keep lines (and table cells) short, every docs
+page opens with the question it answers, and every relative link of the documentation resolves: each
 ``[text](target)`` (and image) in README.md and docs/**/*.md that is not a web or mail address names a
 file or folder of the repository, and a ``#anchor`` into a Markdown file names one of its headings
 under GitHub's slug rule. Links inside code (fenced blocks, inline segments) are not links."""
@@ -10,7 +11,9 @@ from pathlib import Path
 from typing import Iterator, NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
-README_LIMIT_BYTES = 15_000
+README_LIMIT_BYTES = 9_000  # about 8 KB: the front door; details go to docs/
+LINE_LIMIT = 300  # README, status and design: a prose line, or a table cell, read at a glance
+SHORT_LINED = ("README.md", "docs/status.md", "docs/design.md")
 
 FENCE = re.compile(r"^\s*(```|~~~)")
 INLINE_CODE = re.compile(r"(`+)(?:(?!\1).)+?\1")
@@ -147,3 +150,36 @@ def test_the_readme_is_short_and_starts_with_the_two_commands():
     first = sections[1]
     assert "make serve" in first and "make test" in first
 
+
+
+def long_lines(text: str, limit: int = LINE_LIMIT) -> list[tuple[int, int]]:
+    """(line number, length) of each prose line over ``limit`` characters, and of each table row with a
+    cell over it (a Markdown row cannot wrap, so its cells are held to the limit instead); code blocks
+    are not prose."""
+    found = []
+    for number, line in prose_lines(text):
+        if line.lstrip().startswith("|"):
+            longest = max(len(cell.strip()) for cell in line.strip().strip("|").split("|"))
+            if longest > limit:
+                found.append((number, longest))
+        elif len(line) > limit:
+            found.append((number, len(line)))
+    return found
+
+
+def test_the_front_pages_keep_lines_and_cells_short():
+    assert long_lines("short\n| a | " + "b" * 301 + " |\n" + "c" * 301 + "\n```\n" + "d" * 400 + "\n```\n") == [(2, 301), (3, 301)]
+    problems = {name: found for name in SHORT_LINED if (found := long_lines((ROOT / name).read_text()))}
+    assert not problems, f"lines (or table cells) over {LINE_LIMIT} characters: {problems}"
+
+
+def test_every_docs_page_opens_with_the_question_it_answers():
+    """A page's title is its question, or the line after it is (``> ...?``). The method pages and the
+    results pages under docs/ are references, not answers to one question."""
+    missing = []
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        title, blank, question = (page.read_text().split("\n") + ["", ""])[:3]
+        asked = question.startswith("> ") and question.endswith("?") and blank == ""
+        if not title.startswith("# ") or not (title.endswith("?") or asked):
+            missing.append(page.name)
+    assert not missing, f"pages without an opening question (> ...?) under their title: {missing}"

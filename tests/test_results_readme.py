@@ -1,14 +1,16 @@
 """The generated part of docs/results.md is rebuilt from the committed benchmark outputs, and only the
-text between the markers changes."""
+text between the markers changes; the README's headline table is what ``python -m benchmarks.headline``
+prints, and every number in it is a value of the JSON its row links."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
-from benchmarks import results_readme
+from benchmarks import headline, results_readme
 
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 
@@ -142,3 +144,74 @@ def test_optional_parts_render_when_their_outputs_exist(tmp_path):
     # accuracy, vs stock, reuse rate, TTFT 1 and its ratio, TTFT 2 and its ratio, net cost: (2-2) - (1-0.5)
     assert "| lava@0.25 | 45 [26, 66] (n=20) | 1.00 | 1.00 | 2.00 | 1.00 | 0.50 | 0.50 | -0.50 |" in text
     assert text.index("### Soak") < text.index("### KV pool sweep") < text.index("### Answers through the server")
+
+
+# The README's headline: one generated table, every figure in the JSON its row links.
+README = RESULTS.parents[1] / "README.md"
+NUMBER = re.compile(r"(?<![\w.\-:@/])\d+(?:\.\d+)?(?![\w.])|(?<=/)\d+(?:\.\d+)?(?![\w.])")
+
+
+def _leaves(value) -> list[float]:
+    """Every number of a JSON document, numeric strings ("0.25") included."""
+    if isinstance(value, dict):
+        return [leaf for item in value.values() for leaf in _leaves(item)]
+    if isinstance(value, list):
+        return [leaf for item in value for leaf in _leaves(item)]
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, (int, float)):
+        return [float(value)]
+    if isinstance(value, str):
+        try:
+            return [float(value)]
+        except ValueError:
+            return []
+    return []
+
+
+def unsourced_figures(row: str, results: Path = RESULTS) -> list[str]:
+    """The numbers of a headline row that no value of the JSON it links gives, rounded as the row prints
+    them (as a value, a percentage of one, or a percentage as a share): ``headline``'s own rule."""
+    cited = re.search(r"\]\(docs/results/([\w-]+)\.md\)", row)
+    assert cited, f"a headline row links no results page: {row}"
+    leaves = _leaves(json.loads((results / f"{cited.group(1)}.json").read_text()))
+    shown = {}
+    for leaf in leaves:
+        for value in (leaf, leaf * 100, leaf / 100):
+            for digits in range(4):
+                shown.setdefault(f"{value:.{digits}f}", True)
+    text = re.sub(r"\]\([^)]*\)", "]", row)  # link targets are not figures
+    return [number for number in NUMBER.findall(text) if number not in shown]
+
+
+def _headline_rows(text: str) -> list[str]:
+    return [line for line in headline.SECTION.of(text).split("\n") if line.startswith("| [")]
+
+
+def test_the_readme_carries_the_current_headline():
+    text = README.read_text()
+    assert headline.SECTION.of(text) == headline.SECTION.fresh(), "run python -m benchmarks.headline --write README.md"
+    assert len(_headline_rows(text)) == len(headline.ROWS)
+
+
+def test_every_headline_figure_is_in_the_json_its_row_links():
+    rows = _headline_rows(README.read_text())
+    assert rows and all(NUMBER.findall(row) for row in rows)
+    problems = {row.split("](")[0]: missing for row in rows if (missing := unsourced_figures(row))}
+    assert not problems, problems
+
+
+def test_a_figure_edited_by_hand_is_caught():
+    row = next(row for row in _headline_rows(README.read_text()) if "sglang_client.md" in row)
+    assert unsourced_figures(row) == []
+    assert unsourced_figures(row.replace("**×4.66**", "**×4.76**")) == ["4.76"]
+    assert "70" in NUMBER.findall("| [x](docs/results/x.md) | **70% [48, 85]** | 13/24 | keep-99's | fp32 |")
+    assert NUMBER.findall("13/24 keep-99's fp32 Gemma-3-shaped ×1.28 / ×1.21") == ["13", "24", "1.28", "1.21"]
+
+
+def test_check_reports_a_stale_headline(tmp_path, capsys):
+    page = tmp_path / "README.md"
+    page.write_text(f"# title\n\n{headline.SECTION.begin}\n\nstale\n\n{headline.SECTION.end}\n")
+    assert headline.main(["--check", str(page)]) == 1 and "stale" in capsys.readouterr().out
+    assert headline.main(["--write", str(page)]) == 0 and headline.main(["--check", str(page)]) == 0
+    assert page.read_text().startswith("# title\n\n" + headline.SECTION.fresh())
