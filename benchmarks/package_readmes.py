@@ -29,7 +29,8 @@ def readmes() -> list[tuple[str, str]]:
         metadata = distribution.read_text("METADATA") or ""
         message = email.parser.Parser().parsestr(metadata)
         body = message.get_payload()
-        if message["Name"].lower() == OWN_DISTRIBUTION:
+        # A folder's own egg-info (an editable install run from the clone) has no METADATA, so no name.
+        if not message["Name"] or message["Name"].lower() == OWN_DISTRIBUTION:
             continue
         if "markdown" in (message.get("Description-Content-Type") or "") and isinstance(body, str) and body.strip():
             found.setdefault(message["Name"].lower(), body.strip())

@@ -55,6 +55,24 @@ COMPRESSION_DEFAULTS: Defaults = (
 )
 
 
+# The SGLang flags that decide which kernels a forward runs and how it rounds: a stock server compared
+# with a compressing one gets the compressing one's (sgl_kvevict.evaluate), so that `full` against stock
+# measures the plugin's path, not another attention backend or prefill chunk.
+NUMERICS_FLAGS = (
+    "--attention-backend",
+    "--chunked-prefill-size",
+    "--page-size",
+    "--cuda-graph-backend-prefill",
+    "--cuda-graph-backend-decode",
+    "--dtype",
+)
+
+
+def numerics_args(args: list[str]) -> list[str]:
+    """The ``NUMERICS_FLAGS`` that ``args`` sets, with their values (``--flag value`` each)."""
+    return [item for flag in NUMERICS_FLAGS if (value := flag_value(args, flag)) is not None for item in (flag, value)]
+
+
 def has_flag(args: list[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in args)
 

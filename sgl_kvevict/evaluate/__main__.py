@@ -1,7 +1,8 @@
-"""Is a budget safe for my model and my documents? Serve them with stock SGLang and with each candidate
-at the same --max-total-tokens, compare the answers, and print the flags to start the server with.
+"""What does eviction cost my answers? Serve the documents with stock SGLang, with `full` (the plugin
+with nothing evicted) and with each candidate at the same --max-total-tokens, judge every answer, and
+print the flags to start the server with.
 
-    python -m sgl_kvevict.evaluate --model /models/Llama-3.1-8B-Instruct --documents my_docs/
+    python -m sgl_kvevict.evaluate --model /models/Llama-3.1-8B-Instruct --documents my_docs/ --holdout 0.5
     python -m sgl_kvevict.evaluate --model smollm2                            # the bundled task set
     python -m sgl_kvevict.evaluate --documents qa.jsonl --budgets 0.2,0.3,0.5 --scopes request,block
     python -m sgl_kvevict.evaluate --thresholds=-3,-4,-5 --server-arg=--kv-evict-learned-weights=/models/KVzap-mlp-Llama-3.1-8B
@@ -10,24 +11,26 @@ at the same --max-total-tokens, compare the answers, and print the flags to star
 
 Documents: a folder of .txt/.md files, or a JSONL file of {"document", "questions", "answers"} (questions
 and answers optional); none: the bundled task set (--bundled-documents of 2-5K tokens, with reference
-answers). Without questions, each document gets --questions-per-document probes that need no reference
-answer (continue a quoted sentence of the document; name the sentence that follows one): stock's answer
-is the reference. Each question is asked in two forms: in a new request right after the document
-(multi-request) and in a later turn of the conversation, after a summary and the earlier questions
-(multi-turn). A document longer than the context is skipped with a line saying so.
+answers). Without questions, each document gets --questions-per-document probes whose answer is in
+the document (continue a quoted sentence; name the sentence that follows one). Each question is asked
+in two forms: in a new request right after the document (multi-request) and in a later turn of the
+conversation, after a summary and the earlier questions (multi-turn). A model without a chat template
+(a base model) is asked through the completions API, its BOS first. A document longer than the
+context is skipped with a line saying so. Stock is started with the SGLang flags that decide the
+plugin's numerics (attention backend, prefill chunk, page size, graphs, dtype), so `full` against
+stock shows what rounding alone changes; the report prints that first.
 
-Per candidate and length bucket: fidelity to stock (answers equal after normalisation, and token F1),
-accuracy where references are given, the kept share (KV slots held / dense tokens, from
-/kvevict/stats), hit rate, output tok/s and ITL against stock and against `full` (the plugin with
-nothing evicted) of the same run. The recommendation: per candidate family, the smallest budget (or
-with --thresholds the largest score threshold) whose expected fidelity, (matches + 1) / (answers + 2),
-is >= --min-fidelity in every length group (buckets joined until each has enough answers to show it:
-18 per form for 0.95). Answers on one document count less the more alike they are (the counts are
-divided by the design effect of their intraclass correlation, estimated from the run); the flags to
-use are the last line of the output. With --holdout a share of the documents is kept out of the
-calibration and the recommendation's fidelity is measured on them. Writes
-<name>.json (every answer), <name>.md and <name>.png into --out. docs/before-production.md explains the
-report and what it cannot see.
+Every answer is judged against the document (or the reference answers), against `full` and against
+stock. A candidate's kept answers: of the answers its `full` gets right, the share it gets right too
+(without references: the share equal to `full`'s). The verdict is their one-sided --confidence lower
+bound, with the document as the unit (effective counts: answers on one document count less the more
+alike they are), in every length group (buckets joined until each can show --min-kept). The
+recommendation: of the candidates whose bound reaches --min-kept, the one keeping the least KV; with
+--holdout, a share of the documents is kept out of the calibration, and a candidate whose kept answers
+there fall under its bound is not recommended (the next is checked). Where stock answers fewer than
+half the probes right, the model cannot be judged on them and nothing is recommended. The last line
+is the flags to use, or why there are none. Writes <name>.json (every answer), <name>.md and <name>.png
+into --out. docs/before-production.md explains the report and what it cannot see.
 """
 
 from __future__ import annotations
@@ -47,10 +50,13 @@ from typing import Callable, Optional, Sequence
 
 from sgl_kvevict.evaluate.fidelity import FIDELITY_FORMS, bucket_of
 from sgl_kvevict.evaluate.inputs import InputError, bundled_documents, read_documents, with_questions
-from sgl_kvevict.evaluate.report import analyse, markdown, plot
-from sgl_kvevict.evaluate.run import SUMMARY_INSTRUCTION, run_documents
+from sgl_kvevict.evaluate.report import analyse, markdown, plot, verdict_lines
+from sgl_kvevict.evaluate.run import CompletionPrompts, Prompts, prompts_for, run_documents
 from sgl_kvevict.measure.results import environment, write_result_files
-from sgl_kvevict.measure.servers import SCOPES, ServerError, ServerVariant, check_launcher_accepts, check_model_takes, launched_server
+from sgl_kvevict.measure.servers import (
+    SCOPES, ServerError, ServerVariant, check_launcher_accepts, check_model_takes, launched_server, sglang_argv,
+)
+from sgl_kvevict.server.sglang_args import numerics_args
 
 PROG = "python -m sgl_kvevict.evaluate"
 DEFAULT_POLICIES = "topk:learned"
@@ -62,7 +68,10 @@ DENSE_FLAGS = ("--kv-evict-policy", "none")
 PROVISIONAL_POOL = 1 << 20
 QUESTION_ROOM = 48
 # The scores a --thresholds candidate is made for: KVzap's usage, log-space question-agnostic scores.
-THRESHOLD_SCORES = ("learned", "kvzip")  # tokens a question adds to a prompt, for the context and pool sizing
+THRESHOLD_SCORES = ("learned", "kvzip")
+# The default candidates' score where the model has no learned weights: KVzip's, question-agnostic too,
+# which needs none (it reconstructs the context from the KV to score it).
+NO_WEIGHTS_POLICIES = "topk:kvzip"
 
 
 class EvaluateError(ValueError):
@@ -85,9 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--documents", type=Path, help="a folder of .txt/.md files or a JSONL file of {document, questions[, answers]} (default: the bundled task set)")
     add("--bundled-documents", type=int, default=6, help="without --documents: how many bundled documents, 2K/3.5K/5K tokens cycled (default 6)")
     add("--questions-per-document", type=int, default=3, help="probes made per document that has no questions (default 3)")
-    add("--policies", default=DEFAULT_POLICIES, help=f"candidate policies name[:score], comma-separated, e.g. topk:learned,lava:learned,ada-snapkv:attn (default {DEFAULT_POLICIES})")
+    add("--policies", help=f"candidate policies name[:score], comma-separated, e.g. topk:learned,lava:learned,ada-snapkv:attn (default {DEFAULT_POLICIES}; "
+        f"{NO_WEIGHTS_POLICIES} for a model without learned-score weights, bundled or given)")
     add("--budgets", default=DEFAULT_BUDGETS, help=f"candidate budgets, comma-separated (default {DEFAULT_BUDGETS}; empty: none)")
     add("--scopes", default=DEFAULT_SCOPES, help=f"candidate scopes, comma-separated: request, block (default {DEFAULT_SCOPES})")
+    add("--block-size", type=int, help="block scope's --kv-evict-block-size for `full` and the candidates (default: the launcher's; Gemma 3 saves in local layers only with blocks longer than their window)")
     add("--thresholds", default="", help="KVzap-style score thresholds (--kv-evict-score-threshold), comma-separated, for the policies with a learned or kvzip score, e.g. -3,-4,-5 (default none)")
     add("--threshold-cap", default="0.99", help="the budget that caps a threshold candidate (default 0.99: the threshold decides)")
     add("--learned-weights", help="the learned score's weights for the candidates with score learned: a train_scorer .safetensors or a KVzap checkpoint folder (default: the bundled ones for the model)")
@@ -97,9 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-total-tokens", type=int, help="every server's KV pool (default: the longest conversation + 512, rounded up to 1024)")
     add("--url", action="append", default=[], metavar="LABEL=URL [FLAGS]", help="a running server instead of starting one: 'stock=URL' first, then candidates, each optionally with the eviction flags it was started with (default: read from /kvevict/stats) (repeatable)")
     add("--api-key", help="with --url: the key the running servers take")
-    add("--min-fidelity", type=float, default=0.95, help="the expected fidelity to stock a recommendation must reach in every length group (default 0.95; needs 18 effective answers per form per group, 0.99 needs 98; answers on one document count less the more alike they are)")
-    add("--fidelity-form", default="both", choices=FIDELITY_FORMS, help="which question form the recommendation reads; both: the lower of the two (default both)")
-    add("--holdout", type=float, default=0.0, help="share of the documents kept out of the calibration, on which the recommendation's fidelity is then measured (default 0: none)")
+    add("--min-kept", type=float, default=0.9, help="the lower bound of kept answers (of full's right answers, the share a candidate gets right too) a recommendation must reach in every length group (default 0.9; at --confidence 0.9 that needs 22 effective answers per form, 0.95 needs 45)")
+    add("--confidence", type=float, default=0.9, help="the one-sided confidence of the lower bound (default 0.9)")
+    add("--form", default="both", choices=FIDELITY_FORMS, help="which question form the verdict reads; both: the lower of the two (default both)")
+    add("--holdout", type=float, default=0.0, help="share of the documents kept out of the calibration; a pick whose kept answers there fall under its lower bound is not recommended (default 0: none)")
     add("--summary-tokens", type=int, default=32, help="turn 1's summary cap (default 32)")
     add("--answer-tokens", type=int, default=32, help="each answer's cap (default 32)")
     add("--seed", type=int, default=0, help="probe and bundled-document seed (default 0)")
@@ -133,7 +145,9 @@ class Server:
 
     @property
     def family(self) -> tuple[str, ...]:
-        return tuple(_without(self.flags, ("--kv-evict-budget", "--kv-evict-score-threshold")))
+        """The flags but the knob's, and the knob: budgets and thresholds of one policy are two families
+        (a threshold candidate's budget is its cap, not its knob)."""
+        return (*_without(self.flags, ("--kv-evict-budget", "--kv-evict-score-threshold")), f"knob={self.knob}")
 
     def as_json(self) -> dict:
         return {"label": self.label, "role": self.role, "flags": list(self.flags), "scope": self.scope, "url": self.url,
@@ -177,11 +191,16 @@ def candidate(label: str, flags: Sequence[str]) -> Server:
     return Server(label, "candidate", flags, scope, knob="budget", value=float(budget.rstrip("%")) / (100 if budget.endswith("%") else 1))
 
 
-def policy_flags(policy: str, scope: str, learned_weights: Optional[str]) -> list[str]:
+def scope_flags(scope: str, block_size: Optional[int]) -> list[str]:
+    """``--kv-evict-scope`` and, in block scope, ``--kv-evict-block-size`` where one is given."""
+    return ["--kv-evict-scope", scope] + (["--kv-evict-block-size", str(block_size)] if scope == "block" and block_size else [])
+
+
+def policy_flags(policy: str, scope: str, learned_weights: Optional[str], block_size: Optional[int] = None) -> list[str]:
     """A candidate's flags but its knob; the learned score's weights where it has that score."""
     name, _, score = policy.partition(":")
     weights = ["--kv-evict-learned-weights", learned_weights] if score == "learned" and learned_weights else []
-    return ["--kv-evict-policy", name] + (["--kv-evict-score", score] if score else []) + ["--kv-evict-scope", scope] + weights
+    return ["--kv-evict-policy", name] + (["--kv-evict-score", score] if score else []) + scope_flags(scope, block_size) + weights
 
 
 def lineup(args: argparse.Namespace) -> list[Server]:
@@ -191,18 +210,18 @@ def lineup(args: argparse.Namespace) -> list[Server]:
     scopes = _split(args.scopes)
     if not scopes or any(s not in SCOPES for s in scopes):
         raise EvaluateError(f"--scopes {args.scopes!r}: choose from {', '.join(SCOPES)}")
-    policies, budgets, thresholds = _split(args.policies), _split(args.budgets), _split(args.thresholds)
+    policies, budgets, thresholds = _split(args.policies or DEFAULT_POLICIES), _split(args.budgets), _split(args.thresholds)
     servers = [Server(STOCK, "stock", DENSE_FLAGS)]
     if not args.no_full:
-        servers += [Server(f"full {scope}", "full", ("--kv-evict-policy", "full", "--kv-evict-scope", scope), scope) for scope in scopes]
+        servers += [Server(f"full {scope}", "full", ("--kv-evict-policy", "full", *scope_flags(scope, args.block_size)), scope) for scope in scopes]
     for scope in scopes:
         for policy in policies:
             for budget in budgets:
-                servers.append(candidate(f"{policy}@{budget} {scope}", [*policy_flags(policy, scope, args.learned_weights), "--kv-evict-budget", budget]))
+                servers.append(candidate(f"{policy}@{budget} {scope}", [*policy_flags(policy, scope, args.learned_weights, args.block_size), "--kv-evict-budget", budget]))
             for threshold in thresholds if policy.partition(":")[2] in THRESHOLD_SCORES else ():
                 _float(threshold, "--thresholds")
                 servers.append(candidate(f"{policy} threshold {threshold} {scope}",
-                                         [*policy_flags(policy, scope, args.learned_weights), "--kv-evict-score-threshold", threshold, "--kv-evict-budget", args.threshold_cap]))  # fmt: skip
+                                         [*policy_flags(policy, scope, args.learned_weights, args.block_size), "--kv-evict-score-threshold", threshold, "--kv-evict-budget", args.threshold_cap]))  # fmt: skip
     for spec in args.candidate:
         label, sep, flags = spec.partition("=")
         if not sep or not label.strip():
@@ -262,7 +281,7 @@ def described(server: Server, stats: Optional[dict]) -> Server:
 # ---- documents -------------------------------------------------------------------------------------
 
 
-def load_documents(args: argparse.Namespace, chat) -> tuple[list, list[str], str]:
+def load_documents(args: argparse.Namespace, prompts: Prompts) -> tuple[list, list[str], str]:
     """The documents that fit the context (with their questions), the lines of those skipped, the source."""
     from sgl_kvevict.measure.chat import model_context_length, model_token_counter
 
@@ -277,7 +296,7 @@ def load_documents(args: argparse.Namespace, chat) -> tuple[list, list[str], str
         if not document.questions:
             skipped.append(f"{document.name}: no sentence to make a probe of and no questions")
             continue
-        tokens = len(chat.ids([{"role": "user", "content": f"{document.text}\n\n{SUMMARY_INSTRUCTION}"}]))
+        tokens = prompts.tokens(prompts.first(document))
         need = conversation_tokens(tokens, len(document.questions), args)
         limit = min(context, args.max_total_tokens or context)
         if need > limit:
@@ -300,7 +319,7 @@ def held_out(names_by_length: Sequence[str], share: float) -> set[str]:
 # ---- running ---------------------------------------------------------------------------------------
 
 
-def measure(server: Server, args: argparse.Namespace, documents: list, pool: int, log_dir: Path, log: Callable[[str], None]) -> dict:
+def measure(server: Server, args: argparse.Namespace, prompts: Prompts, documents: list, pool: int, log_dir: Path, log: Callable[[str], None]) -> dict:
     """The server's records over every document; started and stopped here unless it is a ``--url`` one."""
     import aiohttp
 
@@ -312,7 +331,7 @@ def measure(server: Server, args: argparse.Namespace, documents: list, pool: int
             return await get_json(session, url + STATS_PATH)
 
     def records(url: str) -> dict:
-        return asyncio.run(run_documents(url, [d for d, _ in documents], args.summary_tokens, args.answer_tokens, log, args.api_key))
+        return asyncio.run(run_documents(url, prompts, [d for d, _ in documents], args.summary_tokens, args.answer_tokens, log, args.api_key))
 
     started = time.perf_counter()
     if server.url is not None:
@@ -336,7 +355,7 @@ def configuration(args: argparse.Namespace, documents: list, pool: int, servers:
     digest = hashlib.sha256(json.dumps([[d.name, d.text, [q.text for q in d.questions]] for d, _ in documents]).encode()).hexdigest()[:16]
     return {"model": args.model, "documents_sha256": digest, "pool_tokens": pool, "summary_tokens": args.summary_tokens,
             "answer_tokens": args.answer_tokens, "server_args": list(args.server_arg), "dense_flags": list(DENSE_FLAGS),
-            "servers": [s.label for s in servers]}  # fmt: skip
+            "stock_flags": list(servers[0].flags), "servers": [s.label for s in servers]}  # fmt: skip
 
 
 def resumed(path: Path, config: dict) -> dict[str, dict]:
@@ -365,30 +384,75 @@ def preflight(servers: Sequence[Server], args: argparse.Namespace, pool: int, mo
             raise ServerError(str(error).replace(server.variant.label, repr(server.label))) from None
 
 
+def has_learned_weights(args: argparse.Namespace) -> bool:
+    """Whether the learned score has weights for the model: given, or bundled for its fingerprint."""
+    from sgl_kvevict.models import resolve_model
+    from sgl_kvevict.scoring.learned import bundled_weights_for
+    from sgl_kvevict.settings import ConfigError
+
+    if args.learned_weights or any(a.startswith("--kv-evict-learned-weights") for a in args.server_arg):
+        return True
+    try:
+        bundled_weights_for(resolve_model(args.model, log=progress))
+    except ConfigError:
+        return False
+    return True
+
+
+def with_stock_numerics(servers: list[Server], args: argparse.Namespace, pool: int, cpu_mode: bool) -> list[Server]:
+    """Stock started with the SGLang flags that decide the first plugin server's numerics (its attention
+    backend, prefill chunk, page size, graph settings, dtype), where stock is started here and the user
+    did not set them for every server."""
+    stock, plugin = servers[0], next((s for s in servers[1:] if s.url is None), None)
+    if stock.url is not None or plugin is None:
+        return servers
+    numerics = numerics_args(sglang_argv(args.model, plugin.variant, pool, tuple(args.server_arg), cpu_mode))
+    given = {a.split("=", 1)[0] for a in args.server_arg}
+    added = [item for flag, value in zip(numerics[::2], numerics[1::2]) if flag not in given for item in (flag, value)]
+    return [Server(STOCK, "stock", (*DENSE_FLAGS, *added)), *servers[1:]]
+
+
+def command_lines(servers: Sequence[Server], args: argparse.Namespace, pool: int, cpu_mode: bool) -> dict[str, list[str]]:
+    """The SGLang flags of stock and of the first plugin server started here, for the report's header."""
+    return {s.label: sglang_argv(args.model, s.variant, pool, tuple(args.server_arg), cpu_mode) for s in servers[:2] if s.url is None}
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     began = time.perf_counter()
     try:
-        if not 0 < args.min_fidelity <= 1:
-            raise EvaluateError(f"--min-fidelity {args.min_fidelity}: must be in (0, 1]")
+        if not 0 < args.min_kept < 1:
+            raise EvaluateError(f"--min-kept {args.min_kept}: must be in (0, 1) (no finite sample shows 1)")
+        if not 0 < args.confidence < 1:
+            raise EvaluateError(f"--confidence {args.confidence}: must be in (0, 1)")
         if not 0 <= args.holdout < 1:
             raise EvaluateError(f"--holdout {args.holdout}: must be in [0, 1)")
         if min(args.bundled_documents, args.questions_per_document, args.summary_tokens, args.answer_tokens) < 1:
             raise EvaluateError("--bundled-documents, --questions-per-document, --summary-tokens and --answer-tokens must be >= 1")
         servers = lineup(args)
         preflight(servers, args, args.max_total_tokens or PROVISIONAL_POOL, model=False)  # before the model is read
+        notes = []
+        if args.policies is None and not args.url and not has_learned_weights(args):
+            args.policies = NO_WEIGHTS_POLICIES
+            notes.append(f"the learned score has no weights for this model (none bundled, none given): the default candidates are {NO_WEIGHTS_POLICIES}")
+            progress(notes[-1])
+            servers = lineup(args)
         preflight(servers, args, args.max_total_tokens or PROVISIONAL_POOL, model=True)
-        from sgl_kvevict.measure.chat import ChatTokens
-
-        chat = ChatTokens.for_model(args.model)
-        documents, skipped, source = load_documents(args, chat)
+        prompts = prompts_for(args.model)
+        if isinstance(prompts, CompletionPrompts):
+            notes.append("the model has no chat template: every question is a text to continue, sent to /v1/completions with the model's BOS")
+        documents, skipped, source = load_documents(args, prompts)
         for line in skipped:
             progress(f"skipping {line}")
         if not documents:
             raise EvaluateError("no document left to evaluate (every one skipped above)")
         pool = args.max_total_tokens or _rounded(max(conversation_tokens(t, len(d.questions), args) for d, t in documents) + 512)
+        from sgl_kvevict.compat import cpu_mode_needed
+
+        cpu_mode = cpu_mode_needed()
+        servers = with_stock_numerics(servers, args, pool, cpu_mode)
         preflight(servers, args, pool, model=False)  # with the pool the documents need
         config = configuration(args, documents, pool, servers)
         done = resumed(args.out / f"{args.name}.json", config) if args.resume else {}
@@ -403,7 +467,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
              + (f"; held out: {', '.join(sorted(holdout))}" if holdout else ""))  # fmt: skip
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvevict-evaluate-logs-"))
     progress(f"server logs in {log_dir}")
-    meta = {"command": shlex.join([*PROG.split(), *argv]), "config": config, "name": args.name}
+    meta = {"command": shlex.join([*PROG.split(), *argv]), "config": config, "name": args.name, "notes": notes,
+            "prompts": "completion" if isinstance(prompts, CompletionPrompts) else "chat", "sglang_argv": command_lines(servers, args, pool, cpu_mode)}  # fmt: skip
     results: list[dict] = []
     # Ctrl-C as KeyboardInterrupt wherever it lands: asyncio.run installs its own handler only over Python's
     # default one, and that handler cancels the running task, which a coroutine awaiting a cancelled task of
@@ -416,7 +481,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 results.append(done[server.label])
             else:
                 progress(f"[{index}/{len(servers)}] {server.label}: {' '.join(server.flags)}" + (f" at {server.url}" if server.url else ""))
-                results.append(measure(server, args, documents, pool, log_dir, progress))
+                results.append(measure(server, args, prompts, documents, pool, log_dir, progress))
             write(results, meta, documents, skipped, source, buckets, holdout, args, began, final=False)
     except ServerError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -447,7 +512,7 @@ def write(results, meta, documents, skipped, source, buckets, holdout, args, beg
         "servers": results, "wall_seconds": time.perf_counter() - began, "complete": final,
     }  # fmt: skip
     if len(results) > 1 and any(r["role"] == "candidate" for r in results):
-        payload["analysis"] = analyse(results, buckets, holdout, args.min_fidelity, args.fidelity_form)
+        payload["analysis"] = analyse(results, buckets, holdout, args.min_kept, args.form, args.confidence)
         text, draw = markdown(payload), (lambda path: plot(payload, path))
     else:
         text, draw = f"# Before production: in progress\n\n{len(results)} server(s) measured.\n", None
@@ -458,22 +523,25 @@ def write(results, meta, documents, skipped, source, buckets, holdout, args, beg
 
 
 def summary_lines(payload: dict) -> list[str]:
-    """What the command prints last: the fidelity per candidate, the recommendation, and the flags (last line)."""
-    from sgl_kvevict.evaluate.report import recommendation_lines
-
-    lines = ["", "fidelity to stock (exact; multi-request / multi-turn) and kept share, all documents:"]
-    for server in payload["servers"][1:]:
-        cell = server["fidelity"]["all"]
-        lines.append(f"  {server['label']}: {_f(cell['multi-request']['exact'])} / {_f(cell['multi-turn']['exact'])}, "
-                     f"kept share {_f(cell['kept_share'])}")  # fmt: skip
-    analysis = payload["analysis"]
-    lines += ["", *[line.removeprefix("- ").replace("**", "") for line in recommendation_lines(analysis, payload["meta"]["config"]["dense_flags"])]]
+    """What the command prints last: the numerics floor, each candidate's kept answers and bound, the
+    verdict, and the flags to use (the last line; ``no recommendation: ...`` where there are none)."""
+    analysis, config = payload["analysis"], payload["meta"]["config"]
+    lines = ["", "numerics (nothing evicted), answers equal to stock's, multi-request / multi-turn:"]
+    for label, row in analysis["numerics"]["full"].items():
+        lines.append(f"  {label}: {_f(row['equal_to_stock']['multi-request'])} / {_f(row['equal_to_stock']['multi-turn'])}")
+    if analysis["numerics"]["stock_accuracy"] is not None:
+        lines.append(f"  stock answers {_f(analysis['numerics']['stock_accuracy'])} of the questions right (the lower form)")
+    lines += ["", f"kept answers and their {analysis['recommendation']['confidence']:.0%} lower bound (calibration documents), kept share:"]
+    for server in (s for s in payload["servers"] if s["role"] == "candidate"):
+        row = analysis["candidates"][server["label"]]
+        held = "" if row["held_out"] is None else f", held out {_f(row['held_out'])}"
+        lines.append(f"  {server['label']}: {_f(row['kept_answers'])}, bound {_f(row['bound'])}{held}, kept share {_f(server['fidelity']['all']['kept_share'])}")
+    lines += ["", *verdict_lines(analysis, config["dense_flags"])]
     rec = analysis["recommendation"]
-    flags = rec["flags"] or list(payload["meta"]["config"]["dense_flags"])
-    extra = payload["meta"]["config"]["server_args"]
-    lines += ["", f"recommended server flags (expected fidelity >= {rec['min_fidelity']:g} in every length group, {rec['form']}):",
-              " ".join([*flags, *extra])]  # fmt: skip
-    return lines
+    if rec["flags"] is None:
+        return lines + ["", "no recommendation: " + ("the probes cannot judge this model" if rec["cannot_judge"] else "no candidate is safe at this target")]
+    return lines + ["", f"recommended server flags (kept answers' lower bound >= {rec['min_kept']:g} in every length group, {rec['form']}):",
+                    " ".join([*rec["flags"], *config["server_args"]])]  # fmt: skip
 
 
 def _f(value: Optional[float]) -> str:

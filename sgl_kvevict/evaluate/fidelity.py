@@ -1,18 +1,26 @@
-"""How a candidate's answers compare with stock's and with reference answers, and the recommendation.
+"""How a candidate's answers are judged, and which candidate is recommended.
 
 Answers are compared after SQuAD's normalisation (lower case, punctuation and the articles a/an/the
 dropped, whitespace collapsed): **exact** when the normalised texts are equal, **F1** over their
-tokens. Fidelity to stock is the share of questions a candidate answers exactly as stock did (the
-same right or wrong answer), in each question form. The recommendation reads, per form, the fidelity a
-further answer is expected to have, ``(matches + 1) / (answers + 2)`` (Laplace's rule of succession:
-24 of 24 answers equal to stock's predict 0.96, not 1.00, so a small calibration set cannot promise a
-perfect score), and the lower of the two forms (``--fidelity-form`` picks one).
+tokens. Three comparisons are kept apart:
 
-Answers on one document are not independent: a document whose turn-1 summary changes under
-eviction loses most of its later-turn answers together. The counts enter the rule divided by the
-design effect ``1 + (m - 1) * rho`` (Kish), ``m`` answers per document and ``rho`` how alike the
-answers on one document are (the intraclass correlation, estimated from the calibration answers;
-1 when they hold no miss to estimate it from, so that each document then counts as one answer).
+* against the **document** (``follows_document``): a probe's answer is in the document (the rest of a
+  quoted sentence, the sentence after one), so an answer is right when it says the document's words
+  for as long as it runs; a user's reference answer is right when the answer states it;
+* against **stock** (fidelity): the same answer as stock SGLang, what a user who switches sees;
+* against **``full``**, the plugin with nothing evicted (same code path, same numerics): what
+  eviction itself costs, apart from the rounding of another kernel.
+
+The recommendation rests on the third. A candidate's **kept answers** are the share of the answers
+its reference (``full`` of its scope) gets right that the candidate gets right too, or, where no
+answer can be judged, the share equal to the reference's. Its verdict is a **lower bound**, never a
+mean: the one-sided Clopper-Pearson bound at ``confidence`` on effective counts, the counts divided by
+the design effect ``1 + (m - 1) * rho`` (Kish), ``m`` answers per document and ``rho`` how alike the
+answers on one document are (the intraclass correlation). ``rho`` is the larger of the candidate's own
+estimate and that of its reference's right and wrong answers (how much a document decides whether its
+questions are answered), so that a verdict depends on the candidate's own answers and its
+reference's, never on which other candidates ran; 1 (each document counts once) where neither can be
+estimated.
 """
 
 from __future__ import annotations
@@ -21,8 +29,10 @@ import math
 import re
 import string
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence
+
+from sgl_kvevict.measure.intervals import clopper_pearson_lower
 
 FORMS = ("multi-request", "multi-turn")
 FIDELITY_FORMS = ("both", *FORMS)
@@ -56,6 +66,22 @@ def contains_reference(output: str, reference: str) -> bool:
     return bool(expected) and (said == expected or f" {expected} " in f" {said} ")
 
 
+def follows_document(answer: str, reference: str, cut: bool) -> tuple[bool, float]:
+    """A probe's answer against the document's own words ``reference`` (the rest of the quoted
+    sentence, or the sentence after it): **exact prefix**, the answer says the reference's words in
+    order for as long as either runs, and runs to the reference's end unless ``cut`` (it stopped at its
+    token cap); and the token F1 of the answer's words over the reference's length with those words.
+    An answer that goes on past the reference is not penalised: a capped continuation may."""
+    said, expected = normalise(answer).split(), normalise(reference).split()
+    if not expected or not said:
+        return False, 0.0
+    span = min(len(said), len(expected))
+    whole = len(said) >= len(expected) or cut
+    prefix = said[:span] == expected[:span] and whole
+    compared = expected if len(said) >= len(expected) or not cut else expected[:span]
+    return prefix, token_f1(" ".join(said[: len(expected)]), " ".join(compared))
+
+
 # ---- length buckets --------------------------------------------------------------------------------
 
 
@@ -74,25 +100,20 @@ def bucket_order(bucket: str) -> float:
 # ---- the recommendation ----------------------------------------------------------------------------
 
 
-def expected_fidelity(matches: float, answers: float) -> float:
-    """The fidelity a further answer is expected to have after ``matches`` of ``answers`` equal stock's:
-    the mean of the uniform prior's posterior (Laplace's rule of succession). Effective counts (divided
-    by the design effect) may be fractional."""
-    return (matches + 1) / (answers + 2)
-
-
-def answers_needed(min_fidelity: float) -> float:
-    """The fewest (effective) answers per form whose expected fidelity can reach ``min_fidelity`` (all
-    equal to stock's): 18 for 0.95, 98 for 0.99; infinite for 1.0, which no finite sample promises."""
-    return max(0, math.ceil((2 * min_fidelity - 1) / (1 - min_fidelity) - 1e-9)) if min_fidelity < 1 else math.inf
+def answers_needed(min_kept: float, confidence: float) -> float:
+    """The fewest (effective) answers, all kept, whose lower bound reaches ``min_kept``: 22 for 0.9 at
+    confidence 0.9, 45 for 0.95; infinite for 1.0, which no finite sample shows."""
+    if min_kept >= 1:
+        return math.inf
+    return max(1, math.ceil(math.log(1 - confidence) / math.log(min_kept) - 1e-9))
 
 
 def document_correlation(groups: Iterable[Sequence[tuple[int, int]]]) -> Optional[float]:
     """How alike the answers on one document are: the one-way ANOVA estimate of the intraclass
-    correlation of "equal to stock's", clipped to [0, 1], pooled over ``groups`` (one per candidate and
-    form, each a list of per-document ``(matches, answers)``; every group has its own mean, so that a
-    candidate missing more than another does not read as correlation). None where it cannot be
-    estimated: no miss and no document with two answers."""
+    correlation of a 0/1 outcome, clipped to [0, 1], pooled over ``groups`` (e.g. one per question
+    form, each a list of per-document ``(successes, answers)``; every group has its own mean). None
+    where it cannot be estimated: no failure and no success to tell apart, or no document with two
+    answers."""
     between = within = between_df = within_df = size_sum = 0.0
     for group in groups:
         documents = [(x, m) for x, m in group if m]
@@ -115,52 +136,46 @@ def document_correlation(groups: Iterable[Sequence[tuple[int, int]]]) -> Optiona
 
 @dataclass(frozen=True)
 class Cell:
-    """One candidate at one length bucket: per form the answers equal to stock's (``matches``) of ``n``
-    compared, over ``documents`` documents, and their mean kept share (None where the server reports no
-    slots: stock)."""
+    """One candidate at one length bucket: per form the answers its reference got right (``eligible``;
+    all answers where none can be judged) and of those the ones the candidate kept (``kept``), over
+    ``documents`` documents (those with an eligible answer), and its mean kept share (None: stock)."""
 
-    matches: dict[str, int]
-    n: dict[str, int]
+    kept: dict[str, int]
+    eligible: dict[str, int]
     kept_share: Optional[float]
     documents: int = 1
 
-    def _effective(self, form: str, correlation: float) -> tuple[float, float]:
-        """``form``'s (matches, answers) divided by the design effect ``1 + (m - 1) * correlation``."""
-        per_document = self.n[form] / max(1, self.documents)
-        design_effect = 1 + max(0.0, per_document - 1) * correlation
-        return self.matches[form] / design_effect, self.n[form] / design_effect
+    def effective(self, form: str, rho: float) -> tuple[float, float]:
+        """``form``'s (kept, eligible) divided by the design effect ``1 + (m - 1) * rho``."""
+        per_document = self.eligible[form] / max(1, self.documents)
+        design_effect = 1 + max(0.0, per_document - 1) * rho
+        return self.kept[form] / design_effect, self.eligible[form] / design_effect
 
-    def _lower(self, form: str, rate: Callable[[str], float]) -> Optional[float]:
-        """``rate(form)`` of ``form``, or with ``both`` the lower of the two forms'."""
-        values = [rate(f) for f in (FORMS if form == "both" else (form,)) if self.n.get(f)]
+    def _lower(self, form: str, value: Callable[[str], float]) -> Optional[float]:
+        values = [value(f) for f in (FORMS if form == "both" else (form,)) if self.eligible.get(f)]
         return min(values) if values else None
 
-    def reads(self, form: str, correlation: float = 0.0) -> Optional[float]:
-        """The expected fidelity the recommendation reads, on the effective counts: ``form``'s, or with
-        ``both`` the lower one (``correlation`` 0: answers independent)."""
-        return self._lower(form, lambda f: expected_fidelity(*self._effective(f, correlation)))
+    def bound(self, form: str, rho: float, confidence: float) -> Optional[float]:
+        """The lower bound of the kept answers: ``form``'s, or with ``both`` the lower form's."""
+        return self._lower(form, lambda f: clopper_pearson_lower(*self.effective(f, rho), confidence))
 
     def measured(self, form: str) -> Optional[float]:
-        """The share of answers equal to stock's: ``form``'s, or with ``both`` the lower one."""
-        return self._lower(form, lambda f: self.matches[f] / self.n[f])
-
-    def answers(self, correlation: float = 0.0) -> float:
-        """The effective answers of the form with fewer (what limits how high ``reads`` can go)."""
-        return min((self._effective(f, correlation)[1] if self.n.get(f) else 0 for f in FORMS), default=0)
+        """The share kept: ``form``'s, or with ``both`` the lower form's."""
+        return self._lower(form, lambda f: self.kept[f] / self.eligible[f])
 
     @staticmethod
     def merged(cells: Sequence["Cell"]) -> "Cell":
         """The cells of several buckets as one (kept share weighted by documents)."""
         shares = [(c.kept_share, c.documents) for c in cells if c.kept_share is not None]
         weight = sum(d for _, d in shares)
-        return Cell({f: sum(c.matches.get(f, 0) for c in cells) for f in FORMS}, {f: sum(c.n.get(f, 0) for c in cells) for f in FORMS},
+        return Cell({f: sum(c.kept.get(f, 0) for c in cells) for f in FORMS}, {f: sum(c.eligible.get(f, 0) for c in cells) for f in FORMS},
                     sum(s * d for s, d in shares) / weight if weight else None, sum(c.documents for c in cells))  # fmt: skip
 
 
 def length_groups(answers: dict[str, float], needed: float) -> list[tuple[str, ...]]:
     """Adjacent length buckets joined, shortest first, until each group has ``needed`` (effective)
     answers (``answers``: per bucket); a short remainder joins the last group. A bucket of one document
-    cannot show 0.95 with three probes: it is judged with its neighbours, not on its own."""
+    cannot show a bound with three probes: it is judged with its neighbours, not on its own."""
     groups: list[list[str]] = []
     current: list[str] = []
     for bucket in sorted(answers, key=bucket_order):
@@ -185,8 +200,10 @@ def group_label(group: Sequence[str]) -> str:
 
 @dataclass(frozen=True)
 class Candidate:
-    """What the recommendation chooses among: a family (the flags but the knob), the knob (``budget``:
-    smaller is more eviction; ``threshold``: larger is more eviction) and its value, and its cells."""
+    """What the recommendation chooses among: a family (the flags but the knob, and the knob: budgets
+    and thresholds are two families), the knob (``budget``: smaller is more eviction; ``threshold``:
+    larger is more eviction) and its value, its cells per bucket, and ``rho``, the correlation its
+    effective counts are taken with."""
 
     label: str
     family: tuple[str, ...]
@@ -194,71 +211,86 @@ class Candidate:
     value: float
     flags: tuple[str, ...]
     cells: dict[str, Cell]
+    rho: float = 1.0
 
     def over(self, group: Sequence[str]) -> Optional[Cell]:
         """The cells of the buckets ``group`` as one (None: no answers there)."""
         parts = [self.cells[b] for b in group if b in self.cells]
         return Cell.merged(parts) if parts else None
 
+    def bound_over(self, group: Sequence[str], form: str, confidence: float) -> Optional[float]:
+        merged = self.over(group)
+        return None if merged is None else merged.bound(form, self.rho, confidence)
+
+    def kept_share(self, groups: Sequence[Sequence[str]]) -> float:
+        """The mean kept share over ``groups`` (1 where the server reports none)."""
+        shares = [share for g in groups if (cell := self.over(g)) is not None and (share := cell.kept_share) is not None]
+        return sum(shares) / len(shares) if shares else 1.0
+
 
 @dataclass(frozen=True)
-class Recommendation:
-    """The chosen candidate (None: no candidate meets the target in every length group), per length
-    group the most evicting candidate that meets it there, and the expected fidelity and kept share per
-    group. ``needed``: the effective answers per form a group must have to show the target at all;
-    ``correlation``: the intraclass correlation the effective counts were taken with; ``groups``: each
-    group's label and its buckets."""
+class Verdict:
+    """One candidate against the target: its lower bound per length group and whether every group's
+    bound reaches ``min_kept``. It reads the candidate alone."""
 
-    chosen: Optional[Candidate]
-    per_bucket: dict[str, Optional[Candidate]]
-    predicted: dict[str, Optional[float]]
-    kept_share: dict[str, Optional[float]]
-    min_fidelity: float
-    form: str
-    needed: float = 0
-    correlation: float = 0.0
-    groups: dict[str, tuple[str, ...]] = field(default_factory=dict)
-
-    def flag_lines(self, dense_flags: Sequence[str]) -> list[str]:
-        """What to start the server with; dense (no eviction) when nothing met the target."""
-        if self.chosen is None:
-            return [" ".join(dense_flags)]
-        return [" ".join(self.chosen.flags)]
+    candidate: Candidate
+    bounds: dict[str, Optional[float]]
+    passes: bool
 
 
-def _evicts_more(candidate: Candidate) -> float:
-    """Sort key, most eviction first: a smaller budget, a larger threshold."""
+def verdict(candidate: Candidate, groups: Sequence[tuple[str, ...]], min_kept: float, form: str, confidence: float) -> Verdict:
+    bounds = {group_label(g): candidate.bound_over(g, form, confidence) for g in groups}
+    return Verdict(candidate, bounds, all(b is not None and b >= min_kept for b in bounds.values()))
+
+
+def evicts_more(candidate: Candidate) -> float:
+    """Sort key within a family, most eviction first: a smaller budget, a larger threshold."""
     return candidate.value if candidate.knob == "budget" else -candidate.value
 
 
-def recommend(candidates: Sequence[Candidate], buckets: Iterable[str], min_fidelity: float, form: str,
-              correlation: float = 0.0) -> Recommendation:  # fmt: skip
-    """Per family, the most evicting candidate whose expected fidelity meets ``min_fidelity`` in every
-    length group (buckets joined until each holds ``answers_needed`` effective answers per form, the
-    counts divided by the design effect of ``correlation``; 0: answers independent); across families,
-    the one keeping the least (mean kept share over groups, then the family order). Per group, the most
-    evicting candidate meeting the target there (what a length-aware deployment could use)."""
-    buckets = sorted(buckets, key=bucket_order)
-    needed = answers_needed(min_fidelity)
-    answers = {b: max((c.cells[b].answers(correlation) for c in candidates if b in c.cells), default=0) for b in buckets}
-    groups = length_groups(answers, needed)
+@dataclass(frozen=True)
+class Recommendation:
+    """``verdicts``: every candidate's, in the order they are tried (those that pass first, the least
+    kept share first); ``chosen``: the first that passes and whose held-out check holds (None: none);
+    ``checks``: the held-out check of each candidate tried, by label (``(measured, holds)``; absent
+    without held-out documents)."""
 
-    def meets(candidate: Candidate, group: tuple[str, ...]) -> bool:
-        value = None if (merged := candidate.over(group)) is None else merged.reads(form, correlation)
-        return value is not None and value >= min_fidelity
+    verdicts: list[Verdict]
+    chosen: Optional[Candidate]
+    checks: dict[str, tuple[Optional[float], bool]]
+    groups: dict[str, tuple[str, ...]]
+    min_kept: float
+    form: str
+    confidence: float
+    needed: float
 
-    ordered = sorted(candidates, key=_evicts_more)
-    per_bucket = {group_label(g): next((c for c in ordered if meets(c, g)), None) for g in groups}
-    families: dict[tuple[str, ...], Candidate] = {}
-    for candidate in ordered:
-        if candidate.family not in families and all(meets(candidate, g) for g in groups):
-            families[candidate.family] = candidate
+    def verdict_of(self, label: str) -> Verdict:
+        return next(v for v in self.verdicts if v.candidate.label == label)
 
-    def kept(candidate: Candidate) -> float:
-        shares = [share for g in groups if (share := candidate.over(g).kept_share) is not None]
-        return sum(shares) / len(shares) if shares else 1.0
 
-    chosen = min(families.values(), key=kept) if families else None
-    predicted = {group_label(g): (chosen.over(g).reads(form, correlation) if chosen else None) for g in groups}
-    shares = {group_label(g): (chosen.over(g).kept_share if chosen else None) for g in groups}
-    return Recommendation(chosen, per_bucket, predicted, shares, min_fidelity, form, needed, correlation, {group_label(g): g for g in groups})
+def recommend(
+    candidates: Sequence[Candidate], groups: Sequence[tuple[str, ...]], min_kept: float, form: str, confidence: float,
+    held_out: Optional[Callable[[Candidate], Optional[float]]] = None, overall: Optional[Callable[[Candidate], Optional[float]]] = None,
+) -> Recommendation:  # fmt: skip
+    """Of the candidates whose lower bound reaches ``min_kept`` in every length group, the one keeping
+    the least (mean kept share over the groups; within a family, the most evicting first), checked on
+    the held-out documents: ``held_out(candidate)`` is its kept answers measured there, and the check
+    holds when that is at least ``overall(candidate)``, its lower bound over all calibration lengths.
+    A candidate whose check fails is not recommended and the next is checked, or none."""
+    verdicts = [verdict(c, groups, min_kept, form, confidence) for c in candidates]
+    order = {id(c): i for i, c in enumerate(sorted(candidates, key=lambda c: (c.family, evicts_more(c))))}
+    verdicts.sort(key=lambda v: (not v.passes, v.candidate.kept_share(groups), order[id(v.candidate)]))
+    chosen, checks = None, {}
+    for passing in (v for v in verdicts if v.passes):
+        candidate = passing.candidate
+        if held_out is None:
+            chosen = candidate
+            break
+        measured, bound = held_out(candidate), overall(candidate)
+        holds = measured is None or (bound is not None and measured >= bound)
+        checks[candidate.label] = (measured, holds)
+        if holds:
+            chosen = candidate
+            break
+    labels = {group_label(g): tuple(g) for g in groups}
+    return Recommendation(verdicts, chosen, checks, labels, min_kept, form, confidence, answers_needed(min_kept, confidence))

@@ -1,24 +1,30 @@
-"""The evaluation's figures from the servers' records: per candidate and length bucket, fidelity to
-stock in both question forms (exact and F1), accuracy where references are given, kept share, speed
-against stock and against ``full``; the recommendation with its held-out check; markdown and plot."""
+"""The evaluation's figures from the servers' records, and its verdict.
+
+Per server and length bucket: answers right against the document (or the user's references), equal
+to ``full``'s and equal to stock's, kept share, speed against stock and against ``full``. ``full``
+against stock is the numerics floor: what another code path's rounding changes with nothing evicted.
+Per candidate: its kept answers (of the answers its ``full`` gets right, the share it gets right too)
+and their lower bound, the verdict, the held-out check; then the recommendation (``fidelity.py``
+says how). Where stock answers fewer than ``JUDGEABLE_ACCURACY`` of the probes right, the probes
+cannot tell what eviction loses on this model and no candidate is recommended. Markdown and a plot.
+"""
 
 from __future__ import annotations
 
-import random
 import statistics
 from pathlib import Path
 from typing import Optional, Sequence
 
 from sgl_kvevict.evaluate.fidelity import (
-    FORMS, Candidate, Cell, Recommendation, bucket_of, bucket_order, document_correlation, exact, recommend, token_f1,
+    FORMS, Candidate, Cell, Recommendation, answers_needed, bucket_order, document_correlation, exact, length_groups, recommend, token_f1,
 )
 from sgl_kvevict.evaluate.run import speed
 from sgl_kvevict.measure.results import pyplot
 
 SPEED_FIELDS = ("output_tokens_per_second", "itl_mean", "itl_median", "ttft_median", "hit_rate")
-# The prediction's interval: documents drawn with replacement this many times, the central share kept.
-BOOTSTRAP_DRAWS = 2000
-INTERVAL_LEVEL = 0.9
+# Below this share of probes answered right by stock, a lost answer cannot be told from one the model
+# never had: the report says the model cannot be judged on these probes.
+JUDGEABLE_ACCURACY = 0.5
 
 
 def _mean(values) -> Optional[float]:
@@ -26,173 +32,198 @@ def _mean(values) -> Optional[float]:
     return statistics.mean(values) if values else None
 
 
-def compare(server: dict, stock: dict, buckets: dict[str, str], documents: Optional[set[str]] = None) -> dict:
-    """Per bucket (and ``all``): per form the exact-match and F1 fidelity to stock, accuracy, kept share;
-    over the documents ``documents`` (None: all)."""
-    paired = _paired(server, stock)
-    chosen = lambda name: documents is None or name in documents  # noqa: E731
+def _paired(server: dict, reference: dict) -> list[tuple[dict, dict]]:
+    """(the server's answer, the reference's to the same question) for every question both answered."""
+    theirs = {(a["document"], a["form"], a["index"]): a for a in reference["answers"]}
+    return [(a, theirs[key]) for a in server["answers"] if (key := (a["document"], a["form"], a["index"])) in theirs]
+
+
+def compare(server: dict, stock: dict, buckets: dict[str, str], reference: Optional[dict] = None) -> dict:
+    """Per bucket (and ``all``) and form: answers equal to stock's (``matches``, ``exact``, ``f1``),
+    equal to ``reference``'s (``full``'s: ``full_exact``), right (``accuracy``) and the probes' token
+    F1 against the document (``document_f1``); and the kept share."""
+    with_stock = _paired(server, stock)
+    with_full = {(a["document"], a["form"], a["index"]): exact(a["text"], r["text"]) for a, r in _paired(server, reference)} if reference else {}
     cells: dict[str, dict] = {}
     for bucket in sorted(set(buckets.values()), key=bucket_order) + ["all"]:
-        names = {d for d, b in buckets.items() if (bucket == "all" or b == bucket) and chosen(d)}
-        if not names:
-            continue
+        names = {d for d, b in buckets.items() if bucket == "all" or b == bucket}
         cell: dict = {"documents": len(names)}
         for form in FORMS:
-            pairs = [(a, s) for a, s in paired if a["document"] in names and a["form"] == form]
-            judged = [a["correct"] for a, _ in pairs if a["correct"] is not None]
+            pairs = [(a, s) for a, s in with_stock if a["document"] in names and a["form"] == form]
             matches = [exact(a["text"], s["text"]) for a, s in pairs]
             cell[form] = {
                 "n": len(pairs),
                 "matches": sum(matches),
                 "exact": _mean(map(float, matches)),
                 "f1": _mean(token_f1(a["text"], s["text"]) for a, s in pairs),
-                "accuracy": _mean(map(float, judged)),
+                "full_exact": _mean(float(with_full[k]) for a, _ in pairs if (k := (a["document"], a["form"], a["index"])) in with_full),
+                "accuracy": _mean(float(a["correct"]) for a, _ in pairs if a["correct"] is not None),
+                "document_f1": _mean(a.get("document_f1") for a, _ in pairs),
             }
         cell["kept_share"] = _mean(d["kept_share"] for d in server["documents"] if d["document"] in names)
         cells[bucket] = cell
     return cells
 
 
-def _paired(server: dict, stock: dict) -> list[tuple[dict, dict]]:
-    """(the server's answer, stock's to the same question) for every question both answered."""
-    reference = {(a["document"], a["form"], a["index"]): a for a in stock["answers"]}
-    return [(a, reference[key]) for a in server["answers"] if (key := (a["document"], a["form"], a["index"])) in reference]
+def is_judged(stock: dict) -> bool:
+    """Every answer has a reference to be right or wrong against (probes, the user's answers, tasks)."""
+    return bool(stock["answers"]) and all(a["correct"] is not None for a in stock["answers"])
 
 
-def _matches_by_document(server: dict, stock: dict, documents: set[str]) -> dict[str, dict[str, tuple[int, int]]]:
-    """Per document and form: (answers equal to stock's, answers compared)."""
-    counts = {d: {f: [0, 0] for f in FORMS} for d in documents}
-    for answer, stocks in _paired(server, stock):
-        if answer["document"] in counts:
-            cell = counts[answer["document"]][answer["form"]]
-            cell[0] += exact(answer["text"], stocks["text"])
+def kept_by_document(server: dict, reference: dict, judged: bool) -> dict[str, dict[str, tuple[int, int]]]:
+    """Per document and form: (kept, eligible). Judged: eligible are the answers ``reference`` gets
+    right, kept those the server gets right too; else every answer, kept where equal to the reference's."""
+    counts: dict[str, dict[str, list[int]]] = {}
+    for answer, theirs in _paired(server, reference):
+        cell = counts.setdefault(answer["document"], {f: [0, 0] for f in FORMS})[answer["form"]]
+        if not judged:
+            cell[0] += exact(answer["text"], theirs["text"])
+            cell[1] += 1
+        elif theirs["correct"]:
+            cell[0] += bool(answer["correct"])
             cell[1] += 1
     return {d: {f: (c[0], c[1]) for f, c in forms.items()} for d, forms in counts.items()}
 
 
-def document_interval(server: dict, stock: dict, documents: set[str], form: str, seed: int = 0) -> Optional[tuple[float, float]]:
-    """The ``INTERVAL_LEVEL`` bootstrap interval of the fidelity ``form`` reads over ``documents``, drawing
-    whole documents (answers on one document are not independent: a document the model copies badly
-    fails most of its probes, so the documents, not the answers, are the sample)."""
-    counts = _matches_by_document(server, stock, documents)
-    names = sorted(d for d in counts if any(n for _, n in counts[d].values()))
-    if not names:
-        return None
-    forms = FORMS if form == "both" else (form,)
-    rng, values = random.Random(seed), []
-    for _ in range(BOOTSTRAP_DRAWS):
-        drawn = [counts[rng.choice(names)] for _ in names]
-        rates = [sum(d[f][0] for d in drawn) / n for f in forms if (n := sum(d[f][1] for d in drawn))]
-        values.append(min(rates))
-    values.sort()
-    tail = (1 - INTERVAL_LEVEL) / 2
-    return values[int(tail * (len(values) - 1))], values[int((1 - tail) * (len(values) - 1))]
+def right_by_document(server: dict) -> dict[str, dict[str, tuple[int, int]]]:
+    """Per document and form: (answers right, answers)."""
+    counts: dict[str, dict[str, list[int]]] = {}
+    for answer in server["answers"]:
+        cell = counts.setdefault(answer["document"], {f: [0, 0] for f in FORMS})[answer["form"]]
+        cell[0] += bool(answer["correct"])
+        cell[1] += 1
+    return {d: {f: (c[0], c[1]) for f, c in forms.items()} for d, forms in counts.items()}
 
 
-def analyse(servers: Sequence[dict], buckets: dict[str, str], holdout: set[str], min_fidelity: float, form: str) -> dict:
-    """Fidelity tables (all documents, the calibration ones, the held-out ones), speed ratios, and the
-    recommendation among the candidates (calibrated on the documents not held out)."""
+def correlation_over(counts: dict[str, dict[str, tuple[int, int]]], documents: set[str], forms: Sequence[str]) -> Optional[float]:
+    return document_correlation([[counts[d][f] for d in sorted(counts) if d in documents] for f in forms])
+
+
+def cells_of(counts: dict[str, dict[str, tuple[int, int]]], server: dict, buckets: dict[str, str], documents: set[str]) -> dict[str, Cell]:
+    """Per bucket, the kept answers of ``counts`` over ``documents``, and the server's kept share there."""
+    shares = {d["document"]: d["kept_share"] for d in server["documents"]}
+    cells = {}
+    for bucket in sorted({buckets[d] for d in documents}, key=bucket_order):
+        names = [d for d in sorted(documents) if buckets[d] == bucket and d in counts]
+        if not names:
+            continue
+        eligible = [d for d in names if any(counts[d][f][1] for f in FORMS)]
+        share = _mean(shares.get(d) for d in names)
+        cells[bucket] = Cell({f: sum(counts[d][f][0] for d in names) for f in FORMS}, {f: sum(counts[d][f][1] for d in names) for f in FORMS},
+                             share, max(1, len(eligible)))  # fmt: skip
+    return cells
+
+
+def _family(server: dict) -> tuple[str, ...]:
+    return (*server["family"], f"knob={server['knob']}")
+
+
+def reference_of(server: dict, stock: dict, fulls: dict) -> dict:
+    """What a candidate's loss is measured against: ``full`` of its scope, else stock."""
+    return fulls.get(server.get("scope"), stock)
+
+
+def analyse(servers: Sequence[dict], buckets: dict[str, str], holdout: set[str], min_kept: float, form: str, confidence: float) -> dict:
+    """Per server its tables and speed; per candidate its kept answers, lower bound, verdict and
+    held-out check; the numerics floor; the recommendation (calibrated on the documents not held out)."""
     stock = servers[0]
-    calibration = set(buckets) - holdout
     fulls = {s["scope"]: s for s in servers if s["role"] == "full"}
+    forms = FORMS if form == "both" else (form,)
+    calibration = set(buckets) - holdout
+    judged = is_judged(stock)
     for server in servers:
-        server["fidelity"] = compare(server, stock, buckets)
-        server["fidelity_calibration"] = compare(server, stock, buckets, calibration) if holdout else None
-        server["fidelity_holdout"] = compare(server, stock, buckets, holdout) if holdout else None
+        server["fidelity"] = compare(server, stock, buckets, reference_of(server, stock, fulls) if server["role"] == "candidate" else None)
         server["speed"] = speed(server["answers"])
         full = fulls.get(server.get("scope"))
         server["vs_stock"] = _ratios(server["speed"], stock["speed"])
         server["vs_full"] = _ratios(server["speed"], full["speed"]) if full is not None and server["role"] == "candidate" else None
-    candidate_servers = [server for server in servers if server["role"] == "candidate"]
-    candidates = [_candidate(server, "fidelity_calibration" if holdout else "fidelity") for server in candidate_servers]
-    calibration_buckets = {buckets[d] for d in calibration}
-    estimate = calibration_correlation(candidate_servers, stock, calibration, form)
-    correlation = 1.0 if estimate is None else estimate
-    recommendation = recommend(candidates, calibration_buckets, min_fidelity, form, correlation)
-    held_out = held_out_by_server(servers, stock, calibration, form, correlation) if holdout else None
-    result = recommendation_json(recommendation, servers, holdout, held_out, form)
-    result["correlation_estimated"] = estimate is not None
-    return {"recommendation": result, "held_out_by_server": held_out}
+    stock_right = right_by_document(stock) if judged else None
+    stock_rho = correlation_over(stock_right, calibration, forms) if judged else None
+    # The length groups from stock's answers alone, so that no candidate's answers decide them.
+    groups = length_groups(_effective_answers(stock, stock_right, buckets, calibration, 1.0 if stock_rho is None else stock_rho), answers_needed(min_kept, confidence))
+    candidates, rows = [], {}
+    for server in (s for s in servers if s["role"] == "candidate"):
+        reference = reference_of(server, stock, fulls)
+        counts = kept_by_document(server, reference, judged)
+        own = correlation_over(counts, calibration, forms)
+        theirs = correlation_over(right_by_document(reference), calibration, forms) if judged else None
+        rho = max((r for r in (own, theirs) if r is not None), default=1.0)
+        candidate = Candidate(server["label"], _family(server), server["knob"], server["value"], tuple(server["recommend_flags"]),
+                              cells_of(counts, server, buckets, calibration), rho)  # fmt: skip
+        held = Cell.merged(list(cells_of(counts, server, buckets, holdout).values())) if holdout else None
+        candidates.append(candidate)
+        everywhere = candidate.over([b for b in candidate.cells])
+        rows[server["label"]] = {
+            "reference": reference["label"], "rho": rho, "rho_own": own, "rho_reference": theirs,
+            "kept_answers": None if everywhere is None else everywhere.measured(form),
+            "bound": None if everywhere is None else everywhere.bound(form, rho, confidence),
+            "held_out": None if held is None else held.measured(form),
+        }  # fmt: skip
+    numerics = numerics_floor(servers, judged)
+    stock_accuracy = numerics["stock_accuracy"]
+    cannot_judge = judged and (stock_accuracy is None or stock_accuracy < JUDGEABLE_ACCURACY)
+    recommendation = recommend(candidates, groups, min_kept, form, confidence,
+                               held_out=(lambda c: rows[c.label]["held_out"]) if holdout else None,
+                               overall=lambda c: rows[c.label]["bound"])  # fmt: skip
+    for verdict in recommendation.verdicts:
+        rows[verdict.candidate.label] |= {"bounds": verdict.bounds, "passes": verdict.passes}
+        if verdict.candidate.label in recommendation.checks:
+            rows[verdict.candidate.label]["held_out_holds"] = recommendation.checks[verdict.candidate.label][1]
+    result = recommendation_json(recommendation, None if cannot_judge else recommendation.chosen, holdout)
+    result |= {"judged": judged, "cannot_judge": cannot_judge, "stock_rho": stock_rho}
+    return {"recommendation": result, "candidates": rows, "numerics": numerics}
 
 
-def calibration_correlation(candidates: Sequence[dict], stock: dict, calibration: set[str], form: str) -> Optional[float]:
-    """The intraclass correlation of the candidates' answers on the calibration documents, in the forms
-    ``form`` reads (None: not estimable, e.g. no miss)."""
-    forms = FORMS if form == "both" else (form,)
-    counts = [_matches_by_document(server, stock, calibration) for server in candidates]
-    return document_correlation([[by_document[d][f] for d in sorted(by_document)] for by_document in counts for f in forms])
+def _effective_answers(stock: dict, right: Optional[dict], buckets: dict[str, str], documents: set[str], rho: float) -> dict[str, float]:
+    """Per bucket, the answers a candidate is judged on there (stock's right ones where judged; the
+    fewer form's), divided by the design effect of ``rho``."""
+    counts = right if right is not None else {d: {f: (n, n) for f, (_, n) in forms.items()} for d, forms in right_by_document(stock).items()}
+    answers = {}
+    for bucket in {buckets[d] for d in documents}:
+        names = [d for d in documents if buckets[d] == bucket and d in counts]
+        per_form = [sum(counts[d][f][0] for d in names) for f in FORMS]
+        fewer = min(per_form)
+        per_document = fewer / max(1, len(names))
+        answers[bucket] = fewer / (1 + max(0.0, per_document - 1) * rho)
+    return answers
 
 
-def _cell(cell: dict) -> Cell:
-    """``compare``'s cell as the recommendation reads it."""
-    return Cell({f: cell[f]["matches"] for f in FORMS}, {f: cell[f]["n"] for f in FORMS}, cell["kept_share"], cell["documents"])
+def numerics_floor(servers: Sequence[dict], judged: bool) -> dict:
+    """What rounding alone changes: each ``full``'s answers equal to stock's, and stock's and each
+    ``full``'s answers right (the lower form's)."""
+    def right(server: dict) -> Optional[float]:
+        values = [_mean(float(a["correct"]) for a in server["answers"] if a["form"] == f and a["correct"] is not None) for f in FORMS]
+        values = [v for v in values if v is not None]
+        return min(values) if values and judged else None
 
-
-def held_out_by_server(servers: Sequence[dict], stock: dict, calibration: set[str], form: str, correlation: float) -> dict:
-    """Per server, over all lengths: the fidelity the calibration documents predict (the expected
-    fidelity the recommendation reads, with the run's ``correlation``), the bootstrap interval of the
-    fidelity measured on those documents, and the fidelity measured on the held-out documents (the
-    recommendation's check, for every candidate)."""
-    rows = {}
-    for server in servers[1:]:
-        calibrated = _cell(server["fidelity_calibration"]["all"])
-        predicted, measured = calibrated.reads(form, correlation), _cell(server["fidelity_holdout"]["all"]).measured(form)
-        rows[server["label"]] = {"predicted": predicted, "calibration": calibrated.measured(form), "measured": measured,
-                                 "interval": document_interval(server, stock, calibration, form),
-                                 "difference": None if predicted is None or measured is None else measured - predicted}  # fmt: skip
-    return rows
+    stock = servers[0]
+    fulls = [s for s in servers if s["role"] == "full"]
+    return {"stock_accuracy": right(stock),
+            "full": {s["label"]: {"equal_to_stock": {f: s["fidelity"]["all"][f]["exact"] for f in FORMS}, "accuracy": right(s)} for s in fulls}}  # fmt: skip
 
 
 def _ratios(mine: dict, base: dict) -> dict:
     return {f: (mine[f] / base[f] if mine.get(f) is not None and base.get(f) else None) for f in SPEED_FIELDS}
 
 
-def _candidate(server: dict, table: str) -> Candidate:
-    cells = {bucket: _cell(cell) for bucket, cell in (server[table] or {}).items() if bucket != "all"}
-    return Candidate(server["label"], tuple(server["family"]), server["knob"], server["value"], tuple(server["recommend_flags"]), cells)
-
-
-def _group_check(recommendation: Recommendation, label: str, candidate: Candidate, servers: Sequence[dict], holdout: set[str], form: str) -> dict:
-    """A length group's pick: the fidelity its calibration answers predict there and, with held-out
-    documents, the share measured on the held-out documents of that group."""
-    group = recommendation.groups[label]
-    check = {"candidate": candidate.label, "predicted": candidate.over(group).reads(form, recommendation.correlation)}
-    if holdout:
-        held = _candidate(next(s for s in servers if s["label"] == candidate.label), "fidelity_holdout").over(group)
-        check |= {"held_out": None if held is None else held.measured(form), "held_out_documents": 0 if held is None else held.documents}
-    return check
-
-
-def recommendation_json(recommendation: Recommendation, servers: Sequence[dict], holdout: set[str], held_out: Optional[dict], form: str) -> dict:
-    """``held_out``: ``held_out_by_server``'s rows for the documents ``holdout`` (None: none held out)."""
-    chosen = recommendation.chosen
-    result = {
-        "min_fidelity": recommendation.min_fidelity,
-        "form": form,
+def recommendation_json(recommendation: Recommendation, chosen: Optional[Candidate], holdout: set[str]) -> dict:
+    """``chosen``: the recommendation's pick, or None where the model cannot be judged."""
+    groups = recommendation.groups
+    return {
+        "min_kept": recommendation.min_kept,
+        "confidence": recommendation.confidence,
+        "form": recommendation.form,
+        "groups": {label: list(buckets) for label, buckets in groups.items()},
+        "answers_needed": None if recommendation.needed == float("inf") else recommendation.needed,
+        "order": [v.candidate.label for v in recommendation.verdicts],
         "chosen": None if chosen is None else chosen.label,
         "flags": None if chosen is None else list(chosen.flags),
         "knob": None if chosen is None else chosen.knob,
-        "predicted": recommendation.predicted,
-        "kept_share": recommendation.kept_share,
-        "per_bucket": {b: (c.label if c else None) for b, c in recommendation.per_bucket.items()},
-        "per_bucket_check": {b: _group_check(recommendation, b, c, servers, holdout, form) for b, c in recommendation.per_bucket.items() if c},
-        "answers_needed": recommendation.needed if recommendation.needed != float("inf") else None,
-        "correlation": recommendation.correlation,
-        "held_out": None,
+        "bounds": None if chosen is None else recommendation.verdict_of(chosen.label).bounds,
+        "kept_share": None if chosen is None else {label: chosen.over(g).kept_share for label, g in groups.items() if chosen.over(g)},
+        "held_out_documents": sorted(holdout),
+        "rejected_by_held_out": [label for label, (_, holds) in recommendation.checks.items() if not holds],
     }
-    if chosen is not None and held_out:
-        server = next(s for s in servers if s["label"] == chosen.label)
-        measured = {b: _cell(c).measured(form) for b, c in server["fidelity_holdout"].items()}
-        row = held_out[chosen.label]
-        result["held_out"] = {
-            "documents": sorted(holdout),
-            "measured": measured,
-            "predicted_all": row["predicted"],
-            "calibration_all": row["calibration"],
-            "interval_all": row["interval"],
-            "difference_all": row["difference"],
-        }
-    return result
 
 
 # ---- markdown and plot -----------------------------------------------------------------------------
@@ -206,18 +237,19 @@ def _ratio(value: Optional[float]) -> str:
     return "-" if value is None else f"x{value:.2f}"
 
 
-def fidelity_rows(servers: Sequence[dict], table: str = "fidelity") -> list[str]:
-    buckets = [b for b in servers[0][table] if b != "all"] + ["all"]
-    lines = ["| server | length | docs | kept share | multi-request exact / F1 | multi-turn exact / F1 | accuracy (multi-request, multi-turn) |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+def fidelity_rows(servers: Sequence[dict]) -> list[str]:
+    buckets = [b for b in servers[0]["fidelity"] if b != "all"] + ["all"]
+    lines = ["| server | length | docs | kept share | right (multi-request / multi-turn) | probes' F1 to the document | equal to full's | equal to stock's |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    pair = lambda cell, key: " / ".join(_fmt(cell[f][key]) for f in FORMS)  # noqa: E731
     for server in servers:
         for bucket in buckets:
-            cell = (server[table] or {}).get(bucket)
+            cell = server["fidelity"].get(bucket)
             if cell is None:
                 continue
-            forms = [f"{_fmt(cell[f]['exact'])} / {_fmt(cell[f]['f1'])} (n={cell[f]['n']})" for f in FORMS]
-            accuracy = ", ".join(_fmt(cell[f]["accuracy"]) for f in FORMS)
-            lines.append(f"| {server['label']} | {bucket} | {cell['documents']} | {_fmt(cell['kept_share'])} | {forms[0]} | {forms[1]} | {accuracy} |")
+            n = "/".join(str(cell[f]["n"]) for f in FORMS)
+            lines.append(f"| {server['label']} | {bucket} | {cell['documents']} | {_fmt(cell['kept_share'])} | {pair(cell, 'accuracy')} "
+                         f"| {pair(cell, 'document_f1')} | {pair(cell, 'full_exact')} | {pair(cell, 'exact')} (n={n}) |")  # fmt: skip
     return lines
 
 
@@ -233,64 +265,66 @@ def speed_rows(servers: Sequence[dict]) -> list[str]:
     return lines
 
 
-def recommendation_lines(result: dict, dense_flags: Sequence[str]) -> list[str]:
-    rec = result["recommendation"]
-    needed = rec.get("answers_needed")
-    lines = [f"Expected fidelity = (answers equal to stock's + 1) / (answers + 2) per form, the lower form read ({rec['form']}), "
-             f"on effective counts: divided by the design effect 1 + (m - 1) x rho, m answers per document, {_correlation_text(rec)}; "
-             + (f"length buckets joined until each has {needed} effective answers per form, the fewest whose expected fidelity can reach "
-                f"{rec['min_fidelity']:g}." if needed is not None else f"no finite sample can show {rec['min_fidelity']:g}."), ""]  # fmt: skip
-    for bucket, label in rec["per_bucket"].items():
-        check = rec["per_bucket_check"].get(bucket)
-        held = "" if check is None or "held_out" not in check else (
-            f"; held out: {_fmt(check['held_out'])} over {_documents(check['held_out_documents'])}" if check["held_out_documents"] else "; no held-out document there")
-        said = label if check is None else f"{label} (predicted {_fmt(check['predicted'])}{held})"
-        lines.append(f"- {bucket}: the most evicting candidate with expected fidelity >= {rec['min_fidelity']:g}: {said or 'none'}")
-    if rec["chosen"] is None:
-        lines.append(f"- no candidate meets expected fidelity >= {rec['min_fidelity']:g} in every length group: serve dense (`{' '.join(dense_flags)}`), "
-                     "or try larger budgets / lower thresholds, or a lower --min-fidelity")  # fmt: skip
-        return lines
-    predicted = ", ".join(f"{b} {_fmt(v)}" for b, v in rec["predicted"].items())
-    shares = ", ".join(f"{b} {_fmt(v)}" for b, v in rec["kept_share"].items())
-    lines.append(f"- chosen: **{rec['chosen']}**, predicted fidelity {predicted}; kept share {shares}"
-                 + (" (a threshold keeps what the scores earn: the kept share is measured, not a budget)" if rec["knob"] == "threshold" else ""))  # fmt: skip
-    held = rec["held_out"]
-    if held:
-        measured = ", ".join(f"{b} {_fmt(v)}" for b, v in held["measured"].items())
-        interval = held.get("interval_all")
-        interval = "" if interval is None else f" [{_fmt(interval[0])}, {_fmt(interval[1])}]"
-        lines.append(f"- held out ({len(held['documents'])} documents): measured fidelity {measured}; predicted (all calibration "
-                     f"documents) {_fmt(held['predicted_all'])}, measured there {_fmt(held.get('calibration_all'))}{interval}, "
-                     f"difference {_fmt(held['difference_all'])}")  # fmt: skip
+def numerics_lines(payload: dict) -> list[str]:
+    """The numerics floor, first: ``full`` against stock, and both against the document."""
+    numerics, servers = payload["analysis"]["numerics"], payload["servers"]
+    commands = payload["meta"].get("sglang_argv") or {}
+    lines = [f"- `{label}` runs SGLang with `{' '.join(argv)}`" for label, argv in commands.items()]
+    right = numerics["stock_accuracy"]
+    for label, row in numerics["full"].items():
+        equal = " / ".join(_fmt(row["equal_to_stock"][f]) for f in FORMS)
+        lines.append(f"- **{label}** (nothing evicted) answers as stock on {equal} of the questions (multi-request / multi-turn): "
+                     "what the two code paths' rounding changes, which no eviction budget can remove"
+                     + (f"; right against the document: stock {_fmt(right)}, {label} {_fmt(row['accuracy'])}" if right is not None else ""))  # fmt: skip
+    if not numerics["full"]:
+        lines.append(f"- no `full` served (--no-full): candidates are measured against stock, rounding included ({len(servers) - 1} servers)")
     return lines
 
 
-def _documents(count: int) -> str:
-    return f"{count} document{'' if count == 1 else 's'}"
+def recommendation_lines(analysis: dict, dense_flags: Sequence[str]) -> list[str]:
+    rec, rows = analysis["recommendation"], analysis["candidates"]
+    target, confidence = rec["min_kept"], rec["confidence"]
+    measured_as = ("of the answers its `full` gets right against the document, the share it gets right too" if rec["judged"]
+                   else "the share of answers equal to its `full`'s (no reference answers to judge them by)")  # fmt: skip
+    needed = rec["answers_needed"]
+    lines = [f"Kept answers: {measured_as}; the verdict reads their one-sided {confidence:.0%} lower bound (Clopper-Pearson on effective "
+             "counts: answers divided by the design effect 1 + (m - 1) x rho, m answers per document, rho the larger of the candidate's "
+             "own intraclass correlation and its reference's), the lower form's (" + rec["form"] + "), in every length group "
+             + (f"(buckets joined until each has {needed} effective answers, the fewest whose bound can reach {target:g})." if needed else
+                f"(no finite sample can show {target:g})."), ""]  # fmt: skip
+    lines += ["| candidate | reference | rho | kept answers | lower bound | " + " | ".join(f"bound {g}" for g in rec["groups"])
+              + " | >= target | held out | check |", "|---|---|---|---|---|" + "---|" * len(rec["groups"]) + "---|---|---|"]  # fmt: skip
+    for label in rec["order"]:
+        row = rows[label]
+        check = {True: "holds", False: "fails"}.get(row.get("held_out_holds"), "-")
+        lines.append(f"| {label} | {row['reference']} | {_fmt(row['rho'])} | {_fmt(row['kept_answers'])} | {_fmt(row['bound'])} | "
+                     + " | ".join(_fmt(row["bounds"].get(g)) for g in rec["groups"])
+                     + f" | {'yes' if row['passes'] else 'no'} | {_fmt(row['held_out'])} | {check} |")  # fmt: skip
+    lines.append("")
+    lines += [f"- **{line}**" for line in verdict_lines(analysis, dense_flags)]
+    return lines
 
 
-def _correlation_text(rec: dict) -> str:
-    """How the analysis got rho: estimated, or 1 for want of a miss."""
-    if rec["correlation_estimated"]:
-        return f"rho = {rec['correlation']:.2f}, how alike the answers on one document are (intraclass correlation of the calibration answers)"
-    return "rho = 1: the calibration answers hold no miss to estimate it from, so each document counts as one answer"
-
-
-def held_out_rows(analysis: dict) -> list[str]:
-    rows = analysis.get("held_out_by_server")
-    if not rows:
-        return []
-    form = analysis["recommendation"]["form"]
-    lines = [f"Held-out check, every server (read as the recommendation reads it: {form}; all lengths; predicted: the expected "
-             "fidelity of the calibration documents' effective answers; measured: the share equal to stock's; the interval: the measured share's "
-             f"{INTERVAL_LEVEL:.0%} over {BOOTSTRAP_DRAWS} draws of the calibration documents with replacement):", "",
-             "| server | predicted (calibration documents) | measured there | interval | measured (held-out documents) | difference |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
-    for label, row in rows.items():
-        interval = "-" if row.get("interval") is None else f"[{_fmt(row['interval'][0])}, {_fmt(row['interval'][1])}]"
-        lines.append(f"| {label} | {_fmt(row['predicted'])} | {_fmt(row.get('calibration'))} | {interval} | {_fmt(row['measured'])} "
-                     f"| {_fmt(row['difference'])} |")  # fmt: skip
-    return lines + [""]
+def verdict_lines(analysis: dict, dense_flags: Sequence[str]) -> list[str]:
+    """The recommendation in words: the pick, or why there is none."""
+    rec, rows = analysis["recommendation"], analysis["candidates"]
+    target = rec["min_kept"]
+    if rec["cannot_judge"]:
+        return [f"cannot judge: stock answers {_fmt(analysis['numerics']['stock_accuracy'])} of these probes right (under "
+                f"{JUDGEABLE_ACCURACY:g}), so a lost answer cannot be told from one the model never had; no budget is recommended. "
+                "Use questions this model answers from the document (a JSONL file with answers), or a larger model"]  # fmt: skip
+    rejected = [f"{label} (kept {_fmt(rows[label]['held_out'])} on the held-out documents, under its bound {_fmt(rows[label]['bound'])})"
+                for label in rec["rejected_by_held_out"]]  # fmt: skip
+    said = [f"not recommended after the held-out check: {', '.join(rejected)}"] if rejected else []
+    if rec["chosen"] is None:
+        return said + [f"no candidate's lower bound reaches {target:g} in every length group" + (" with its held-out check holding" if rejected else "")
+                       + f": serve dense (`{' '.join(dense_flags)}`), try larger budgets or lower thresholds, or a lower --min-kept"]  # fmt: skip
+    row = rows[rec["chosen"]]
+    shares = ", ".join(f"{g} {_fmt(v)}" for g, v in rec["kept_share"].items())
+    held = (f"; held out ({len(rec['held_out_documents'])} documents): kept {_fmt(row['held_out'])} >= bound {_fmt(row['bound'])}"
+            if rec["held_out_documents"] else "; no document held out: the bound is unchecked (--holdout 0.5 checks it)")  # fmt: skip
+    return said + [f"recommended: {rec['chosen']}, lower bound {_fmt(row['bound'])} >= {target:g} of `full`'s right answers kept "
+                   f"(measured {_fmt(row['kept_answers'])}); kept share {shares}{held}"]  # fmt: skip
 
 
 def measured_lines(servers: Sequence[dict], env: dict) -> list[str]:
@@ -313,24 +347,26 @@ def markdown(payload: dict) -> str:
     meta, servers, env = payload["meta"], payload["servers"], payload["environment"]
     config = meta["config"]
     lines = [
-        "# Before production: fidelity to stock on your documents", "",
+        "# Before production: what eviction costs your answers", "",
         f"`{meta['command']}`", "",
         f"Machine: {env['cpu_model']}, {env['cpu_cores']} cores, GPU: {env['gpu']}. SGLang {env['sglang']}, sgl-kvevict "
-        f"{env['git_commit'] or env['sgl_kvevict']}, {env['date']}. Model `{config['model']}`, every server at --max-total-tokens "
-        f"{config['pool_tokens']}; {len(payload['documents'])} documents ({payload['source']}), {sum(s['seconds'] for s in servers) / 60:.1f} min of servers.",
-        *measured_lines(servers, env),
-        "",
-        "Fidelity = share of answers equal to stock's after normalisation (exact) and their token F1; multi-request: each "
-        "question in a new request right after the document; multi-turn: each question in a later turn after the summary "
-        "and the earlier questions; with held-out documents the recommendation is calibrated on the others. Kept share = KV slots the document's conversation holds after turn 1 over the tokens "
+        f"{env['git_commit'] or env['sgl_kvevict']}, {env['date']}. Model `{config['model']}` ({meta.get('prompts', 'chat')} prompts), every "
+        f"server at --max-total-tokens {config['pool_tokens']}; {len(payload['documents'])} documents ({payload['source']}), "
+        f"{sum(s['seconds'] for s in servers) / 60:.1f} min of servers.",
+        *measured_lines(servers, env), *([""] + [f"- {note}" for note in meta.get("notes", [])] if meta.get("notes") else []),
+        "", "## Numerics: `full` against stock", "",
+        *numerics_lines(payload), "",
+        "## Answers", "",
+        "Right: against the document's own words (a probe's answer says them for as long as it runs) or the user's reference answers; "
+        "multi-request: each question in a new request right after the document; multi-turn: each question in a later turn after the "
+        "summary and the earlier questions. Kept share = KV slots the document's conversation holds after turn 1 over the tokens "
         "stock holds dense.", "",
         *fidelity_rows(servers), "",
-        "## Speed (one request at a time)", "",
-        *speed_rows(servers), "",
         "## Recommendation", "",
         *recommendation_lines(payload["analysis"], config["dense_flags"]), "",
-        *held_out_rows(payload["analysis"]),
-        f"![fidelity vs kept share]({meta['name']}.png)", "",
+        f"![kept answers vs kept share]({meta['name']}.png)", "",
+        "## Speed (one request at a time)", "",
+        *speed_rows(servers), "",
         "## Documents", "",
         "| document | tokens | bucket | held out |", "|---|---|---|---|",
         *[f"| {d['name']} | {d['tokens']} | {d['bucket']} | {'yes' if d['held_out'] else ''} |" for d in payload["documents"]],
@@ -341,31 +377,26 @@ def markdown(payload: dict) -> str:
 
 
 def plot(payload: dict, path: Path) -> None:
-    """Fidelity (the lower form) against kept share, one panel per length bucket, one point per candidate."""
+    """Each candidate's kept answers (measured, and its lower bound below) against its kept share."""
     plt = pyplot()
-    servers = [s for s in payload["servers"] if s["role"] != "stock"]
-    buckets = [b for b in payload["servers"][0]["fidelity"] if b != "all"]
-    fig, axes = plt.subplots(1, max(1, len(buckets)), figsize=(4.2 * max(1, len(buckets)), 3.8), squeeze=False)
-    target = payload["analysis"]["recommendation"]["min_fidelity"]
-    for axis, bucket in zip(axes[0], buckets):
-        for server in servers:
-            cell = server["fidelity"].get(bucket)
-            if cell is None:
-                continue
-            for form, marker in zip(FORMS, ("o", "s")):
-                share = 1.0 if cell["kept_share"] is None else cell["kept_share"]
-                if cell[form]["exact"] is not None:
-                    axis.scatter(share, cell[form]["exact"], marker=marker, s=28)
-                    axis.annotate(server["label"], (share, cell[form]["exact"]), fontsize=6, alpha=0.7)
-        axis.axhline(target, color="grey", linestyle="--", linewidth=0.8)
-        axis.set_title(f"{bucket} tokens (o multi-request, s multi-turn)", fontsize=8)
-        axis.set_xlabel("kept share")
-        axis.set_ylabel("fidelity to stock (exact)")
-        axis.set_xlim(0, 1.05)
-        axis.set_ylim(-0.03, 1.03)
-        axis.grid(alpha=0.3)
+    analysis = payload["analysis"]
+    rows, target = analysis["candidates"], analysis["recommendation"]["min_kept"]
+    fig, axis = plt.subplots(figsize=(6.4, 4.2))
+    for server in (s for s in payload["servers"] if s["role"] == "candidate"):
+        row, share = rows[server["label"]], server["fidelity"]["all"]["kept_share"]
+        if row["kept_answers"] is None or share is None:
+            continue
+        axis.errorbar(share, row["kept_answers"], yerr=[[row["kept_answers"] - (row["bound"] or 0)], [0]], fmt="o", capsize=3)
+        axis.annotate(server["label"], (share, row["kept_answers"]), fontsize=7, alpha=0.8)
+        if row["held_out"] is not None:
+            axis.scatter(share, row["held_out"], marker="x", color="black", s=24)
+    axis.axhline(target, color="grey", linestyle="--", linewidth=0.8)
+    axis.set_xlabel("kept share (KV held / dense)")
+    axis.set_ylabel("kept answers (of full's right ones)")
+    axis.set_title("o measured on the calibration documents, bar down to its lower bound; x held out", fontsize=8)
+    axis.set_xlim(0, 1.05)
+    axis.set_ylim(-0.03, 1.03)
+    axis.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-

@@ -19,16 +19,19 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import aiohttp
 
+from sgl_kvevict.evaluate.fidelity import contains_reference, follows_document
 from sgl_kvevict.evaluate.inputs import Document, Question
-from sgl_kvevict.measure.chat import slots_held
-from sgl_kvevict.measure.client import StreamedReply, ask, flush_when_idle
+from sgl_kvevict.measure.chat import ChatTokens, slots_held
+from sgl_kvevict.measure.client import StreamedReply, ask, complete, flush_when_idle
 from sgl_kvevict.measure.servers import ServerError
 
 SUMMARY_INSTRUCTION = "Summarise the text above in one sentence."
+# Turn 1 for a base model, which continues text rather than following an instruction.
+BASE_SUMMARY_CUE = "In one sentence, the text above says that"
 
 
 @dataclass(frozen=True)
@@ -38,7 +41,8 @@ class Answer:
     index: int  # the question's index in its document
     kind: str
     text: str  # what the server generated after the answer prefix (what fidelity compares: the prefix is ours)
-    correct: Optional[bool]  # against the reference, where one is given
+    correct: Optional[bool]  # against the reference (the document's words for a probe), where there is one
+    document_f1: Optional[float]  # a probe's token F1 against the document's words
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
@@ -65,51 +69,120 @@ def itl_of(reply: StreamedReply) -> list[float]:
     return [round(b - a, 6) for a, b in zip(times, times[1:])]
 
 
-def _answer(document: Document, form: str, index: int, question: Question, reply: StreamedReply) -> Answer:
+def judged(document: Document, index: int, question: Question, reply: StreamedReply, answer_tokens: int) -> tuple[Optional[bool], Optional[float]]:
+    """The answer against its reference: (right, token F1 against the document's words for a probe)."""
     if document.checks:
-        correct: Optional[bool] = document.checks[index](reply.text)
-    elif question.reference is not None:
-        from sgl_kvevict.evaluate.fidelity import contains_reference
+        return document.checks[index](reply.text), None
+    if question.reference is None:
+        return None, None
+    if question.judged_by_document:
+        return follows_document(reply.text, question.reference, cut=(reply.completion_tokens or 0) >= answer_tokens)
+    return contains_reference(question.answer_prefix + reply.text, question.reference), None
 
-        correct = contains_reference(question.answer_prefix + reply.text, question.reference)
-    else:
-        correct = None
-    return Answer(document.name, form, index, question.kind, reply.text, correct, reply.prompt_tokens or 0, reply.cached_tokens or 0,
+
+def _answer(document: Document, form: str, index: int, question: Question, reply: StreamedReply, answer_tokens: int) -> Answer:
+    correct, f1 = judged(document, index, question, reply, answer_tokens)
+    return Answer(document.name, form, index, question.kind, reply.text, correct, f1, reply.prompt_tokens or 0, reply.cached_tokens or 0,
                   reply.completion_tokens or 0, reply.ttft, reply.latency or 0.0, itl_of(reply))  # fmt: skip
 
 
-def _asking(question: Question) -> list[dict]:
-    """The question's messages: the user's question, and the reply's prefix where it has one."""
-    asked = [{"role": "user", "content": question.text}]
-    return asked + ([{"role": "assistant", "content": question.answer_prefix}] if question.answer_prefix else [])
+class ChatPrompts:
+    """A chat model's conversations: messages through its template, sent to the chat API."""
+
+    def __init__(self, chat: ChatTokens):
+        self.chat = chat
+
+    def first(self, document: Document) -> list[dict]:
+        return [{"role": "user", "content": f"{document.text}\n\n{SUMMARY_INSTRUCTION}"}]
+
+    def new_request(self, document: Document, question: Question) -> list[dict]:
+        return [{"role": "user", "content": f"{document.text}\n\n{question.text}"}, *self._reply_start(question)]
+
+    def later(self, history: list[dict], question: Question) -> list[dict]:
+        return [*history, {"role": "user", "content": question.text}, *self._reply_start(question)]
+
+    def answered(self, prompt: list[dict], question: Optional[Question], reply: str) -> list[dict]:
+        """``prompt`` (``later``'s, or turn 1's with no question) with the reply as the assistant's turn."""
+        if question is not None and question.answer_prefix:
+            return [*prompt[:-1], {"role": "assistant", "content": question.answer_prefix + reply}]
+        return [*prompt, {"role": "assistant", "content": reply}]
+
+    def tokens(self, prompt: list[dict]) -> int:
+        return len(self.chat.ids(prompt))
+
+    async def send(self, session: aiohttp.ClientSession, base_url: str, prompt: list[dict], max_tokens: int, empty_ok: bool) -> StreamedReply:
+        return await ask(session, base_url, prompt, max_tokens, empty_ok=empty_ok)
+
+    @staticmethod
+    def _reply_start(question: Question) -> list[dict]:
+        return [{"role": "assistant", "content": question.answer_prefix}] if question.answer_prefix else []
+
+
+class CompletionPrompts:
+    """A base model's conversations (no chat template): token ids, the model's BOS first, sent to the
+    completions API; the document, then turn 1's cue or a question's ``completion``, each later
+    question after the answers before it. Pieces are tokenised apart so that every prompt of a
+    document starts with the same ids and reuses its cached prefix."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
+
+    def _ids(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def first(self, document: Document) -> list[int]:
+        return [*self.bos, *self._ids(document.text), *self._ids(f"\n\n{BASE_SUMMARY_CUE}")]
+
+    def new_request(self, document: Document, question: Question) -> list[int]:
+        return [*self.bos, *self._ids(document.text), *self._ids(f"\n\n{question.completion}")]
+
+    def later(self, history: list[int], question: Question) -> list[int]:
+        return [*history, *self._ids(f"\n\n{question.completion}")]
+
+    def answered(self, prompt: list[int], question: Optional[Question], reply: str) -> list[int]:
+        return [*prompt, *self._ids(reply)]
+
+    def tokens(self, prompt: list[int]) -> int:
+        return len(prompt)
+
+    async def send(self, session: aiohttp.ClientSession, base_url: str, prompt: list[int], max_tokens: int, empty_ok: bool) -> StreamedReply:
+        return await complete(session, base_url, prompt, max_tokens, empty_ok=empty_ok)
+
+
+Prompts = Union[ChatPrompts, CompletionPrompts]
+
+
+def prompts_for(model: str) -> Prompts:
+    """Chat prompts where the model's tokenizer has a chat template, else completion prompts."""
+    chat = ChatTokens.for_model(model)
+    return ChatPrompts(chat) if getattr(chat.tokenizer, "chat_template", None) else CompletionPrompts(chat.tokenizer)
 
 
 async def run_document(
-    session: aiohttp.ClientSession, base_url: str, document: Document, summary_tokens: int, answer_tokens: int
+    session: aiohttp.ClientSession, base_url: str, prompts: Prompts, document: Document, summary_tokens: int, answer_tokens: int
 ) -> tuple[DocumentRun, list[Answer]]:
     if not await flush_when_idle(session, base_url, timeout=60):
         raise ServerError(f"{base_url} did not flush its cache (POST /flush_cache)")
-    turn_one = [{"role": "user", "content": f"{document.text}\n\n{SUMMARY_INSTRUCTION}"}]
-    first = await ask(session, base_url, turn_one, summary_tokens)
+    turn_one = prompts.first(document)
+    first = await prompts.send(session, base_url, turn_one, summary_tokens, False)
     record = DocumentRun(document.name, first.prompt_tokens or 0, first.completion_tokens or 0, first.ttft or 0.0,
                          await slots_held(session, base_url))  # fmt: skip
     answers = []
     for index, question in enumerate(document.questions):
-        messages = _asking(question)
-        messages[0] = {"role": "user", "content": f"{document.text}\n\n{question.text}"}
-        reply = await ask(session, base_url, messages, answer_tokens, empty_ok=True)
-        answers.append(_answer(document, "multi-request", index, question, reply))
-    history = turn_one + [{"role": "assistant", "content": first.text}]
+        reply = await prompts.send(session, base_url, prompts.new_request(document, question), answer_tokens, True)
+        answers.append(_answer(document, "multi-request", index, question, reply, answer_tokens))
+    history = prompts.answered(turn_one, None, first.text)
     for index, question in enumerate(document.questions):
-        reply = await ask(session, base_url, history + _asking(question), answer_tokens, empty_ok=True)
-        answers.append(_answer(document, "multi-turn", index, question, reply))
-        history += [{"role": "user", "content": question.text},
-                    {"role": "assistant", "content": question.answer_prefix + reply.text}]  # fmt: skip
+        prompt = prompts.later(history, question)
+        reply = await prompts.send(session, base_url, prompt, answer_tokens, True)
+        answers.append(_answer(document, "multi-turn", index, question, reply, answer_tokens))
+        history = prompts.answered(prompt, question, reply.text)
     return record, answers
 
 
 async def run_documents(
-    base_url: str, documents: Sequence[Document], summary_tokens: int, answer_tokens: int, log: Callable[[str], None],
+    base_url: str, prompts: Prompts, documents: Sequence[Document], summary_tokens: int, answer_tokens: int, log: Callable[[str], None],
     api_key: Optional[str] = None,
 ) -> dict:  # fmt: skip
     """Every document on the server at ``base_url``: its records as JSON (``documents``, ``answers``)."""
@@ -117,7 +190,7 @@ async def run_documents(
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600), headers=headers) as session:
         for done, document in enumerate(documents, 1):
-            record, asked = await run_document(session, base_url, document, summary_tokens, answer_tokens)
+            record, asked = await run_document(session, base_url, prompts, document, summary_tokens, answer_tokens)
             runs.append(record)
             answers += asked
             elapsed = time.perf_counter() - started

@@ -20,6 +20,7 @@ from sgl_kvevict.measure.servers import ServerError
 
 STATS_PATH = "/kvevict/stats"
 CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
 
 
 @dataclass
@@ -249,6 +250,12 @@ async def flush_when_idle(session: aiohttp.ClientSession, base_url: str, timeout
     return False
 
 
+def _answered(reply: StreamedReply, empty_ok: bool) -> StreamedReply:
+    if reply.error or reply.problems or (reply.ttft is None and not empty_ok):
+        raise ServerError(f"request failed: {reply.error or reply.problems or 'no token streamed'}")
+    return reply
+
+
 async def ask(session: aiohttp.ClientSession, base_url: str, messages: list[dict], max_tokens: int, empty_ok: bool = False) -> StreamedReply:
     """A greedy chat completion, streamed; raises ``ServerError`` unless it completed well-formed with a
     token. ``empty_ok``: a well-formed reply without a token is an answer too (a model continuing a
@@ -256,7 +263,11 @@ async def ask(session: aiohttp.ClientSession, base_url: str, messages: list[dict
     payload = {"model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0}
     if messages[-1]["role"] == "assistant":
         payload["continue_final_message"] = True
-    reply = await stream_completion(session, base_url + CHAT_PATH, payload)
-    if reply.error or reply.problems or (reply.ttft is None and not empty_ok):
-        raise ServerError(f"request failed: {reply.error or reply.problems or 'no token streamed'}")
-    return reply
+    return _answered(await stream_completion(session, base_url + CHAT_PATH, payload), empty_ok)
+
+
+async def complete(session: aiohttp.ClientSession, base_url: str, token_ids: list[int], max_tokens: int, empty_ok: bool = False) -> StreamedReply:
+    """A greedy text completion of ``token_ids`` (a base model's prompt, its BOS included: the server
+    adds no special token to token ids), streamed; the checks of ``ask``."""
+    payload = {"model": "default", "prompt": token_ids, "max_tokens": max_tokens, "temperature": 0}
+    return _answered(await stream_completion(session, base_url + COMPLETIONS_PATH, payload), empty_ok)

@@ -61,3 +61,46 @@ def ordering(a: Proportion, b: Proportion) -> Optional[str]:
     if a.high < b.low:
         return "<"
     return None
+
+
+def _incomplete_beta(a: float, b: float, x: float) -> float:
+    """The regularised incomplete beta function I_x(a, b) (Lentz's continued fraction, as in Numerical
+    Recipes' ``betai``); ``a`` and ``b`` may be fractional (effective counts)."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    if x > (a + 1) / (a + b + 2):  # the fraction converges fast only below the mean: use the symmetry
+        return 1.0 - _incomplete_beta(b, a, 1.0 - x)
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)) / a
+    tiny = 1e-300
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    value = d
+    for m in range(1, 500):
+        for numerator in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)), -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+            d = 1.0 + numerator * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + numerator / c
+            c = c if abs(c) > tiny else tiny
+            value *= c * d
+        if abs(c * d - 1.0) < 1e-12:
+            break
+    return front * value
+
+
+def clopper_pearson_lower(successes: float, n: float, confidence: float) -> float:
+    """The one-sided lower confidence bound of a binomial proportion (Clopper-Pearson): the ``p`` at
+    which ``successes`` or more of ``n`` have probability ``1 - confidence``, i.e. the
+    ``1 - confidence`` quantile of Beta(successes, n - successes + 1). Counts may be fractional
+    (effective counts, divided by a design effect); 0 successes give 0."""
+    if not 0 <= successes <= n or n <= 0 or not 0 < confidence < 1:
+        raise ValueError(f"need 0 <= successes ({successes}) <= n ({n}), n > 0 and confidence ({confidence}) in (0, 1)")
+    if successes == 0:
+        return 0.0
+    a, b, alpha = successes, n - successes + 1, 1 - confidence
+    low, high = 0.0, 1.0
+    for _ in range(60):  # bisection: I_p(a, b) rises with p
+        middle = (low + high) / 2
+        low, high = (middle, high) if _incomplete_beta(a, b, middle) < alpha else (low, middle)
+    return low

@@ -287,6 +287,14 @@ def sigterm_raises() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def sglang_argv(model: str, variant: ServerVariant, pool_tokens: int, extra: tuple[str, ...], cpu_mode: bool) -> list[str]:
+    """Every SGLang flag the launcher gives ``variant``'s server (its additions included; not host,
+    port, model): what the server runs with, as the launcher would start it on this machine."""
+    from sgl_kvevict.server.worker import sglang_args
+
+    return sglang_args(check_launcher_accepts(model, variant, pool_tokens, extra), cpu_mode)
+
+
 def check_model_takes(model: str, variant: ServerVariant, pool_tokens: int, extra: tuple[str, ...]) -> None:
     """What the launcher checks of the model before it starts SGLang, for a server with a policy: its
     architecture (sliding-window, MLA, state-space layers are refused) and, with a learned score, that
