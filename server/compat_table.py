@@ -78,8 +78,13 @@ def render_full() -> str:
 
 
 def render_short() -> str:
-    lines = ["| architecture | e.g. | with a `--kv-evict-policy` |", "| --- | --- | --- |"]
-    lines += [f"| {row.arch.title} | {row.arch.examples} | {row.verdict} |" for row in rows()]
+    """One row per verdict, its architectures in the matrix's order (the checkpoints they stand for are
+    the full table's: README.md has room for no more)."""
+    by_verdict: dict[str, list[str]] = {}
+    for row in rows():
+        by_verdict.setdefault(row.verdict, []).append(row.arch.title)
+    lines = ["| architecture | with a `--kv-evict-policy` |", "| --- | --- |"]
+    lines += [f"| {', '.join(titles)} | {verdict} |" for verdict, titles in by_verdict.items()]
     return "\n".join(lines)
 
 

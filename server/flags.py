@@ -159,8 +159,11 @@ def launcher_notes() -> list[str]:
         "KV heads is refused with a policy (replicated KV heads).",
         f"Refused with a policy (sgl_kvevict/limits.py gives each reason): {refused_flags_text()}.",
         "Models refused with a policy, from their config.json before they load: MLA (DeepSeek-V2/V3), local "
-        "attention layers (Gemma 2/3, gpt-oss), state-space layers (Qwen3-Next, Falcon-H1); which architectures "
-        "were tested: docs/compatibility.md.",
+        "attention layers in a pool of their own or soft-capped (gpt-oss, Gemma 2), state-space layers (Qwen3-Next, "
+        "Falcon-H1); which architectures were tested: docs/compatibility.md. Gemma 3's local layers, trimmed to their "
+        "window, are served by the torch backend on one rank: with a policy, a Gemma 3 model with an attention "
+        "backend other than torch_native (flashinfer, CUDA's default with a policy) or a --tp-size above 1 is "
+        "refused before it loads (local layers off the torch backend).",
         f"sgl-kvevict runs on sglang=={SGLANG_VERSION} only.",
     ]
 

@@ -34,6 +34,7 @@ from sgl_kvevict.server.refusals import (
     check_chunked_prefill,
     check_cpu_graphs,
     check_environment,
+    check_local_layers,
     check_model_architecture,
     check_tensor_parallel,
 )
@@ -130,6 +131,7 @@ def run(config: LaunchConfig) -> int:
     tp = tp_size(launched_args)
     if config.serving.enabled:
         check_model_architecture(model_dir)
+        check_local_layers(model_dir, launched_args)
         check_tensor_parallel(tp, model_kv_heads(model_dir), cpu_mode)
         advise_block_size(config.serving, model_dir)
     config = with_learned_weights(config, model_dir)

@@ -9,11 +9,14 @@ the launcher's back.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-from sgl_kvevict.architectures import model_facts_of
+from sgl_kvevict.architectures import attention_backends_note, local_attention_layers, model_facts
 from sgl_kvevict.limits import (
     LIMITS,
+    LOCAL_LAYER_ATTENTION_BACKENDS,
+    LOCAL_LAYERS_MAX_TP_SIZE,
     METADATA_GLUE_GRAPH_ENV,
     METADATA_GLUE_GRAPH_REASON,
     SetupFacts,
@@ -21,7 +24,7 @@ from sgl_kvevict.limits import (
     metadata_glue_graph_enabled,
     violations,
 )
-from sgl_kvevict.server.sglang_args import flag_value, has_flag, int_flag_value, largest_chunk_beside_block
+from sgl_kvevict.server.sglang_args import flag_value, has_flag, int_flag_value, largest_chunk_beside_block, tp_size
 from sgl_kvevict.serving import ServingConfig
 
 KV_EVICT_PREFIX = "--kv-evict-"
@@ -128,9 +131,50 @@ def check_tensor_parallel(tp: int, model_kv_heads: int, cpu_mode: bool) -> None:
 
 def check_model_architecture(model_dir: Path) -> None:
     """With a policy: the model keeps K and V per KV head in SGLang's one pool (limits: MLA, sliding-window
-    and state-space layers), as its config.json says, before it loads."""
-    problems = violations(SetupFacts(**model_facts_of(model_dir)))
+    and state-space layers), as its config.json says, before it loads; the line names the attention
+    backends SGLang would need for a model it runs on backends of its own only (gpt-oss, Gemma 4, Exaone 4)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    problems = violations(SetupFacts(**model_facts(config)))
     if problems:
+        note = attention_backends_note(config)
         raise FlagError(
-            f"the model in {model_dir} cannot be served with a --kv-evict-policy: {problems[0]} (docs/compatibility.md)"
+            f"the model in {model_dir} cannot be served with a --kv-evict-policy: {problems[0]}"
+            f"{'' if note is None else '; ' + note} (docs/compatibility.md)"
+        )
+
+
+def attention_backends(sglang_args: list[str]) -> list[tuple[str, str]]:
+    """The attention backends SGLang runs prefill and decode with, each with the flag that chose it
+    (``--prefill-attention-backend`` / ``--decode-attention-backend`` where given, else
+    ``--attention-backend``); SGLang's own choice is not listed where none is given."""
+    chosen = []
+    for phase in ("--prefill-attention-backend", "--decode-attention-backend"):
+        for flag in (phase, "--attention-backend"):
+            value = flag_value(sglang_args, flag)
+            if value is not None:
+                if (flag, value) not in chosen:
+                    chosen.append((flag, value))
+                break
+    return chosen
+
+
+def check_local_layers(model_dir: Path, sglang_args: list[str]) -> None:
+    """With a policy, a model whose local attention layers the plugin trims to their window (Gemma 3, from
+    its config.json): served only by the attention backend that windows them over compressed nodes, on one
+    rank (limits: local layers off the torch backend), refused before the weights load. ``sglang_args``:
+    every flag SGLang gets, the launcher's included (the backend it adds on this machine)."""
+    local = local_attention_layers(model_dir)
+    if local is None:
+        return
+    backends = attention_backends(sglang_args)
+    refused = [f"{flag} {value}" for flag, value in backends if value not in LOCAL_LAYER_ATTENTION_BACKENDS]
+    tp = tp_size(sglang_args)
+    if tp > LOCAL_LAYERS_MAX_TP_SIZE:
+        refused.append(f"--tp-size {tp}")
+    if refused:
+        layers, window = local
+        reason = next(limit.reason for limit in LIMITS if limit.name == "local layers off the torch backend")
+        raise FlagError(
+            f"{refused[0]} cannot be used with a --kv-evict-policy on the model in {model_dir}, which has "
+            f"{len(layers)} local attention layers (window {window}): {reason} (docs/compatibility.md)"
         )

@@ -16,6 +16,8 @@ import json
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from sgl_kvevict.limits import SGLANG_VERSION, WRAPPED_ATTENTION_BACKENDS
+
 # Layer kinds of ``layer_types`` that hold attention KV; any other kind (linear_attention, mamba,
 # conv, ...) keeps recurrent state.
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
@@ -26,6 +28,52 @@ ONE_POOL_LOCAL_LAYER_MODELS = frozenset({"gemma3", "gemma3_text"})
 # Config fields of the state-space and linear-attention families (Jamba, Falcon-H1, Nemotron-H:
 # mamba_*; Qwen3-Next: linear_conv_kernel_dim; Kimi Linear: linear_attn_config).
 STATE_SPACE_FIELD_PREFIXES = ("mamba_", "ssm_", "linear_conv", "linear_attn")
+
+
+# The attention backends SGLang 0.5.23 accepts for these architectures (``arg_groups/model_hook.py`` asserts
+# them at start-up; ``arg_groups/model_overrides/`` picks one when none is given), by the architecture name
+# of config.json, as SGLang keys them. None is one the plugin attends over compressed nodes with
+# (``limits.WRAPPED_ATTENTION_BACKENDS``: torch_native, flashinfer), so a server of one of them could not
+# serve a policy even where its local layers could be: the refusal names them (``attention_backends_note``).
+# Exaone 4's list holds only when it has local layers (``sliding_window_pattern``); without, SGLang takes
+# any backend. ``tests/test_architectures.py`` reads these lists back from SGLang's source.
+SGLANG_ATTENTION_BACKENDS = {
+    "GptOssForCausalLM": ("triton", "trtllm_mha", "fa3", "fa4", "ascend", "intel_amx", "intel_xpu", "aiter"),
+    **dict.fromkeys(
+        ("Gemma4ForConditionalGeneration", "Gemma4ForCausalLM", "Gemma4UnifiedForConditionalGeneration"),
+        ("trtllm_mha", "triton", "fa4", "ascend", "intel_xpu", "intel_amx", "aiter"),
+    ),
+    **dict.fromkeys(("Exaone4ForCausalLM", "ExaoneMoEForCausalLM", "ExaoneMoeForCausalLM"), ("fa3", "triton", "trtllm_mha")),
+}
+# Those SGLang accepts only when the model has local layers.
+WINDOWED_ONLY_BACKEND_ARCHITECTURES = frozenset({"Exaone4ForCausalLM", "ExaoneMoEForCausalLM", "ExaoneMoeForCausalLM"})
+
+
+def attention_backends_of_config(config: Mapping[str, Any]) -> Optional[tuple[str, tuple[str, ...]]]:
+    """``(architecture, the attention backends SGLang 0.5.23 accepts for it)`` of a parsed config.json whose
+    architecture SGLang runs only on backends of its own choosing (``SGLANG_ATTENTION_BACKENDS``); None
+    for any other model."""
+    for architecture in config.get("architectures") or ():
+        backends = SGLANG_ATTENTION_BACKENDS.get(architecture)
+        if backends is None:
+            continue
+        if architecture in WINDOWED_ONLY_BACKEND_ARCHITECTURES and config.get("sliding_window_pattern") is None:
+            return None
+        return architecture, backends
+    return None
+
+
+def attention_backends_note(config: Mapping[str, Any]) -> Optional[str]:
+    """What a refusal of this model adds, when SGLang 0.5.23 runs it only on attention backends the plugin
+    does not attend over compressed nodes with (Gemma 4, gpt-oss, Exaone 4 with local layers); None otherwise."""
+    found = attention_backends_of_config(config)
+    if found is None:
+        return None
+    architecture, backends = found
+    return (
+        f"SGLang {SGLANG_VERSION} runs {architecture} only on the {', '.join(backends[:-1])} or {backends[-1]} "
+        f"attention backend, and the plugin attends over compressed KV only in {' and '.join(WRAPPED_ATTENTION_BACKENDS)}"
+    )
 
 
 def model_facts(config: Mapping[str, Any]) -> dict[str, bool]:

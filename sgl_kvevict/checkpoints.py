@@ -148,8 +148,8 @@ TINY_LLAMA = TinyArchitecture("llama", "Llama", "SmolLM2", "LlamaConfig", "Llama
                               fields=dict(rope_theta=10000.0))  # fmt: skip
 # The compatibility matrix (tests/test_compat_matrix.py, docs/compatibility.md): the architectures SGLang
 # users serve most, scaled down from the public configs of the named checkpoints with their head
-# sizes (Llama 3.2 1B, Qwen2.5 0.5B: 64; Phi-3 mini: 96; Qwen3, Mistral: 128; Gemma 3: 256), and
-# one of each kind the plugin refuses.
+# sizes (Llama 3.2 1B, Qwen2.5 0.5B, Granite 3 2B: 64; Phi-3 mini: 96; Qwen3, Qwen3-MoE, Mistral, OLMo 2,
+# GLM-4: 128; Gemma 3: 256), and one of each kind the plugin refuses.
 COMPATIBILITY_MATRIX = (
     TinyArchitecture("llama3", "Llama 3", "Llama-3.1-8B-Instruct, Llama-3.2-1B", "LlamaConfig", "LlamaForCausalLM",
                      head_dim=64, fields=dict(rope_parameters=dict(
@@ -159,6 +159,10 @@ COMPATIBILITY_MATRIX = (
                      head_dim=64, fields=dict(rope_theta=1000000.0)),
     TinyArchitecture("qwen3", "Qwen3", "Qwen3-0.6B/8B/32B", "Qwen3Config", "Qwen3ForCausalLM",
                      head_dim=128, fields=dict(hidden_size=128, rope_theta=1000000.0)),
+    # Qwen3-30B-A3B: q/k norms, sparse MoE blocks (here 4 experts, 2 per token) in every layer.
+    TinyArchitecture("qwen3-moe", "Qwen3-MoE", "Qwen3-30B-A3B, Qwen3-235B-A22B", "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                     head_dim=128, fields=dict(hidden_size=128, rope_theta=1000000.0, num_experts=4, num_experts_per_tok=2,
+                                               moe_intermediate_size=64, norm_topk_prob=True)),
     TinyArchitecture("mistral", "Mistral", "Mistral-7B-Instruct-v0.3", "MistralConfig", "MistralForCausalLM",
                      head_dim=128, fields=dict(rope_theta=1000000.0, sliding_window=None)),
     # Phi-3 mini declares a 2047-token sliding window, which SGLang's Phi-3 (its Llama model) does not apply.
@@ -167,6 +171,18 @@ COMPATIBILITY_MATRIX = (
     TinyArchitecture("gemma3", "Gemma 3", "gemma-3-1b-it (text)", "Gemma3TextConfig", "Gemma3ForCausalLM",
                      head_dim=256, fields=dict(hidden_size=128, sliding_window=64, query_pre_attn_scalar=256, tie_word_embeddings=True,
                                                layer_types=["sliding_attention", "full_attention"])),
+    # OLMo 2: norms after attention and MLP (none before), q/k norms over all heads; head dim = hidden / heads.
+    TinyArchitecture("olmo2", "OLMo 2", "OLMo-2-1124-7B/13B-Instruct, OLMo-2-0425-1B", "Olmo2Config", "Olmo2ForCausalLM",
+                     head_dim=128, fields=dict(rope_theta=500000.0, rms_norm_eps=1e-6)),
+    # Granite 3: muP multipliers (attention scale 1/head dim, embeddings, residuals, logits).
+    TinyArchitecture("granite", "Granite", "granite-3.1-2b/8b-instruct", "GraniteConfig", "GraniteForCausalLM",
+                     head_dim=64, fields=dict(rope_theta=5000000.0, attention_multiplier=1 / 64, embedding_multiplier=12.0,
+                                              residual_multiplier=0.22, logits_scaling=8.0)),
+    # GLM-4-0414: rotary on half of each head (interleaved), q/k/v biases, norms after attention and MLP too.
+    TinyArchitecture("glm4", "GLM-4", "GLM-4-9B-0414, GLM-4-32B-0414", "Glm4Config", "Glm4ForCausalLM",
+                     head_dim=128, fields=dict(hidden_size=128, attention_bias=True,
+                                               rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                                    partial_rotary_factor=0.5))),
     TinyArchitecture("gpt-oss", "gpt-oss", "gpt-oss-20b, gpt-oss-120b", "GptOssConfig", "GptOssForCausalLM",
                      fields=dict(sliding_window=64, num_local_experts=2, num_experts_per_tok=1,
                                  layer_types=["sliding_attention", "full_attention"])),

@@ -17,9 +17,12 @@ Pure Python: no SGLang, no torch.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
+from sgl_kvevict.architectures import local_layers_of_config
 from sgl_kvevict.config import EvictionConfig
 from sgl_kvevict.scope import BlockScope, Scope
 from sgl_kvevict.scoring import SCORE_KINDS
@@ -34,8 +37,20 @@ class LocalShare:
     layers: int
     window: int
 
+    @classmethod
+    def of_model(cls, model_dir: Path) -> Optional["LocalShare"]:
+        """The share of the model in ``model_dir`` (its config.json); None for a model without local layers."""
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        found = local_layers_of_config(config)
+        if found is None:
+            return None
+        local, window = found
+        return cls(len(local), int((config.get("text_config") or config)["num_hidden_layers"]), window)
+
     def kept_slots(self, global_kept: int, block_size: int) -> int:
-        """The slots' worth a block holds when its global layers keep ``global_kept`` per (layer, KV head)."""
+        """The slots' worth a block holds when its global layers keep ``global_kept`` per (layer, KV head) on
+        average: a policy's budget is the global layers' share, however it moves it between them
+        (``local_layers.WindowedLocalLayers``), and a slot's cells hold any layer's entries."""
         local_kept = min(block_size, self.window)
         return -(-(global_kept * (self.layers - self.local) + local_kept * self.local) // self.layers)
 
@@ -79,7 +94,10 @@ class PrefillFootprint:
 
     def longest_prompt(self, pool_slots: int, reserved_slots: int) -> int:
         """The longest prompt (from position 0) whose peak leaves ``reserved_slots`` of ``pool_slots`` free."""
-        low, high = 0, pool_slots * max(1, self.block_size // max(1, self.kept_per_block)) + 1
+        # Past ``high`` the compressed blocks alone outgrow the pool (a bound rounded up: a block keeping
+        # more than half its slots, 0.58 of Gemma 3's with the trim, still raises the limit).
+        high = -(-pool_slots * self.block_size // max(1, self.kept_per_block)) + self.block_size + self.chunk_size
+        low = 0
         while low < high:  # peak_slots grows with the prompt: the largest length that fits
             middle = (low + high + 1) // 2
             if self.peak_slots(0, middle) + reserved_slots <= pool_slots:

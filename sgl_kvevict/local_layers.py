@@ -4,15 +4,17 @@ A local layer of Gemma 3 attends from position ``p`` over the keys ``[p - window
 ``sliding_window_size`` is ``window - 1``, HF's sliding mask the same). Every position a request reads
 after a compressed node ``[s, e)`` is at least ``e``, so of the node a local layer can ever read only its
 last ``window - 1`` positions: a node keeping its last ``min(e - s, window)`` there answers every later
-query exactly as the dense cache does. ``LocalLayers.trimmed`` puts that into a plan: in local layers,
-every KV head keeps the ``window`` positions before the node's end (the segment's end in block scope; in
-request scope the segment's observation window stays dense after the node, so those before it, and the
-window), whatever the policy chose there; global layers keep the policy's choice. Nothing a local layer can read is dropped, so a ``full`` server of such
-a model answers exactly as stock while holding, per compressed node, ``n`` entries per global layer and
-``min(n, window)`` per local one.
+query exactly as the dense cache does. ``LocalLayers.with_windows`` puts that into a plan: in local
+layers, every KV head keeps the ``window`` positions before the node's end (the segment's end in block
+scope; in request scope the segment's observation window stays dense after the node, so those before it,
+and the window); global layers keep the policy's choice. Nothing a local layer can read is dropped, so a
+``full`` server of such a model answers exactly as stock while holding, per compressed node, ``n`` entries
+per global layer and ``min(n, window)`` per local one.
 
-``WindowedLocalLayers`` wraps a policy so that every plan it makes is trimmed that way; both engines
-wrap the served policy with the model's ``LocalLayers`` (``of_model``), so their plans stay equal.
+``WindowedLocalLayers`` wraps a policy so that it plans the global layers alone: they are its layers
+(``Policy.for_layers``), its budget is their share, it scores nothing in local layers, and the local
+layers' windows are added to its plans. Both engines wrap the served policy with the model's
+``LocalLayers`` (``of_model``), so their plans stay equal.
 Every KV head of a local layer keeps the same positions: the attention backends rely on it (a local
 layer's compressed entries read as one dense-like key list per request).
 
@@ -21,6 +23,7 @@ Pure torch: no engine, no config.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -66,14 +69,19 @@ class LocalLayers:
         first = max(start, end - dense_after - self.window) if self.trim else start
         return torch.arange(first, end, dtype=torch.int64)
 
-    def trimmed(self, plan: CompressionPlan, observation_window: int) -> CompressionPlan:
-        """``plan`` (a segment scored by its last ``observation_window`` positions) with every local layer
-        keeping ``kept_positions`` of the segment in every KV head."""
-        dense_after = min(observation_window, plan.segment_length) if self.observation_window_dense else 0
-        kept = self.kept_positions(plan.segment_start, plan.segment_end, dense_after)
-        local = LayerPlan.from_heads([kept] * plan.layers[0].num_kv_heads)
-        layers = tuple(local if self.is_local(index) else layer for index, layer in enumerate(plan.layers))
-        return CompressionPlan(plan.segment_start, plan.segment_end, layers)
+    def with_windows(self, global_plan: CompressionPlan, spec: SegmentSpec, observation_window: int) -> CompressionPlan:
+        """The plan of every layer of the segment ``spec`` (scored by its last ``observation_window``
+        positions) from ``global_plan``, its global layers' in order: every local layer keeps
+        ``kept_positions`` of the segment in every KV head."""
+        dense_after = min(observation_window, spec.length) if self.observation_window_dense else 0
+        local = LayerPlan.from_heads([self.kept_positions(spec.start, spec.end, dense_after)] * spec.num_kv_heads)
+        global_layers = iter(global_plan.layers)
+        layers = tuple(local if self.is_local(index) else next(global_layers) for index in range(spec.num_layers))
+        return CompressionPlan(spec.start, spec.end, layers)
+
+    def global_layers(self, num_layers: int) -> tuple[int, ...]:
+        """The layers of a model of ``num_layers`` that are not local, ascending."""
+        return tuple(layer for layer in range(num_layers) if not self.is_local(layer))
 
     def window_before(
         self, start: int, at: int, present: torch.Tensor, num_layers: int, num_kv_heads: int
@@ -93,38 +101,47 @@ class LocalLayers:
 
 
 class _TrimmedCompressor(SegmentCompressor):
-    """A policy's compressor (observation window ``observation_window``) whose plans keep, in local layers,
-    what those can still read."""
+    """The compressor of a segment ``spec`` of every layer around ``inner``, a policy's compressor of its
+    global layers (renumbered ``0..``, ``Policy.for_layers``): local layers are never observed, and keep what
+    they can still read (``LocalLayers.with_windows``)."""
 
-    def __init__(self, inner: SegmentCompressor, local: LocalLayers, observation_window: int):
-        super().__init__(inner.spec)
+    def __init__(self, spec: SegmentSpec, inner: SegmentCompressor, local: LocalLayers, observation_window: int):
+        super().__init__(spec)
         self.inner = inner
         self.local = local
         self.observation_window = observation_window
         self.needs_stats = inner.needs_stats
+        self.global_index = {layer: index for index, layer in enumerate(local.global_layers(spec.num_layers))}
+
+    def observes(self, layer: int) -> bool:
+        return layer in self.global_index
 
     def observe(self, layer: int, stats: WindowStats) -> None:
-        self.inner.observe(layer, stats)
+        index = self.global_index.get(layer)
+        if index is not None:
+            self.inner.observe(index, stats)
 
     def plan(self) -> CompressionPlan:
-        return self.local.trimmed(self.inner.plan(), self.observation_window)
+        return self.local.with_windows(self.inner.plan(), self.spec, self.observation_window)
 
     def shared_state(self) -> Optional[torch.Tensor]:
         return self.inner.shared_state()
 
     def plan_shared(self, state: torch.Tensor) -> CompressionPlan:
-        return self.local.trimmed(self.inner.plan_shared(state), self.observation_window)
+        return self.local.with_windows(self.inner.plan_shared(state), self.spec, self.observation_window)
 
 
 class WindowedLocalLayers(Policy):
-    """``inner`` on a model with local layers: the same plans, with local layers trimmed to their window
-    (``LocalLayers.trimmed``). Built by the engines, never registered: it is a fact of the model, not a
-    method."""
+    """``inner`` on a model with local layers: its budget and layer allocators see the global layers alone
+    (``Policy.for_layers``): a budget of 25% keeps 25% of the global layers' KV, as local layers keep their
+    window anyway, and nothing is scored there. Built by the engines, never registered: it is a fact of the
+    model, not a method."""
 
     def __init__(self, inner: Policy, local: LocalLayers):
         super().__init__(inner.common, inner.knobs, inner.score_knobs)
         self.inner = inner
         self.local = local
+        self._on_global: dict[int, Policy] = {}  # model layers -> inner.for_layers(its global layers)
 
     @classmethod
     def wrap(cls, policy: Policy, local: Optional[LocalLayers]) -> Policy:
@@ -135,7 +152,12 @@ class WindowedLocalLayers(Policy):
         return self.inner.stats_request()
 
     def start(self, spec: SegmentSpec) -> SegmentCompressor:
-        return _TrimmedCompressor(self.inner.start(spec), self.local, self.common.window)
+        global_layers = self.local.global_layers(spec.num_layers)
+        on_global = self._on_global.get(spec.num_layers)
+        if on_global is None:
+            on_global = self._on_global[spec.num_layers] = self.inner.for_layers(global_layers)
+        inner = on_global.start(dataclasses.replace(spec, num_layers=len(global_layers)))
+        return _TrimmedCompressor(spec, inner, self.local, self.common.window)
 
     def for_model(self, model_dir: Path) -> "Policy":
         return WindowedLocalLayers(self.inner.for_model(model_dir), self.local)

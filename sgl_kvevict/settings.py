@@ -116,17 +116,22 @@ class TokenBudget(Budget):
 _HELP = "help"
 _PARSE = "parse"
 _VALID = "valid"
+_LAYERS = "layers"  # the setting names model layers (``Settings.on_layers`` renumbers it)
 
 # (holds, message): ``holds(value)`` is true for a valid value; ``message`` is the ConfigError's text,
 # formatted with ``value`` (``"alpha {value!r} must be in [0, 1]"``).
 Rule = tuple[Callable[[Any], bool], str]
 
 
-def setting(default: Any, help: str, parse: Optional[Callable[[str], Any]] = None, valid: Optional[Rule] = None) -> Any:
+def setting(
+    default: Any, help: str, parse: Optional[Callable[[str], Any]] = None, valid: Optional[Rule] = None,
+    names_layers: bool = False,
+) -> Any:  # fmt: skip
     """A dataclass field with its ``--help`` text; ``parse`` turns a CLI string into the field's value
     when the annotation alone cannot (the default parser follows the annotation: int, float, str,
-    ``tuple[int, ...]``); ``valid`` is checked when a ``Settings`` dataclass is constructed."""
-    metadata = {_HELP: help, _PARSE: parse, _VALID: valid}
+    ``tuple[int, ...]``); ``valid`` is checked when a ``Settings`` dataclass is constructed; ``names_layers``:
+    a tuple of model layer indices (``Settings.on_layers``)."""
+    metadata = {_HELP: help, _PARSE: parse, _VALID: valid, _LAYERS: names_layers}
     if isinstance(default, (list, dict, set)):
         raise TypeError("mutable defaults are not settings; use a tuple")
     return dataclasses.field(default=default, metadata=metadata)
@@ -144,6 +149,7 @@ def layer_indices(default: tuple[int, ...], help: str, label: str) -> Any:
         default,
         help=help,
         valid=(lambda layers: all(isinstance(layer, int) and layer >= 0 for layer in layers), label + " {value!r} must be layer indices >= 0"),
+        names_layers=True,
     )
 
 
@@ -180,6 +186,18 @@ class Settings:
                 object.__setattr__(self, field.name, value)
             if rule is not None and not rule[0](value):
                 raise ConfigError(rule[1].format(value=value))
+
+    def on_layers(self, layers: tuple[int, ...]) -> "Settings":
+        """These settings where only the model's layers ``layers`` (ascending) are seen, renumbered ``0..`` in
+        that order (``Policy.for_layers``): a setting naming layers keeps those of them in ``layers``, in its
+        own order, at their new index; ``self`` when none names layers."""
+        index = {layer: new for new, layer in enumerate(layers)}
+        renumbered = {
+            field.name: tuple(index[layer] for layer in getattr(self, field.name) if layer in index)
+            for field in settings_of(type(self))
+            if field.metadata[_LAYERS]
+        }
+        return dataclasses.replace(self, **renumbered) if renumbered else self
 
 
 def parse_text(cls: type, field: dataclasses.Field, text: str) -> Any:

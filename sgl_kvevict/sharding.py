@@ -119,8 +119,12 @@ class RankCounts:
         return RankCounts(start, window - window[:, :1], self.entries_per_position)
 
     def plus(self, other: "RankCounts") -> "RankCounts":
-        """The counts of both sets of entries of the same segment, on the same ranks."""
-        assert self.start == other.start and self.cumulative.shape == other.cumulative.shape
+        """The counts of both sets of entries of the same segment, on the same ranks. ``other`` may be of one
+        rank (``of_plan``) where ``self`` is of several: entries every rank holds alike, as many in each (a
+        split head's local-layer window, ``local_layers.window_before``: the same positions in every KV head
+        of every rank)."""
+        assert self.start == other.start and self.length == other.length, (self.start, other.start)
+        assert other.cumulative.shape[0] in (1, self.cumulative.shape[0]), "counts of other ranks"
         return RankCounts(self.start, self.cumulative + other.cumulative, self.entries_per_position)
 
     def keeps_everything(self) -> bool:

@@ -1,13 +1,25 @@
 """The launcher's reading of a model's config.json (``architectures.model_facts``) on the fields of
 published configs as they are saved on the hub: older spellings included, which the tiny models of the
 matrix (saved by transformers 5) do not show; and Gemma 3's local layers from those configs
-(``local_layers_of_config``). Pure, in-process."""
+(``local_layers_of_config``); and the attention backends SGLang runs Gemma 4, gpt-oss and Exaone 4 on, which a
+refusal of them names, read back from SGLang's source. Pure, in-process."""
 
 from __future__ import annotations
 
+import ast
+import importlib.util
+from pathlib import Path
+
 import pytest
 
-from sgl_kvevict.architectures import local_layers_of_config, model_facts
+from sgl_kvevict.architectures import (
+    SGLANG_ATTENTION_BACKENDS,
+    attention_backends_note,
+    attention_backends_of_config,
+    local_layers_of_config,
+    model_facts,
+)
+from sgl_kvevict.limits import WRAPPED_ATTENTION_BACKENDS
 
 NONE = {"mla_model": False, "sliding_window_layers": False, "state_space_layers": False}
 
@@ -36,7 +48,17 @@ CONFIGS = {
                        {"state_space_layers": True}),
     "LFM2-1.2B": ({"architectures": ["Lfm2ForCausalLM"], "model_type": "lfm2",
                    "layer_types": ["conv", "conv", "full_attention"]}, {"state_space_layers": True}),
+    # SGLang runs these only on attention backends of its own (SGLANG_ATTENTION_BACKENDS), none the plugin's.
+    "gpt-oss-20b": ({"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "sliding_window": 128,
+                     "layer_types": ["sliding_attention", "full_attention"]}, {"sliding_window_layers": True}),
+    "Gemma-4 (multimodal)": ({"architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4",
+                              "text_config": {"model_type": "gemma4_text", "sliding_window": 1024,
+                                              "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}},
+                             {"sliding_window_layers": True}),
+    "EXAONE-4.0-32B": ({"architectures": ["Exaone4ForCausalLM"], "model_type": "exaone4", "sliding_window": 4096,
+                        "sliding_window_pattern": "LLLG"}, {"sliding_window_layers": True}),
 }  # fmt: skip
+BACKEND_BOUND = ("gpt-oss-20b", "Gemma-4 (multimodal)", "EXAONE-4.0-32B")
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -52,3 +74,45 @@ def test_gemma_3s_local_layers_are_read_from_its_published_configs():
     four_b = CONFIGS["Gemma-3-4B (multimodal)"][0]
     four_b = {**four_b, "text_config": {**four_b["text_config"], "num_hidden_layers": 34}}
     assert local_layers_of_config(four_b)[1] == 1024 and len(local_layers_of_config(four_b)[0]) == 34 - 34 // 6
+
+
+def sglangs_backend_lists() -> dict[str, tuple[str, ...]]:
+    """Architecture -> the attention backends SGLang 0.5.23's start-up asserts for it: each list assigned to
+    ``supported_backends`` / ``accepted_backends`` in a ``model_arch`` branch of ``arg_groups/model_hook.py``."""
+    source = Path(importlib.util.find_spec("sglang").submodule_search_locations[0]) / "srt/arg_groups/model_hook.py"
+    found = {}
+    for branch in ast.walk(ast.parse(source.read_text())):
+        test = getattr(branch, "test", None)
+        if not isinstance(branch, ast.If) or not isinstance(test, ast.Compare):
+            continue
+        if getattr(test.left, "id", None) != "model_arch":
+            continue
+        compared = test.comparators[0]
+        names = [node.value for node in ast.walk(compared) if isinstance(node, ast.Constant) and isinstance(node.value, str)]
+        for statement in branch.body:
+            for node in ast.walk(statement):
+                target = getattr(node.targets[0], "id", None) if isinstance(node, ast.Assign) else None
+                if target in ("supported_backends", "accepted_backends"):
+                    found.update(dict.fromkeys(names, tuple(item.value for item in node.value.elts)))
+    return found
+
+
+def test_the_backends_a_refusal_names_are_the_ones_sglang_asserts():
+    sglangs = sglangs_backend_lists()
+    assert {name: sglangs.get(name) for name in SGLANG_ATTENTION_BACKENDS} == SGLANG_ATTENTION_BACKENDS
+    assert not any(set(backends) & set(WRAPPED_ATTENTION_BACKENDS) for backends in SGLANG_ATTENTION_BACKENDS.values())
+
+
+@pytest.mark.parametrize("name", BACKEND_BOUND)
+def test_gemma_4_gpt_oss_and_exaone_4s_refusals_name_the_backends_sglang_runs_them_on(name):
+    config, _ = CONFIGS[name]
+    architecture, backends = attention_backends_of_config(config)
+    note = attention_backends_note(config)
+    assert architecture == config["architectures"][0] and f"runs {architecture} only on the " in note
+    assert all(backend in note for backend in (*backends, *WRAPPED_ATTENTION_BACKENDS))
+
+
+def test_no_other_model_gets_a_backends_note():
+    assert all(attention_backends_note(config) is None for name, (config, _) in CONFIGS.items() if name not in BACKEND_BOUND)
+    # Exaone 4 without local layers (no sliding_window_pattern) runs on any backend in SGLang.
+    assert attention_backends_note({"architectures": ["Exaone4ForCausalLM"], "model_type": "exaone4"}) is None

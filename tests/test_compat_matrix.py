@@ -35,7 +35,7 @@ from sgl_kvevict.server import compat_table
 pytestmark = pytest.mark.server
 
 # The matrix's expectations: what each architecture does with a policy (docs/compatibility.md).
-SERVED = ("llama3", "qwen2.5", "qwen3", "mistral", "phi3", "gemma3")
+SERVED = ("llama3", "qwen2.5", "qwen3", "qwen3-moe", "mistral", "phi3", "gemma3", "olmo2", "granite", "glm4")
 SCOPES = ("request", "block")
 # Two blocks of a PROMPT_LENGTH prompt, each keeping more than the window at 0.25, and longer than Gemma 3's
 # tiny window (64), so local layers save.
@@ -192,6 +192,23 @@ def test_a_later_turn_reuses_the_compressed_prefix(served):
     client.assert_no_leak_after_flush(served.server)
 
 
+def test_full_decodes_the_dense_models_tokens_and_a_later_turn_reuses_it(served):
+    """``full`` per request (nothing evicted, so the prompt stays dense in the tree; Gemma 3's local layers are
+    kept to their window, losslessly, in a compressed node): both turns decode the dense model's greedy tokens
+    (the reference's, which evicts nothing), the second on the first's cached prefix."""
+    full = EvictionConfig.for_policy("full")
+    first = random_prompt(PROMPT_LENGTH, seed=4)
+    dense = served.reference.generate(first, build_policy(full), max_new_tokens=MAX_NEW_TOKENS)
+    assert tuple(serve(served, "full", first, f"{served.name}-full-1")["output_ids"]) == dense.output_ids
+    second = first + list(dense.output_ids) + random_prompt(NEW_TURN_TOKENS, seed=5)
+    response = serve(served, "full", second, f"{served.name}-full-2")
+    reused = PROMPT_LENGTH if served.scope == "request" else PROMPT_LENGTH // BLOCK * BLOCK
+    assert response["meta_info"]["cached_tokens"] >= reused
+    expected = served.reference.generate(second, build_policy(full), max_new_tokens=MAX_NEW_TOKENS)
+    assert tuple(response["output_ids"]) == expected.output_ids
+    client.assert_no_leak_after_flush(served.server)
+
+
 @pytest.mark.parametrize("name", sorted(REFUSED))
 def test_the_launcher_refuses_in_one_line_before_the_model_loads(name, tiny_models, monkeypatch, capsys):
     """In-process (the launcher's own main, seconds cheaper than a process each): it returns before it
@@ -202,6 +219,8 @@ def test_the_launcher_refuses_in_one_line_before_the_model_loads(name, tiny_mode
     assert launcher.main(["--model", str(tiny_models(name)), "--port", str(free_port()), "--kv-evict-policy", "topk"]) == 2
     [line] = error_lines(capsys.readouterr().err)
     assert f"cannot be served with a --kv-evict-policy: {REFUSED[name]}: " in line
+    # gpt-oss runs only on SGLang backends the plugin does not wrap: the line says which.
+    assert ("only on the triton, " in line) == (name == "gpt-oss"), line
 
 
 def sglang_facts(model_dir) -> dict[str, bool]:

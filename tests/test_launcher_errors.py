@@ -116,6 +116,27 @@ def test_an_attention_backend_the_engine_does_not_wrap_is_refused_with_a_policy(
     assert "--attention-backend flex_attention" in line and "torch_native" in line
 
 
+@pytest.fixture(scope="module")
+def tiny_gemma3_dir(tmp_path_factory):
+    """A tiny random Gemma 3: three local layers (window 16), then a global one."""
+    from sgl_kvevict.checkpoints import build_tiny_model
+
+    overrides = dict(layer_types=["sliding_attention"] * 3 + ["full_attention"], sliding_window=16)
+    return build_tiny_model(tmp_path_factory.mktemp("gemma3"), "gemma3", num_layers=4, overrides=overrides)
+
+
+@pytest.mark.parametrize(
+    "args, flag",
+    [(["--attention-backend", "flashinfer"], "--attention-backend flashinfer"), (["--tp-size", "2"], "--tp-size 2")],
+)
+def test_gemma_3_off_the_torch_backend_or_on_several_ranks_is_refused_before_it_loads(tiny_gemma3_dir, args, flag):
+    line, _ = fast_refusal(
+        "--model", str(tiny_gemma3_dir), "--port", str(free_port()), "--kv-evict-policy", "snapkv", *args, exit_code=2
+    )  # fmt: skip
+    assert f"{flag} cannot be used with a --kv-evict-policy on the model in {tiny_gemma3_dir}" in line
+    assert "3 local attention layers (window 16)" in line and "local layers are trimmed to their window" in line
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

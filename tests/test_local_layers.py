@@ -110,3 +110,74 @@ def test_admission_counts_a_blocks_local_layers_as_their_window(budget, expected
     footprint = PrefillFootprint.of(config, BlockScope(512), chunk_size=256, local=share)
     assert footprint.kept_per_block == expected
     assert (PrefillFootprint.of(config, BlockScope(512), 256) is None) == (budget is None)  # without local layers
+
+
+# Gemma 3's pattern in six layers: four local (window 16), global layers 2 and 5.
+SIX_LOCAL = LocalLayers(layers=(0, 1, 3, 4), window=16, observation_window_dense=False)
+SIX = SegmentSpec(start=0, end=200, num_layers=6, num_kv_heads=2, num_q_heads=4)
+
+
+def wrapped_plan(config: EvictionConfig, spec: SegmentSpec = SIX, local: LocalLayers = SIX_LOCAL, seed: int = 5):
+    policy = WindowedLocalLayers.wrap(build_policy(config), local)
+    compressor = policy.start(spec)
+    for layer, stats in enumerate(random_stats(spec, config.common.window, policy.stats_request(), seed=seed)):
+        if compressor.observes(layer):
+            compressor.observe(layer, stats)
+    return compressor, compressor.plan()
+
+
+@pytest.mark.parametrize("name", ["topk", "snapkv", "ada-snapkv", "lava", "pyramidkv", "ada-pyramidkv", "h2o", "tova"])
+def test_the_budget_is_the_global_layers_share_and_local_layers_keep_their_window(name):
+    """At 0.25 every policy keeps a quarter of the global layers' KV, however it moves budget between them
+    (before, a policy spread it over every layer and local layers' part went to their window)."""
+    compressor, plan = wrapped_plan(EvictionConfig.for_policy(name, budget=0.25, window=8))
+    counts = plan.counts()
+    assert counts[list(SIX_LOCAL.layers)].eq(16).all()
+    assert int(counts[[2, 5]].sum()) == 2 * SIX.num_kv_heads * 50  # 25% of 200 per (global layer, KV head)
+    assert [compressor.observes(layer) for layer in range(6)] == [False, False, True, False, False, True]
+
+
+def test_topk_shares_its_budget_between_global_layers_only_and_names_model_layers():
+    """topk's one top-k over the global layers; its whole layer (model layer 5) is kept whole, a local whole
+    layer is ignored (it keeps its window)."""
+    _, plan = wrapped_plan(EvictionConfig.for_policy("topk", budget=0.25, window=8, score="attn"))
+    assert int(plan.counts()[[2, 5]].sum()) == 200
+    _, whole = wrapped_plan(EvictionConfig.for_policy("topk", budget=0.75, window=8, score="attn", whole_layers=(5, 1)))
+    # 0.75 of 2 x 2 x 200: layer 5's 400 whole, layer 2 the other 200 (split over its heads by their scores)
+    assert whole.counts()[5].eq(200).all() and int(whole.counts()[2].sum()) == 200 and whole.counts()[1].eq(16).all()
+
+
+def test_settings_naming_layers_are_renumbered_to_the_layers_a_policy_sees():
+    topk = build_policy(EvictionConfig.for_policy("topk", budget=0.25, score="attn", whole_layers=(5, 1, 2)))
+    assert topk.for_layers((2, 5)).knobs.whole_layers == (1, 0)  # the listed order kept
+    assert topk.for_layers((0, 1, 2, 3, 4, 5)) is topk
+    dbudget = build_policy(EvictionConfig.for_policy("dbudget"))
+    assert dbudget.for_layers((1, 2)).knobs.dbudget_frozen_layers == (0,)  # model layer 1; layer 0 is not seen
+
+
+def test_learned_weights_on_global_layers_are_those_layers_maps(tmp_path):
+    from conftest_policies import learned_weights_file
+    from sgl_kvevict.scoring.learned import LearnedWeights
+
+    path = learned_weights_file(tmp_path, num_layers=6, num_kv_heads=2)
+    policy = build_policy(EvictionConfig.for_policy("topk", budget=0.25, score="learned", learned_weights=str(path)))
+    on_global = policy.for_layers((2, 5))
+    weights = LearnedWeights.load(path)
+    assert torch.equal(on_global.scorer.weights.weight, weights.weight[[2, 5]])
+    assert torch.equal(on_global.scorer.weights.bias, weights.bias[[2, 5]])
+    _, plan = wrapped_plan(EvictionConfig.for_policy("topk", budget=0.25, score="learned", learned_weights=str(path)))
+    assert int(plan.counts()[[2, 5]].sum()) == 200 and plan.counts()[list(SIX_LOCAL.layers)].eq(16).all()
+
+
+@pytest.mark.parametrize("name, knobs", [("full", {}), ("snapkv", {"budget": 0.25}), ("lava", {"budget": 0.25}),
+                                         ("topk", {"budget": 0.25, "score": "attn", "whole_layers": (5,)}),
+                                         ("topk", {"budget": 0.25, "score": "attn", "whole_layers": (0,)})])  # fmt: skip
+def test_admission_counts_at_least_what_a_block_holds_on_a_gemma_3_shape(name, knobs):
+    """A 200-token block of the six-layer shape holds no more slots than admission counts for it, for
+    policies that move budget between layers too (topk with a whole global layer, or a local one)."""
+    config = EvictionConfig.for_policy(name, window=8, **knobs)
+    _, plan = wrapped_plan(config)
+    held = -(-plan.total_kept() // (SIX.num_layers * SIX.num_kv_heads))
+    share = LocalShare(local=len(SIX_LOCAL.layers), layers=SIX.num_layers, window=SIX_LOCAL.window)
+    footprint = PrefillFootprint.of(config, BlockScope(SIX.length), chunk_size=64, local=share)
+    assert held <= footprint.kept_per_block <= held + 1

@@ -9,7 +9,8 @@ the attention backends build from them once per forward.
   extend and ``DecodeKeys`` in a decode; the FlashInfer backend plans its own dense layout. All read a
   request's dense keys through ``RequestSlice.dense_keys``.
 * ``WindowKeys`` (the torch backend's, for a model with local attention layers): per request, the keys
-  its local layers read, every position of its queries' windows.
+  its local layers read, every position of its queries' windows; in a decode kept across steps
+  (``WindowKeysCache``): a step slides each request's window by its new token.
 * ``DecodeKeys`` (the torch backend's decode): every request's keys, cells and dense positions alike,
   as rows of the pool's cell space, kept across decode steps (``DecodeKeysCache``): a step appends each
   request's new token in place.
@@ -208,7 +209,8 @@ class WindowKeys:
     rows int64 ``[L_local, B, H_kv, K]``; positions int64 ``[B, K]``: a padded key repeats its request's
     last key at its request's length, past every query, so the causal mask hides it; layer_rows: a
     model layer's index into ``rows``; query_rows, query_positions int64 ``[N_r]``: the requests' query
-    rows in the forward and their positions, request-major (built once, read by every local layer).
+    rows in the forward and their positions, request-major (built once, read by every local layer);
+    layers int64 ``[L_local, 1, 1]``: the local layers (device), for the rows of a decode step's new tokens.
     """
 
     rows: torch.Tensor
@@ -216,14 +218,19 @@ class WindowKeys:
     layer_rows: dict[int, int]
     query_rows: torch.Tensor
     query_positions: torch.Tensor
+    layers: torch.Tensor
 
     @classmethod
-    def of(cls, requests: tuple[RequestSlice, ...], req_to_token: torch.Tensor, space: CellSpace, local: LocalLayers) -> "WindowKeys":
+    def of(
+        cls, requests: tuple[RequestSlice, ...], req_to_token: torch.Tensor, space: CellSpace, local: LocalLayers, width: int = 0
+    ) -> "WindowKeys":
+        """The keys of ``requests`` from their views and ``req_to_token``, padded to ``width`` keys or to the
+        longest span, whichever is more."""
         device = req_to_token.device
         layers = torch.tensor(local.layers, device=device).view(-1, 1, 1)
         heads = torch.arange(space.num_kv_heads, device=device).view(1, -1, 1)
         spans = [(max(0, request.first_query_position - local.window + 1), request.seq_len) for request in requests]
-        width = max(end - start for start, end in spans)
+        width = max(width, *(end - start for start, end in spans))
         rows, positions = [], []
         for request, (start, end) in zip(requests, spans):
             own = torch.arange(start, end, device=device)
@@ -236,7 +243,47 @@ class WindowKeys:
         query_rows = torch.cat([torch.arange(request.q_start, request.q_end, device=device) for request in requests])
         return cls(
             torch.stack(rows, dim=1), torch.stack(positions), {layer: index for index, layer in enumerate(local.layers)},
-            query_rows, query_positions(requests, device),
+            query_rows, query_positions(requests, device), layers,
+        )  # fmt: skip
+
+    def decoded(
+        self, new_slots: torch.Tensor, space: CellSpace, window: int, width: int, requests: Optional[torch.Tensor] = None
+    ) -> "WindowKeys":
+        """The keys of the next decode step of this decode batch's requests (``requests`` int64 ``[n]``, their
+        indices here; None: all, in order), each one token longer: a request's window slides by one (its
+        oldest key dropped once it spans ``window``) and its new token, written to ``new_slots`` int ``[n]``,
+        becomes its last key; padded to ``width`` keys. The same tensors as ``of`` builds from the views,
+        made on the device from these alone: no loop, no host read."""
+        heads = torch.arange(space.num_kv_heads, device=new_slots.device).view(1, 1, -1)
+        new_rows = space.entry_rows(self.layers, new_slots.view(1, -1, 1), heads)  # [L_local, n, H_kv]
+        rows, positions, query_at = self.rows, self.positions, self.query_positions + 1  # [n]: each one's new query
+        if requests is not None:
+            rows, positions = rows.index_select(1, requests), positions.index_select(0, requests)
+            query_at = query_at.index_select(0, requests)
+        start = (query_at + 1 - window).clamp(min=0)
+        shift = (start - (query_at - window).clamp(min=0)).view(-1, 1)  # 1 where the oldest key leaves the window
+        last = (query_at - start).view(-1, 1)  # the new token's column
+        columns = torch.arange(width, device=rows.device).view(1, -1)
+        kept = (columns + shift).clamp(max=rows.shape[3] - 1)  # [n, K]: the column each key was in a step before
+        gathered = rows.gather(3, kept.view(1, len(kept), 1, width).expand(rows.shape[0], -1, rows.shape[2], -1))
+        # From its last column on, a request repeats its new token: the key, then padding past its query.
+        carried = columns < last  # [n, K]
+        new_rows = torch.where(carried.view(1, len(kept), 1, width), gathered, new_rows.unsqueeze(-1))
+        new_positions = torch.where(carried, positions.gather(1, kept), query_at.view(-1, 1) + (columns > last))
+        query_rows = torch.arange(len(query_at), device=rows.device)  # a decode batch: one query per request
+        return WindowKeys(new_rows, new_positions, self.layer_rows, query_rows, query_at, self.layers)
+
+    def joined(self, other: "WindowKeys", order: torch.Tensor) -> "WindowKeys":
+        """The requests of this decode batch, then ``other``'s (as wide), as one decode batch: the ``i``-th of
+        them at index ``order[i]`` (int64 ``[B]``)."""
+
+        def placed(first: torch.Tensor, second: torch.Tensor, dim: int) -> torch.Tensor:
+            both = torch.cat([first, second], dim)
+            return torch.empty_like(both).index_copy_(dim, order, both)
+
+        return WindowKeys(
+            placed(self.rows, other.rows, 1), placed(self.positions, other.positions, 0), self.layer_rows,
+            torch.arange(len(order), device=order.device), placed(self.query_positions, other.query_positions, 0), self.layers,
         )  # fmt: skip
 
 
@@ -428,32 +475,49 @@ class DecodeKeys:
             self.buckets = [[dataclasses.replace(bucket, width=bucket.width + 1) for bucket in layer] for layer in self.buckets]
 
 
-class DecodeKeysCache:
-    """The last decode forward's ``DecodeKeys`` and what it was built for (per request: its id, its
-    ``req_to_token`` row, its path view and its length). The next decode step appends each request's new
-    token to them; a request that joins is built from its view, the others' keys carried over. A request
-    is the same one while its id, its row and its view object are: a request retracted and admitted again
-    (a new row), or a path that changed (a new compressed node, or cells moved: the arena's generation gives
-    the request a new view object), builds it again, as does a batch out of room. Views are compared by
-    identity, never by value: two equal-looking views of different placements must not share keys."""
+class DecodeSteps:
+    """Which requests of a decode batch go on from the last decode batch, each one token longer. A request
+    is the same one while its id, its ``req_to_token`` row and its view object are: a request retracted and
+    admitted again (a new row), or a path that changed (a new compressed node, a split, or cells moved: the
+    arena's generation gives the request a new view object), is not. Views are compared by identity, never
+    by value: two equal-looking views of different placements must not share keys."""
 
     def __init__(self):
         self._requests: list[tuple] = []  # per request (rid, row, id(view))
         self._views: list[Optional[PathView]] = []  # held, so that no other view takes one of those ids
         self._seq_lens: list[int] = []
+
+    def step(self, rids, forward: ForwardRequests) -> tuple[list[Optional[int]], bool]:
+        """Per request of the decode batch ``forward`` (its requests' ids ``rids``), its index in the last one
+        (None: new to it, or not the same request), and whether ``forward`` is the last batch one step on,
+        every request in its place; ``forward`` becomes the last batch."""
+        requests = [(rid, request.row, id(request.view)) for rid, request in zip(rids, forward.requests)]
+        seq_lens = [request.seq_len for request in forward.requests]
+        before = {request: (index, seq_len) for index, (request, seq_len) in enumerate(zip(self._requests, self._seq_lens))}
+        carried = [before.get(request, (None, None)) for request in requests]
+        carried = [index if old is not None and old + 1 == seq_len else None for (index, old), seq_len in zip(carried, seq_lens)]
+        same = carried == list(range(len(self._requests)))
+        self._requests, self._seq_lens = requests, seq_lens
+        self._views = [request.view for request in forward.requests]
+        return carried, same
+
+
+class DecodeKeysCache:
+    """The last decode forward's ``DecodeKeys``. The next decode step appends each request's new token to
+    them; a request that joins, or is no longer the same one (``DecodeSteps``), is built from its view, the
+    others' keys carried over; a batch out of room is built again."""
+
+    def __init__(self):
+        self._steps = DecodeSteps()
         self._keys: Optional[DecodeKeys] = None
         self.builds = 0  # decode forwards whose keys were not all appended to the last ones (tests)
 
     def of(self, rids, forward: ForwardRequests, req_to_token: torch.Tensor, space: CellSpace, new_slots: torch.Tensor) -> DecodeKeys:
         """The keys of the decode batch ``forward`` (its requests' ids ``rids``, the slots its new tokens are
         written to ``new_slots`` int ``[B]``)."""
-        requests = [(rid, request.row, id(request.view)) for rid, request in zip(rids, forward.requests)]
-        seq_lens = [request.seq_len for request in forward.requests]
+        carried, same = self._steps.step(rids, forward)
         keys = self._keys
-        before = {request: (index, seq_len) for index, (request, seq_len) in enumerate(zip(self._requests, self._seq_lens))}
-        carried = [before.get(request, (None, None)) for request in requests]
-        carried = [index if old is not None and old + 1 == seq_len else None for (index, old), seq_len in zip(carried, seq_lens)]
-        if carried == list(range(len(self._requests))) and keys.room > 0:
+        if same and keys.room > 0:
             keys.append(new_slots)
         else:
             self.builds += 1
@@ -464,6 +528,44 @@ class DecodeKeysCache:
             staying = [position for position, index in enumerate(carried) if index is not None]
             if staying:
                 keys.append(new_slots[staying], staying)
-        self._requests, self._seq_lens, self._keys = requests, seq_lens, keys
-        self._views = [request.view for request in forward.requests]
+        self._keys = keys
+        return keys
+
+
+class WindowKeysCache:
+    """The last decode forward's ``WindowKeys``. The next decode step slides each request's window by its
+    new token (``WindowKeys.decoded``: no loop over requests or layers, no host read); a request that
+    joins, or is no longer the same one (``DecodeSteps``), is built from its view, the others' keys carried
+    over. An extend is built every time: its queries are many, and its requests not one token on."""
+
+    def __init__(self):
+        self._steps = DecodeSteps()
+        self._keys: Optional[WindowKeys] = None
+        self.builds = 0  # decode forwards whose keys were not all slid from the last ones (tests)
+
+    def of(
+        self, rids, forward: ForwardRequests, req_to_token: torch.Tensor, space: CellSpace, local: LocalLayers, new_slots: torch.Tensor
+    ) -> WindowKeys:
+        """The window keys of ``forward``: in a decode (its requests' ids ``rids``, the slots its new tokens
+        are written to ``new_slots`` int ``[B]``) every request's, in an extend the compressed ones'."""
+        if not forward.is_decode:
+            return WindowKeys.of(forward.compressed, req_to_token, space, local)
+        carried, same = self._steps.step(rids, forward)
+        width = max(min(request.seq_len, local.window) for request in forward.requests)  # a decode query's span
+        if same:
+            keys = self._keys.decoded(new_slots, space, local.window, width)
+        else:
+            self.builds += 1
+            staying = [position for position, index in enumerate(carried) if index is not None]
+            if not staying:
+                keys = WindowKeys.of(forward.requests, req_to_token, space, local)
+            else:
+                device = req_to_token.device
+                carried_from = torch.tensor([carried[position] for position in staying], device=device)
+                keys = self._keys.decoded(new_slots[staying], space, local.window, width, carried_from)
+                joining = [position for position, index in enumerate(carried) if index is None]
+                if joining:
+                    built = WindowKeys.of(tuple(forward.requests[p] for p in joining), req_to_token, space, local, width)
+                    keys = keys.joined(built, torch.tensor(staying + joining, device=device))
+        self._keys = keys
         return keys

@@ -82,6 +82,8 @@ class StatsSink(Protocol):
     """What receives a job's statistics, layer by layer: a segment's compressor, or a reconstruction pass's
     collector (``engine.reconstruction``)."""
 
+    def observes(self, layer: int) -> bool: ...
+
     def observe(self, layer: int, stats: WindowStats) -> None: ...
 
 
@@ -143,6 +145,8 @@ class ScoringJob:
         return cls(request, sink, window, stats_request, positions, slots, carried)
 
     def run(self, capture: ScoringCapture, queries: torch.Tensor, layer) -> None:
+        if not self.sink.observes(layer.layer_id):
+            return
         request = self.request
         here = min(self.window, request.num_queries)
         q_window = queries[request.q_end - here : request.q_end].transpose(0, 1)  # [H_q, here, D]
@@ -177,6 +181,8 @@ class HiddenRowsJob:
     positions: slice
 
     def run(self, capture: ScoringCapture, queries: torch.Tensor, layer) -> None:
+        if not self.sink.observes(layer.layer_id):
+            return
         hidden_states = capture.hidden_states.by_layer[layer.layer_id]  # [N, d_model]
         stats = WindowStats(self.window, hidden_states=hidden_states[_rows(self.request, self.positions)],
                             hidden_start=self.positions.start)  # fmt: skip

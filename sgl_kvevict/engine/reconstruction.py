@@ -86,6 +86,9 @@ class ChunkStats:
     end: int
     per_layer: dict[int, WindowStats] = field(default_factory=dict)
 
+    def observes(self, layer: int) -> bool:
+        return True  # the segment's compressor observes the merged statistics of the layers it reads
+
     def observe(self, layer: int, stats: WindowStats) -> None:
         self.per_layer[layer] = merge_chunk_stats(self.per_layer.get(layer), crop_columns(stats, self.end))
 

@@ -297,11 +297,14 @@ def sglang_argv(model: str, variant: ServerVariant, pool_tokens: int, extra: tup
 
 def check_model_takes(model: str, variant: ServerVariant, pool_tokens: int, extra: tuple[str, ...]) -> None:
     """What the launcher checks of the model before it starts SGLang, for a server with a policy: its
-    architecture (sliding-window, MLA, state-space layers are refused) and, with a learned score, that
-    the weights fit it; raises ServerError with the launcher's message."""
+    architecture (sliding-window, MLA, state-space layers are refused), where its local layers can be
+    served (Gemma 3: the attention backend and TP size the launcher would give it on this machine) and,
+    with a learned score, that the weights fit it; raises ServerError with the launcher's message."""
+    from sgl_kvevict.compat import cpu_mode_needed
     from sgl_kvevict.models import ModelError, resolve_model
     from sgl_kvevict.server.launcher import with_learned_weights
-    from sgl_kvevict.server.refusals import check_model_architecture
+    from sgl_kvevict.server.refusals import check_local_layers, check_model_architecture
+    from sgl_kvevict.server.worker import sglang_args
 
     config = check_launcher_accepts(model, variant, pool_tokens, extra)
     if not config.serving.enabled:
@@ -309,6 +312,7 @@ def check_model_takes(model: str, variant: ServerVariant, pool_tokens: int, extr
     try:
         model_dir = resolve_model(model, log=lambda message: None)
         check_model_architecture(model_dir)
+        check_local_layers(model_dir, sglang_args(config, cpu_mode_needed()))
         with_learned_weights(config, model_dir)
     except (FlagError, ModelError) as error:
         raise ServerError(f"the launcher refuses {variant.label} for model {model}: {error}") from None

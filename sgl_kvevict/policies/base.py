@@ -24,6 +24,7 @@ this package): ``common`` (``CommonSettings``, resolved), ``knobs`` (an instance
 from __future__ import annotations
 
 import abc
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, ClassVar, Optional, TypeVar
@@ -86,6 +87,11 @@ class SegmentCompressor(abc.ABC):
     def observe(self, layer: int, stats: WindowStats) -> None:
         """Reduce one layer's statistics; must not keep ``stats`` tensors larger than ``[H_kv, L]``."""
 
+    def observes(self, layer: int) -> bool:
+        """Whether ``observe`` reads ``layer``'s statistics: engines compute none for a layer it does not
+        (a model's local layers, which keep their window whatever the policy: ``local_layers``)."""
+        return True
+
     @abc.abstractmethod
     def plan(self) -> CompressionPlan:
         """Decide kept positions for every (layer, KV head); called once after the last layer."""
@@ -140,6 +146,19 @@ class Policy(abc.ABC):
         head) and sees only their statistics (tensor parallelism); ``self`` when its statistics already
         come per rank (window statistics do: a rank computes its own heads')."""
         return self
+
+    def for_layers(self, layers: tuple[int, ...]) -> "Policy":
+        """This policy on compressors that see only the model's layers ``layers`` (ascending), renumbered
+        ``0..`` in that order (their ``SegmentSpec.num_layers`` is ``len(layers)``): a model whose other layers
+        keep a share of their own, whatever the policy (``local_layers``), so that the budget and the layer
+        allocators are the global layers' alone. Knobs naming layers name those of them in ``layers``,
+        renumbered; ``self`` when nothing changes."""
+        knobs, score_knobs = self.knobs.on_layers(layers), self.score_knobs.on_layers(layers)
+        if knobs == self.knobs and score_knobs == self.score_knobs:
+            return self
+        bound = copy.copy(self)
+        bound.knobs, bound.score_knobs = knobs, score_knobs
+        return bound
 
 
 _P = TypeVar("_P", bound=type[Policy])

@@ -70,6 +70,9 @@ class ScoredPolicy(Policy):
     def for_heads(self, heads: tuple[int, ...]) -> "ScoredPolicy":
         return self._with_scorer(self.scorer.for_heads(heads))
 
+    def for_layers(self, layers: tuple[int, ...]) -> "ScoredPolicy":
+        return super().for_layers(layers)._with_scorer(self.scorer.for_layers(layers))
+
     def _with_scorer(self, scorer: Scorer) -> "ScoredPolicy":
         if scorer is self.scorer:
             return self

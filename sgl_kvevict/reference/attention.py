@@ -100,6 +100,8 @@ class SegmentScoring:
         hidden_states: ``[q, d_model]`` this forward's attention inputs, when the request needs them.
         """
         spec = self.spec
+        if not self.needs_reconstruction and not self.compressor.observes(layer):
+            return
         if self.needs_hidden_states:
             self.hidden_states[layer] = hidden_states[spec.start - query_start : spec.end - query_start]
         if self.needs_reconstruction:

@@ -14,8 +14,9 @@ Policies with KVzip scores get their reconstruction passes after the forward (``
 exactly the contract of ``scoring.kvzip``); learned scores read the forward's attention inputs. A
 policy is bound to this engine's model (``policy.for_model``) before it compresses anything.
 
-Supported: decoder-only Llama, Mistral, Phi-3, Qwen2 and Qwen3 folders (their attention dispatches through
-transformers' attention interface, which is where scoring and eviction happen: see ``attention.py``).
+Supported: decoder-only Llama, Mistral, Phi-3, Qwen2, Qwen3, Qwen3-MoE, OLMo 2, Granite, GLM-4 and Gemma 3 folders
+(their attention dispatches through transformers' attention interface, which is where scoring and eviction
+happen: see ``attention.py``).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from sgl_kvevict.reference.keep_mask import HeadwiseKeepMask
 from sgl_kvevict.reference.schedule import Mode, Schedule, Segment
 from sgl_kvevict.scoring.kvzip import NoRoomForPasses, ReconstructionPrompt, reconstruction_chunks
 
-SUPPORTED_MODEL_TYPES = ("gemma3_text", "llama", "mistral", "phi3", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("gemma3_text", "glm4", "granite", "llama", "mistral", "olmo2", "phi3", "qwen2", "qwen3", "qwen3_moe")
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,12 @@ class ReferenceEngine:
     device: where the model runs. Parity and quality runs use the CPU; ``train_scorer`` may run on a GPU
     (its sequences evict nothing, so keep masks never leave the CPU)."""
 
-    def __init__(self, model: str | Path = "smollm2", dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    def __init__(
+        self, model: str | Path = "smollm2", dtype: torch.dtype = torch.float32, device: str = "cpu",
+        trim_local_layers: bool = True,
+    ):  # fmt: skip
+        """``trim_local_layers``: False leaves a model's local layers to the policy (every layer observed, as
+        the scorer's training records them), which no server does."""
         self.model_dir = resolve_model(str(model))
         self.device = torch.device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
@@ -120,7 +126,7 @@ class ReferenceEngine:
         self.num_kv_heads = config.num_key_value_heads or config.num_attention_heads
         self.context_length = config.max_position_embeddings
         # Local attention layers (Gemma 3): plans keep what their window can read, as the server's do.
-        self.local_layers = LocalLayers.of_model(self.model_dir)
+        self.local_layers = LocalLayers.of_model(self.model_dir) if trim_local_layers else None
         eos = self.model.generation_config.eos_token_id
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else eos or ())
 

@@ -10,6 +10,7 @@ for a segment returns the plan given for exactly that segment, scoring nothing.
 
 from __future__ import annotations
 
+import copy
 from typing import Iterable
 
 from sgl_kvevict.config import EvictionConfig
@@ -50,3 +51,13 @@ class ReplayedPlans(Policy):
 
     def start(self, spec: SegmentSpec) -> SegmentCompressor:
         return _Replayed(spec, self.plans[(spec.start, spec.end)])
+
+    def for_layers(self, layers: tuple[int, ...]) -> "ReplayedPlans":
+        """The given plans' ``layers`` only (a model's global layers: ``local_layers.WindowedLocalLayers``
+        adds the local layers' windows, as they were when the plans were made)."""
+        replayed = copy.copy(self)
+        replayed.plans = {
+            key: CompressionPlan(plan.segment_start, plan.segment_end, tuple(plan.layers[layer] for layer in layers))
+            for key, plan in self.plans.items()
+        }
+        return replayed

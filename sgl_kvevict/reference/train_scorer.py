@@ -341,7 +341,9 @@ def train(config: TrainingConfig, command: str, log=functools.partial(print, flu
     model_dir, splits = run.model_dir, run.splits
     log(f"[train_scorer] {model_dir.name}: " + ", ".join(f"{len(d)} {name}" for name, d in splits.items()))
     log(f"[train_scorer] estimate: {run.cost.describe()}")
-    engine = ReferenceEngine(model_dir, device=config.device)
+    # Targets of every layer: a weights file maps them all, though a server trimming local layers reads
+    # only the global layers' maps.
+    engine = ReferenceEngine(model_dir, device=config.device, trim_local_layers=False)
     runner = _DocumentRunner(engine, config.sink_tokens, sum(map(len, splits.values())), log)
     fitted = {name: runner.statistics(splits[name]) for name in ("train", "validation")}
     weights, ridges = fit_layers(fitted["train"], fitted["validation"])

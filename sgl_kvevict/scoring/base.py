@@ -62,6 +62,11 @@ class Scorer(abc.ABC):
         those; ``self`` for scorers of window statistics, which a rank computes for its heads alone."""
         return self
 
+    def for_layers(self, layers: tuple[int, ...]) -> "Scorer":
+        """This scorer called with the model's layers ``layers`` renumbered ``0..`` (``Policy.for_layers``);
+        ``self`` for scorers that read nothing per layer but the statistics."""
+        return self
+
     @abc.abstractmethod
     def __call__(self, stats: WindowStats, candidates: slice, num_kv_heads: int, layer: int) -> torch.Tensor:
         """fp32 ``[H_kv, n_candidates]`` for the ``candidates`` positions (a slice of absolute positions,

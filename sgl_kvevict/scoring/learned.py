@@ -155,6 +155,12 @@ class LearnedWeights:
             self.hidden_bias,
         )
 
+    def for_layers(self, layers: tuple[int, ...]) -> "LearnedWeights":
+        """The maps of ``layers`` only, in that order."""
+        rows = list(layers)
+        hidden = (None, None) if self.hidden_weight is None else (self.hidden_weight[rows], self.hidden_bias[rows])
+        return LearnedWeights(self.weight[rows], self.bias[rows], self.manifest, *hidden)
+
     def scores(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 ``[H_kv, n]`` for the attention inputs ``hidden [n, d_model]`` of ``layer``, on their device."""
         if hidden.device not in self._on_device:
@@ -305,6 +311,10 @@ class LearnedScorer(RowScorer):
         rows = torch.tensor([max(head, 0) for head in heads])
         real = torch.tensor([head >= 0 for head in heads], dtype=self.weights.weight.dtype)
         return LearnedScorer(self.reduction, self.weights.for_heads(rows, real), self.source)
+
+    def for_layers(self, layers: tuple[int, ...]) -> "LearnedScorer":
+        """The maps of ``layers`` only (unbound: nothing to select until ``for_model``)."""
+        return self if self.weights is None else LearnedScorer(self.reduction, self.weights.for_layers(layers), self.source)
 
     def row_scores(self, stats: WindowStats, rows: slice, layer: int) -> torch.Tensor:
         if self.weights is None:

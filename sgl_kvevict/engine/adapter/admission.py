@@ -21,18 +21,20 @@ patched), each built for the server's ``ServingConfig``:
   its peak instead.
 
 All three do nothing unless the served setup compresses while prefilling (block scope, chunked prefill, a
-budget, scores from the prefill itself).
+budget or a model with local layers, scores from the prefill itself). A model's local layers (Gemma 3) count
+as their window for every policy, ``full`` included: a block holds its global layers' budget and its local
+layers' window (``footprint.LocalShare``).
 """
 
 from __future__ import annotations
 
-import functools
+from pathlib import Path
 from typing import Optional
 
 from sglang.srt.runtime_context import get_schedule
 
 from sgl_kvevict.engine.adapter.slots import engine_of
-from sgl_kvevict.footprint import PrefillFootprint
+from sgl_kvevict.footprint import LocalShare, PrefillFootprint
 from sgl_kvevict.serving import ServingConfig
 
 # get_worker_info's tuple: (max_total_num_tokens, max_prefill_tokens, max_running_requests,
@@ -47,23 +49,20 @@ def chunk_size() -> Optional[int]:
     return chunk if chunk is not None and chunk > 0 else None
 
 
-class ServedFootprint:
-    """The footprint of the server's own setup (None without one), once SGLang's chunk size is known."""
+def served_footprint(serving: ServingConfig, local: Optional[LocalShare]) -> Optional[PrefillFootprint]:
+    """The footprint of the server's own setup on a model with ``local`` layers (None without one)."""
+    return PrefillFootprint.of(serving.eviction, serving.scope, chunk_size(), local) if serving.enabled else None
 
-    def __init__(self, serving: ServingConfig):
-        self.serving = serving
 
-    @functools.cached_property
-    def footprint(self) -> Optional[PrefillFootprint]:
-        serving = self.serving
-        return PrefillFootprint.of(serving.eviction, serving.scope, chunk_size()) if serving.enabled else None
+def _engine_local_share(allocator) -> Optional[LocalShare]:
+    engine = engine_of(allocator)
+    return None if engine is None else engine.coordinator.local_share
 
 
 def length_limits(serving: ServingConfig):
-    served = ServedFootprint(serving)
-
     def raise_length_limits(info: tuple, worker, *args, **kwargs) -> Optional[tuple]:
-        footprint = served.footprint
+        # Before the tree (and its engine) is built: the model's local layers from its config.
+        footprint = served_footprint(serving, LocalShare.of_model(Path(worker.model_config.model_path)))
         if footprint is None:
             return None
         pool = info[_POOL_TOKENS]
@@ -78,10 +77,8 @@ def length_limits(serving: ServingConfig):
 
 
 def answer_clip(serving: ServingConfig):
-    served = ServedFootprint(serving)
-
     def clip_answer_by_footprint(original, allocator, input_tokens: int, max_new_tokens: int, *, token_capacity: int, **kwargs):
-        footprint = served.footprint
+        footprint = served_footprint(serving, _engine_local_share(allocator))
         if footprint is not None and input_tokens + 1 >= token_capacity:
             input_tokens = min(input_tokens, footprint.peak_slots(0, input_tokens))
         return original(allocator, input_tokens, max_new_tokens, token_capacity=token_capacity, **kwargs)
@@ -90,8 +87,6 @@ def answer_clip(serving: ServingConfig):
 
 
 def prefill_admission(serving: ServingConfig):
-    served = ServedFootprint(serving)
-
     def admit_by_footprint(original, adder, req, *, extend_input_len: int, total_tokens: int, **kwargs):
         engine = engine_of(adder.token_to_kv_pool_allocator)
         if engine is not None:
@@ -104,7 +99,7 @@ def prefill_admission(serving: ServingConfig):
                     return _refuse(req, f"Input length ({req.prefix_len + extend_input_len} tokens) needs {held + peak} KV "
                                         f"slots at its peak with its cached prefix ({held} of them); the KV pool holds {pool}")  # fmt: skip
                 total_tokens += peak - extend_input_len
-            elif served.footprint is not None and extend_input_len + 1 > pool:
+            elif served_footprint(serving, engine.coordinator.local_share) is not None and extend_input_len + 1 > pool:
                 return _refuse(req, f"Input length ({extend_input_len} tokens) exceeds what the KV pool holds with this "
                                     f"request's own eviction options, which keep a prompt dense while it is prefilled ({pool} tokens)")  # fmt: skip
         return original(adder, req, extend_input_len=extend_input_len, total_tokens=total_tokens, **kwargs)

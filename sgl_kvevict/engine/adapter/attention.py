@@ -45,6 +45,7 @@ from sgl_kvevict.engine.batch import (
     RequestSlice,
     SegmentMetadata,
     WindowKeys,
+    WindowKeysCache,
 )
 from sgl_kvevict.engine.adapter.pool import cell_space_of
 from sgl_kvevict.engine.cells import CellSpace
@@ -269,8 +270,9 @@ class KVEvictTorchBackend(SegmentAttentionBackend, TorchNativeAttnBackend):
 
     A local attention layer (Gemma 3's, ``sgl_kvevict.local_layers``) reads, for every request of a forward
     with compressed ones, the positions of its queries' windows (``WindowKeys``: dense slots and the cells
-    of compressed nodes, which keep their last window there) under a causal and window mask by position;
-    the plain requests of a mixed extend keep stock's windowed SDPA."""
+    of compressed nodes, which keep their last window there; kept across decode steps, ``WindowKeysCache``)
+    under a causal and window mask by position; the plain requests of a mixed extend keep stock's windowed
+    SDPA."""
 
     dense: DenseBatch | None = None
     decode_keys: DecodeKeys | None = None
@@ -279,6 +281,7 @@ class KVEvictTorchBackend(SegmentAttentionBackend, TorchNativeAttnBackend):
     def __init__(self, model_runner):
         super().__init__(model_runner)
         self._decode_keys = DecodeKeysCache()
+        self._window_keys = WindowKeysCache()
         # Built (or loaded from its cache) here, at start-up, not on the first decode step of a request.
         self._paged_decode = torch.device(self.device).type == "cpu" and paged_decode_available()
 
@@ -295,8 +298,9 @@ class KVEvictTorchBackend(SegmentAttentionBackend, TorchNativeAttnBackend):
         local = None if engine is None else engine.local_layers
         self.window_keys = None
         if local is not None:
-            windowed = forward.requests if forward.is_decode else forward.compressed
-            self.window_keys = WindowKeys.of(windowed, to_token, self.cell_space, local)
+            self.window_keys = self._window_keys.of(
+                forward_batch.rids, forward, to_token, self.cell_space, local, forward_batch.out_cache_loc
+            )
 
     def _forward_with_segments(self, q, k, v, layer, forward_batch, save_kv_cache, segments: SegmentMetadata):
         if save_kv_cache and k is not None and v is not None:

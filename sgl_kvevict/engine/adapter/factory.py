@@ -29,7 +29,7 @@ from sglang.srt.runtime_context import (
 )
 
 from sgl_kvevict.engine.adapter.admission import chunk_size
-from sgl_kvevict.engine.adapter.attention import KVEvictTorchBackend, SegmentAttentionBackend
+from sgl_kvevict.engine.adapter.attention import KVEvictTorchBackend, SegmentAttentionBackend, local_window
 from sgl_kvevict.engine.adapter.forward_batches import piece_forward
 from sgl_kvevict.engine.adapter.hidden_states import HiddenStateCapture
 from sgl_kvevict.engine.adapter.pool import UnsupportedKVPool, cell_space_of
@@ -49,7 +49,7 @@ from sgl_kvevict.engine.stats import EngineStats
 from sgl_kvevict.engine.stats_channel import serve_stats
 from sgl_kvevict.engine.tensor_parallel import RankGroup, process_group_gather
 from sgl_kvevict.footprint import LocalShare
-from sgl_kvevict.limits import SetupFacts, violations
+from sgl_kvevict.limits import LOCAL_LAYERS_MAX_TP_SIZE, SetupFacts, violations
 from sgl_kvevict.local_layers import LocalLayers
 from sgl_kvevict.scope import Scope
 from sgl_kvevict.scoring.kvzip import ReconstructionPrompt
@@ -103,10 +103,43 @@ def unsupported_features(ctx: TreeCacheBuildContext, attn_backend, local_layers:
         # Gemma 3's (``local_layers``) are served.
         sliding_window_layers=ctx.is_hybrid_swa or (runner.sliding_window_size is not None and local_layers is None),
         local_layers_elsewhere=local_layers is not None
-        and (not isinstance(attn_backend, KVEvictTorchBackend) or ctx.tp_size > 1),
+        and (not isinstance(attn_backend, KVEvictTorchBackend) or ctx.tp_size > LOCAL_LAYERS_MAX_TP_SIZE),
         state_space_layers=ctx.is_hybrid_ssm,
     )
     return violations(facts)
+
+
+def sglang_local_windows(model) -> dict[int, int]:
+    """SGLang's local attention layers of ``model`` (every ``RadixAttention`` with a ``sliding_window_size``)
+    and their window as config.json counts it: SGLang's ``sliding_window_size`` is ``window - 1``."""
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    return {
+        module.layer_id: window + 1
+        for module in model.modules()
+        if isinstance(module, RadixAttention) and (window := local_window(module)) is not None
+    }
+
+
+def check_local_windows(local_layers: LocalLayers, windows: dict[int, int]) -> None:
+    """The local layers the plugin trims (config.json, ``LocalLayers.of_model``) must be the layers SGLang's
+    attention masks to a window (``windows``: ``sglang_local_windows``), with the same window: a layer only
+    one of them calls local would be a global layer trimmed, or a window read past what the node keeps."""
+    trimmed = {layer: local_layers.window for layer in local_layers.layers}
+    differing = sorted(layer for layer in trimmed.keys() | windows.keys() if trimmed.get(layer) != windows.get(layer))
+    if not differing:
+        return
+
+    def kind(window: Optional[int]) -> str:
+        return "global" if window is None else f"window {window}"
+
+    described = ", ".join(
+        f"layer {layer} (config.json: {kind(trimmed.get(layer))}, SGLang: {kind(windows.get(layer))})" for layer in differing
+    )
+    raise UnsupportedSetup(
+        f"KV eviction cannot run with: the model's config.json and SGLang's attention disagree on its local "
+        f"layers: {described}"
+    )
 
 
 @dataclass(frozen=True)
@@ -187,6 +220,8 @@ def create_compressed_radix_cache(ctx: TreeCacheBuildContext, serving: ServingCo
     problems = unsupported_features(ctx, runner.attn_backend, local_layers)
     if problems:
         raise UnsupportedSetup(f"KV eviction cannot run with: {'; '.join(problems)}")
+    if local_layers is not None:
+        check_local_windows(local_layers, sglang_local_windows(runner.model))
     kv_pool = runner.token_to_kv_pool
     shape = ModelShape(
         num_layers=kv_pool.layer_num,
