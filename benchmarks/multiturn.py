@@ -137,6 +137,10 @@ def _add_server_flags(parser: argparse.ArgumentParser, name: str) -> None:
     )
     parser.add_argument("--block-size", type=int, help="--kv-evict-block-size of block-scope servers (default: the launcher's)")
     parser.add_argument(
+        "--when", default="prefill", help="comma-separated --kv-evict-when of every policy server: prefill, pressure "
+        "(a server each; full, which evicts nothing, is served once) (default prefill)",
+    )  # fmt: skip
+    parser.add_argument(
         "--server-arg", action="append", default=[], help="extra launcher/SGLang flag for every server, e.g. "
         "--server-arg=--kv-evict-window=16 (repeatable)",
     )  # fmt: skip
@@ -251,7 +255,9 @@ def _run_servers(
     spec, settings = _workload(args)
     config = CompareConfig(
         model=args.model,
-        variants=attributed_variants(_csv(args.policies), _csv(args.budgets), _csv(args.scopes), args.block_size),
+        variants=attributed_variants(
+            _csv(args.policies), _csv(args.budgets), _csv(args.scopes), args.block_size, _csv(args.when)
+        ),
         launcher_extra=tuple(args.server_arg),
     )
     count_tokens = model_token_counter(args.model)

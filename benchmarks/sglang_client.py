@@ -41,6 +41,7 @@ from sgl_kvevict.measure.client import STATS_PATH, StatsSampler, get_json, strea
 from sgl_kvevict.measure.results import write_result_files, pyplot as _pyplot, environment
 from sgl_kvevict.measure.servers import (
     ServerError,
+    WHEN_FLAG,
     ServerVariant,
     attributed_variants,
     check_launcher_accepts,
@@ -71,6 +72,8 @@ STATS_COLUMNS = (
     ("reuse_hits", "reuse hits"),
     ("reused_tokens", "reused tokens"),
 )
+# Shown where a server of the run compresses under pressure (--kv-evict-when pressure).
+PRESSURE_COLUMN = ("nodes_compressed_under_pressure", "compressed under pressure")
 
 
 class ClientError(RuntimeError):
@@ -195,9 +198,11 @@ def _fmt(value: Optional[float], digits: int = 2) -> str:
 
 def tables(report: dict) -> list[str]:
     """The per-server table and the ratios of this run (``ratios``), as markdown lines (also docs/results.md's)."""
+    under_pressure = any(WHEN_FLAG in run["variant"]["extra"] for run in report["runs"])
+    stats_columns = STATS_COLUMNS + ((PRESSURE_COLUMN,) if under_pressure else ())
     columns = [
         "server", "output tok/s", "TTFT median (s)", "TTFT p90 (s)", "ITL mean (ms)", "ITL median (ms)", "hit rate",
-        "compressed nodes peak", *(column for _, column in STATS_COLUMNS), "leaks after flush",
+        "compressed nodes peak", *(column for _, column in stats_columns), "leaks after flush",
     ]  # fmt: skip
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for run in report["runs"]:
@@ -207,7 +212,7 @@ def tables(report: dict) -> list[str]:
         c, stats = run["client"], run["kvevict_stats"]
         last = (stats or {}).get("last") or {}
         peak_nodes = (stats or {}).get("peaks", {}).get("compressed_nodes")
-        counters = [str(last.get(name, "-")) for name, _ in STATS_COLUMNS]
+        counters = [str(last.get(name, "-")) for name, _ in stats_columns]
         leaks = len(run["leaks_after_flush"]) + len(run["log_leak_warnings"])
         lines.append(
             f"| {run['label']} | {c['output_throughput']:.2f} | {c['median_ttft_ms'] / 1000:.2f} | "
@@ -327,6 +332,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--block-size", type=int, help="--kv-evict-block-size of block-scope servers (default: the launcher's)")
     parser.add_argument("--pool-tokens", type=int, default=6000, help="--max-total-tokens of every server (default 6000)")
     parser.add_argument(
+        "--when", default="prefill",
+        help="comma-separated --kv-evict-when of every policy server: prefill, pressure (a server each; full, which "
+             "evicts nothing, is served once) (default prefill)",
+    )  # fmt: skip
+    parser.add_argument(
         "--schedules", default="overlap",
         help="comma-separated SGLang schedules every server runs under: overlap (SGLang's default), serial "
              "(--disable-overlap-schedule) (default overlap)",
@@ -356,7 +366,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             system_prompt_tokens=args.system_prompt_tokens, question_tokens=args.question_tokens,
             output_tokens=args.output_tokens, concurrency=args.concurrency, seed=args.seed,
         )  # fmt: skip
-        variants = attributed_variants(_csv(args.policies), _csv(args.budgets), _csv(args.scopes), args.block_size)
+        variants = attributed_variants(
+            _csv(args.policies), _csv(args.budgets), _csv(args.scopes), args.block_size, _csv(args.when)
+        )  # fmt: skip
         variants = under_schedules(variants, _csv(args.schedules))
         for variant in variants:  # every refusal before the first server starts
             check_launcher_accepts(args.model, variant, args.pool_tokens, tuple(args.server_arg))

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from sgl_kvevict.config import DEFAULT_BUDGET, Option, eviction_options, with_taken_defaults
+from sgl_kvevict.engine.deferred import COMPRESS_WHEN, PREFILL, PRESSURE
 from sgl_kvevict.limits import LIMITS, SGLANG_VERSION
 from sgl_kvevict.policies import PolicyDefaults, get_policy_class, registered_policies
 from sgl_kvevict.request_options import ALLOW_ALL, DEFAULT_ALLOW, MAX_OPTIONS_LENGTH, SETUP_CACHE_SIZE
@@ -40,7 +41,8 @@ DEFAULT_PORT = 30000
 DEFAULT_HOST = "127.0.0.1"
 # Our flags that are not eviction options (those are the knobs, derived from their declarations).
 ENGINE_FLAGS = (
-    "--kv-evict-policy", "--kv-evict-scope", "--kv-evict-block-size", "--kv-evict-per-request", "--kv-evict-request-allow",
+    "--kv-evict-policy", "--kv-evict-scope", "--kv-evict-block-size", "--kv-evict-when", "--kv-evict-per-request",
+    "--kv-evict-request-allow",
 )  # fmt: skip
 DEFAULT_FLAG = "--kv-evict-default"
 
@@ -161,9 +163,9 @@ def launcher_notes() -> list[str]:
         "Models refused with a policy, from their config.json before they load: MLA (DeepSeek-V2/V3), local "
         "attention layers in a pool of their own or soft-capped (gpt-oss, Gemma 2), state-space layers (Qwen3-Next, "
         "Falcon-H1); which architectures were tested: docs/compatibility.md. Gemma 3's local layers, trimmed to their "
-        "window, are served by the torch backend on one rank: with a policy, a Gemma 3 model with an attention "
-        "backend other than torch_native (flashinfer, CUDA's default with a policy) or a --tp-size above 1 is "
-        "refused before it loads (local layers off the torch backend).",
+        "window, are served by the torch backend, at any --tp-size: with a policy, a Gemma 3 model with an attention "
+        "backend other than torch_native (flashinfer, CUDA's default with a policy) is refused before it loads "
+        "(local layers off the torch backend).",
         f"sgl-kvevict runs on sglang=={SGLANG_VERSION} only.",
     ]
 
@@ -275,6 +277,19 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="TOKENS",
         help=f"tokens per block in block scope; a block's budget must keep more than the observation window, "
         f"or no block would compress: refused at start-up (default {DEFAULT_BLOCK_SIZE})",
+    )
+    evict.add_argument(
+        "--kv-evict-when",
+        choices=COMPRESS_WHEN,
+        help=f"when a scored prompt is compressed. {PREFILL}: right after its prefill, whether the KV pool needs "
+        f"the room or not. {PRESSURE}: it is scored during the same prefill but kept dense in the radix tree "
+        "with the plan the policy made (a few bytes per kept entry, on the host); only when SGLang needs KV "
+        "slots are the coldest dense prompts no running request reads compressed with their plan, before "
+        "anything is evicted, so answers change only where stock would have lost the prefix; while that does not "
+        "free what SGLang asks for (running requests hold the prompts it would compress), new prompts are "
+        "compressed right after their prefill, as under prefill. Scores are the prefill's own (an attention score reads the prompt's own window), KVzip's passes still run at the "
+        "prefill, and a prompt longer than the pool is refused as stock refuses it (under prefill, block scope "
+        f"serves it by compressing its blocks while it is prefilled) (default {PREFILL})",
     )
     evict.add_argument(
         "--kv-evict-per-request",
@@ -402,8 +417,9 @@ def serving_config(args: argparse.Namespace) -> ServingConfig:
             options = with_taken_defaults(policy, options, defaults)
         scope = Scope.parse(args.kv_evict_scope or RequestScope.name, args.kv_evict_block_size)
         return ServingConfig(
-            policy, options, scope=scope, per_request=bool(args.kv_evict_per_request), request_allow=args.kv_evict_request_allow
-        )
+            policy, options, scope=scope, per_request=bool(args.kv_evict_per_request),
+            request_allow=args.kv_evict_request_allow, compress_when=args.kv_evict_when or PREFILL,
+        )  # fmt: skip
     except ConfigError as error:
         raise FlagError(f"--kv-evict-*: {error}") from None
 

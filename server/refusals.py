@@ -16,7 +16,6 @@ from sgl_kvevict.architectures import attention_backends_note, local_attention_l
 from sgl_kvevict.limits import (
     LIMITS,
     LOCAL_LAYER_ATTENTION_BACKENDS,
-    LOCAL_LAYERS_MAX_TP_SIZE,
     METADATA_GLUE_GRAPH_ENV,
     METADATA_GLUE_GRAPH_REASON,
     SetupFacts,
@@ -24,7 +23,7 @@ from sgl_kvevict.limits import (
     metadata_glue_graph_enabled,
     violations,
 )
-from sgl_kvevict.server.sglang_args import flag_value, has_flag, int_flag_value, largest_chunk_beside_block, tp_size
+from sgl_kvevict.server.sglang_args import flag_value, has_flag, int_flag_value, largest_chunk_beside_block
 from sgl_kvevict.serving import ServingConfig
 
 KV_EVICT_PREFIX = "--kv-evict-"
@@ -160,17 +159,14 @@ def attention_backends(sglang_args: list[str]) -> list[tuple[str, str]]:
 
 def check_local_layers(model_dir: Path, sglang_args: list[str]) -> None:
     """With a policy, a model whose local attention layers the plugin trims to their window (Gemma 3, from
-    its config.json): served only by the attention backend that windows them over compressed nodes, on one
-    rank (limits: local layers off the torch backend), refused before the weights load. ``sglang_args``:
+    its config.json): served only by the attention backend that windows them over compressed nodes (limits:
+    local layers off the torch backend), refused before the weights load. ``sglang_args``:
     every flag SGLang gets, the launcher's included (the backend it adds on this machine)."""
     local = local_attention_layers(model_dir)
     if local is None:
         return
     backends = attention_backends(sglang_args)
     refused = [f"{flag} {value}" for flag, value in backends if value not in LOCAL_LAYER_ATTENTION_BACKENDS]
-    tp = tp_size(sglang_args)
-    if tp > LOCAL_LAYERS_MAX_TP_SIZE:
-        refused.append(f"--tp-size {tp}")
     if refused:
         layers, window = local
         reason = next(limit.reason for limit in LIMITS if limit.name == "local layers off the torch backend")

@@ -147,14 +147,12 @@ _SLIDING_WINDOW_LAYERS = (
 )
 _LOCAL_LAYERS_ELSEWHERE = (
     "Gemma 3's local layers are trimmed to their window and attended by position only in the torch backend "
-    "(torch_native) on one rank; the FlashInfer path does not window them yet, and under tensor parallelism a "
-    "compressed node split by a shared prefix does not keep its ranks' cells in step yet"
+    "(torch_native), on any number of tensor-parallel ranks; the FlashInfer path does not window them yet"
 )
 # Where Gemma 3's local layers are served (limit "local layers off the torch backend"): the attention
-# backends that window them over compressed nodes, and the most TP ranks. The launcher refuses the rest
-# from its flags and the model's config.json before the weights load; the tree from SGLang's backend.
+# backends that window them over compressed nodes. The launcher refuses the rest from its flags and the
+# model's config.json before the weights load; the tree from SGLang's backend.
 LOCAL_LAYER_ATTENTION_BACKENDS = ("torch_native",)
-LOCAL_LAYERS_MAX_TP_SIZE = 1
 
 # The first-version limits (page size 1, no prefill graphs),
 # SGLang 0.5.23's features that copy, move or share KV by slot rows, which compressed nodes do not

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
 from sgl_kvevict.config import EvictionConfig
+from sgl_kvevict.engine.deferred import COMPRESS_WHEN, PREFILL, PRESSURE
 from sgl_kvevict.request_options import DEFAULT_ALLOW, AllowList
 from sgl_kvevict.scope import BlockScope, RequestScope, Scope
 from sgl_kvevict.settings import ConfigError
@@ -35,6 +36,9 @@ class ServingConfig:
     scope: which segments become compressed radix nodes (``sgl_kvevict.scope``). One scope per server:
         block scope does not also compress the tail after the last block in request scope. A block
         must hold more than the policy's window.
+    compress_when: ``prefill`` stores a scored segment compressed right after its prefill; ``pressure``
+        keeps it dense with its plan and compresses it only when SGLang needs the KV slots
+        (``engine.deferred``).
     """
 
     policy: str = NO_EVICTION
@@ -42,8 +46,11 @@ class ServingConfig:
     scope: Scope = RequestScope()
     per_request: bool = False
     request_allow: Optional[str] = None
+    compress_when: str = PREFILL
 
     def __post_init__(self):
+        if self.compress_when not in COMPRESS_WHEN:
+            raise ConfigError(f"compress when {self.compress_when!r}: choose one of {', '.join(COMPRESS_WHEN)}")
         if self.policy == NO_EVICTION and self.eviction_options:
             raise ConfigError(
                 f"eviction options {', '.join(sorted(self.eviction_options))} need a policy; "
@@ -68,6 +75,12 @@ class ServingConfig:
         return EvictionConfig.from_strings({"policy": self.policy, **self.eviction_options})
 
     @property
+    def compresses_while_prefilling(self) -> bool:
+        """Whether a prompt's blocks may be stored compressed before its prefill ends (admission's footprints):
+        never under pressure, where they stay dense until SGLang needs their slots."""
+        return self.enabled and self.compress_when == PREFILL
+
+    @property
     def request_allow_list(self) -> Optional[AllowList]:
         """What a request may choose, or None when requests choose nothing."""
         if not (self.enabled and self.per_request):
@@ -78,7 +91,8 @@ class ServingConfig:
         """One-line summary for logs: the policy, its budget and window."""
         if not self.enabled:
             return f"policy={NO_EVICTION}"
-        return f"{self.eviction.describe()}, {self.scope}"
+        when = "" if self.compress_when == PREFILL else f", compressed under {PRESSURE}"
+        return f"{self.eviction.describe()}, {self.scope}{when}"
 
     def to_env(self) -> str:
         return json.dumps(
@@ -89,6 +103,7 @@ class ServingConfig:
                 "block_size": getattr(self.scope, "block_size", None),
                 "per_request": self.per_request,
                 "request_allow": self.request_allow,
+                "compress_when": self.compress_when,
             }
         )
 

@@ -132,6 +132,7 @@ def assert_no_leak_after_flush(server: RunningServer) -> dict:
     after = stats(server)
     assert after["arena_cells_used"] == after["arena_slots_borrowed"] == 0, after
     assert after["compressed_nodes"] == after["kept_cells"] == after["compressed_tokens"] == 0, after
+    assert after["deferred_nodes"] == after["deferred_plan_bytes"] == 0, after  # --kv-evict-when pressure's plans
     assert after["kv_slots_free"] == after["kv_slots_total"], after
     return after
 

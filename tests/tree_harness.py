@@ -34,9 +34,11 @@ from sglang.srt.sampling.sampling_params import SamplingParams
 from sgl_kvevict.config import EvictionConfig
 from sgl_kvevict.engine.adapter.factory import build_engine
 from sgl_kvevict.engine.adapter.pool import install_contiguous_kv_buffers
+from sgl_kvevict.engine.deferred import PREFILL
 from sgl_kvevict.engine.eviction import CompressedTreeOrder
 from sgl_kvevict.engine.records import node_record
 from sgl_kvevict.engine.setups import EvictionSetup, ModelShape, Setups
+from sgl_kvevict.local_layers import LocalLayers, WindowedLocalLayers
 from sgl_kvevict.engine.tensor_parallel import RankGroup
 from sgl_kvevict.plan import CompressionPlan, LayerPlan
 from sgl_kvevict.policies.base import Policy, SegmentCompressor, SegmentSpec
@@ -118,7 +120,11 @@ class TreeHarness:
         max_context: int = 1024,
         order: Optional[CompressedTreeOrder] = None,
         ranks: Optional[RankGroup] = None,
+        compress_when: str = PREFILL,
+        local_layers: Optional[LocalLayers] = None,
     ):
+        """``local_layers``: the model's local attention layers, trimmed to their window as a server trims
+        them (the rule plans the global layers)."""
         install_contiguous_kv_buffers()
         self.shape = ModelShape(num_layers, 2 * num_kv_heads, num_kv_heads)
         self.pool = MHATokenToKVPool(
@@ -130,12 +136,14 @@ class TreeHarness:
             size=max_requests, max_context_len=max_context, device="cpu", enable_memory_saver=False
         )
         config = EvictionConfig(policy="snapkv", window=WINDOW)
-        policy = RulePolicy(config.common, rule)
+        policy = WindowedLocalLayers.wrap(RulePolicy(config.common, rule), local_layers)
         setups = Setups(EvictionSetup(config, policy, policy.stats_request()))
         params = CacheInitParams(
             disable=False, req_to_token_pool=self.req_to_token_pool, token_to_kv_pool_allocator=self.allocator, page_size=1
         )
-        self.engine = build_engine(setups, scope, self.shape, params, ranks=ranks, order=order)
+        self.engine = build_engine(
+            setups, scope, self.shape, params, ranks=ranks, order=order, local_layers=local_layers, compress_when=compress_when
+        )  # fmt: skip
         self.tree, self.coordinator, self.arena = self.engine.tree, self.engine.coordinator, self.engine.arena
         self.space, self.stats = self.engine.space, self.engine.stats
         self.running: list[Req] = []
@@ -300,12 +308,18 @@ class TreeHarness:
             torch.testing.assert_close(self.space.v_rows[cells][:, 0], -expected, rtol=0, atol=0)
 
     def compressed_nodes(self) -> list:
+        return [node for node in self.nodes() if node_record(node).is_compressed]
+
+    def deferred_nodes(self) -> list:
+        """Dense nodes holding the plan they are compressed with under pressure."""
+        return [node for node in self.nodes() if node_record(node).deferred is not None]
+
+    def nodes(self) -> list:
         nodes, stack = [], [self.tree.root_node]
         while stack:
             node = stack.pop()
             stack.extend(node.children.values())
-            if node_record(node).is_compressed:
-                nodes.append(node)
+            nodes.append(node)
         return nodes
 
     def flush(self) -> None:

@@ -197,6 +197,11 @@ class Arena:
         self._unbind_rows(victims)
         return len(victims)
 
+    def paths_changed(self) -> None:
+        """A dense radix node became compressed (``engine.deferred``): the cached cell lists of the paths
+        through it are stale, though no live segment's cells moved."""
+        self.generation += 1
+
     def reset(self) -> None:
         """Every cell free and no slot borrowed (flush_cache: SGLang resets its allocator too, so nothing
         is given back to it)."""

@@ -280,7 +280,9 @@ class CompressionCoordinator:
         of it has a segment ready to store, ``SETTLED_FOR_BLOCK`` in block scope, ``SETTLED_FOR_PREFILL`` in
         request scope (its prompt's segment). Formed first, the next batch would decode those requests over
         their whole dense prompts (answers differ from the serial schedule's, the dense slots stay taken
-        one more step). Every other batch overlaps as in stock SGLang."""
+        one more step). Every other batch overlaps as in stock SGLang. Under ``--kv-evict-when pressure`` the
+        same batches wait: a checkpoint there still stores a segment that diverges inside a compressed node,
+        which the next batch's own evictions may compress after this decision."""
         if self.reconstructor is not None and self.reconstructor.queue:
             return SETTLED_FOR_KVZIP
         if any(_has_ready_segment(req) for req in last_batch.reqs):

@@ -59,6 +59,10 @@ class CompressedTreeOrder(abc.ABC):
     def evicted(self, priority) -> None:
         """A leaf of ``priority`` (``get_priority``'s value) was evicted."""
 
+    def resized(self, record: NodeRecord, before: NodeCost, after: NodeCost) -> None:
+        """A dense node was compressed in place (``engine.deferred``): it frees ``after.slots`` now (an order
+        that does not weigh size keeps its place)."""
+
     def inherit(self, head: NodeRecord, node: NodeRecord) -> None:
         """``head`` was split off ``node`` and takes its place in the order (the stock split copies priorities)."""
         head.reuses, head.priority, head.rank = node.reuses, node.priority, node.rank
@@ -88,6 +92,10 @@ class GreedyDualSizeFrequency(CompressedTreeOrder):
 
     def evicted(self, priority: tuple) -> None:
         self.clock = max(self.clock, priority[0])  # never falls
+
+    def resized(self, record: NodeRecord, before: NodeCost, after: NodeCost) -> None:
+        # The clock it was last touched at stays: only its reuses' worth per slot freed changes.
+        record.priority += self._priority(record, after) - self._priority(record, before)
 
     def reset(self) -> None:
         self.clock = 0.0

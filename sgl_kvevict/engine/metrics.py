@@ -35,6 +35,8 @@ GAUGES = {
     "arena_slots_borrowed": "KV token slots the compressed-KV arena holds now.",
     "arena_cells_used": "Cells of the borrowed slots in use.",
     "arena_cells_free": "Cells of the borrowed slots free (reclaimable by moving cells).",
+    "deferred_nodes": "Dense radix nodes holding the plan they are compressed with under memory pressure (--kv-evict-when pressure).",
+    "deferred_plan_bytes": "Host memory the plans of deferred nodes take.",
 }
 # Running totals since the server started (prometheus_client appends _total to the names).
 COUNTERS = {
@@ -43,6 +45,9 @@ COUNTERS = {
     "reused_tokens": "Logical prompt tokens served from compressed nodes instead of being prefilled again.",
     "compressed_nodes_evicted": "Compressed nodes evicted under memory pressure (/flush_cache not counted).",
     "dense_nodes_evicted": "Dense radix nodes evicted under memory pressure (/flush_cache not counted).",
+    "nodes_compressed_under_pressure": "Dense radix nodes compressed in place when SGLang asked for KV slots (--kv-evict-when pressure).",
+    "slots_freed_under_pressure": "KV token slots those compressions gave back to SGLang's allocator.",
+    "compressed_at_checkpoint_under_pressure": "Segments compressed at their checkpoint under --kv-evict-when pressure (compressing cold prompts did not free enough).",
     "arena_cells_moved": "Cells moved to give whole slots back to SGLang's allocator.",
     "chunked_prefills": "Requests whose prompt took more than one prefill forward (chunked prefill).",
     "chunked_prefills_aborted": "Requests released between two prefill forwards of their prompt (aborted between chunks).",

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
+from sgl_kvevict.engine.deferred import DeferredPlan
 from sgl_kvevict.engine.segments import CompressedSegment, PathView
 
 if TYPE_CHECKING:
@@ -32,14 +33,17 @@ class NodeRecord:
     Content (the tree): ``segment``: the compressed entries of a compressed node, None for a dense
     one; ``match_may_end``: False on the head of a split compressed node, which a match may pass
     through but not end at; ``requests_served``: distinct requests that used a compressed node (its
-    creator first); ``view``/``view_generation``: the memoised ``PathView`` of the compressed content on
-    the path from the root to this node, valid while the arena's generation is the same.
+    creator first); ``deferred``: the plan a dense node is compressed with under pressure
+    (``engine.deferred``), None for a node that stays dense until it is evicted; ``view``/``view_generation``:
+    the memoised ``PathView`` of the compressed content on the path from the root to this node, valid while
+    the arena's generation is the same.
     Order (the eviction strategy): ``reuses`` (requests that matched the node after the one that made
     it), ``priority`` and ``rank`` (creation order; newest first among equal priorities).
     """
 
     segment: Optional[CompressedSegment] = None
     match_may_end: bool = True
+    deferred: Optional[DeferredPlan] = None
     requests_served: int = 0
     view: Optional[PathView] = None
     view_generation: int = -1

@@ -119,10 +119,12 @@ class CompressedSegment:
         return Split(parts, tuple(taken))
 
     def merged(self, other: "CompressedSegment") -> tuple["CompressedSegment", torch.Tensor, torch.Tensor]:
-        """This segment's entries and ``other``'s (the same range, no entry in both, no spare cells) as one
-        segment, cells not yet assigned; and where each one's entries are in it (int64 ``[n]``, ``[m]``):
-        a split head gaining the local layers' window before the split (``local_layers.window_before``)."""
-        assert (self.start, self.length) == (other.start, other.length) and self.num_cells == self.num_entries
+        """This segment's entries and ``other``'s (the same range, no entry in both; ``other`` has no spare
+        cells and keeps as many entries on every rank) as one segment, cells not yet assigned; and where each
+        one's cells are in it (int64 ``[num_cells]`` of this one, spare cells last, and ``[m]``): a split head
+        gaining the local layers' window before the split (``local_layers.window_before``). Every rank adds
+        the same entries, so the reservation grows by them and this segment's spare cells stay spare."""
+        assert (self.start, self.length) == (other.start, other.length) and other.num_cells == other.num_entries
         num_kv_heads = self.counts.shape[1]
         groups = torch.cat([self.layer_ids() * num_kv_heads + self.head_ids(), other.layer_ids() * num_kv_heads + other.head_ids()])
         positions = torch.cat([self.positions, other.positions])
@@ -131,7 +133,9 @@ class CompressedSegment:
         where[order] = torch.arange(len(order))
         counts = self.counts + other.counts
         merged = CompressedSegment(self.start, self.length, counts, positions[order], self.rank_counts.plus(other.rank_counts))
-        return merged, where[: self.num_entries], where[self.num_entries :]
+        assert merged.num_cells == self.num_cells + other.num_entries, "the added entries are every rank's alike"
+        spares = torch.arange(merged.num_entries, merged.num_cells)
+        return merged, torch.cat([where[: self.num_entries], spares]), where[self.num_entries :]
 
     def _part(self, mask: torch.Tensor, start: int, end: int) -> "CompressedSegment":
         """The entries ``mask`` as the segment of ``[start, end)``."""

@@ -47,7 +47,13 @@ class EngineStats:
     ``decode_graph_fallbacks`` (such batches run eagerly because their cells exceed that graph's
     buffers, ``engine.decode_graph``); evictions by kind
     (``dense_nodes_evicted``, ``dense_slots_evicted``, ``compressed_nodes_evicted``,
-    ``compressed_cells_evicted``; ``/flush_cache`` not counted). ``served_histogram`` maps "distinct
+    ``compressed_cells_evicted``; ``/flush_cache`` not counted). Under ``--kv-evict-when pressure``
+    (``engine.deferred``): levels ``deferred_nodes`` (dense nodes holding a plan) and ``deferred_plan_bytes``
+    (the host memory those plans take); totals ``nodes_compressed_under_pressure`` and
+    ``slots_freed_under_pressure`` (slots those compressions gave back to SGLang), and
+    ``compressed_at_checkpoint_under_pressure`` (segments stored compressed at their checkpoint: while
+    compressing cold prompts did not give SGLang the room it last asked for, or diverging inside a
+    compressed node). ``served_histogram`` maps "distinct
     requests a node served" to the number of nodes, over every node created since start.
     """
 
@@ -75,6 +81,11 @@ class EngineStats:
     dense_slots_evicted: int = 0
     compressed_nodes_evicted: int = 0
     compressed_cells_evicted: int = 0
+    deferred_nodes: int = 0
+    deferred_plan_bytes: int = 0
+    nodes_compressed_under_pressure: int = 0
+    slots_freed_under_pressure: int = 0
+    compressed_at_checkpoint_under_pressure: int = 0
     served_histogram: Counter = field(default_factory=Counter, repr=False)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -120,9 +131,26 @@ class EngineStats:
             self.dense_nodes_evicted += 1
             self.dense_slots_evicted += slots
 
+    def plan_deferred(self, nbytes: int) -> None:
+        with self.lock:
+            self.deferred_nodes += 1
+            self.deferred_plan_bytes += nbytes
+
+    def deferred_plan_dropped(self, nbytes: int) -> None:
+        """A dense node's plan was used, split into its parts' plans, or evicted with it."""
+        with self.lock:
+            self.deferred_nodes -= 1
+            self.deferred_plan_bytes -= nbytes
+
+    def compressed_under_pressure(self, slots_freed: int) -> None:
+        with self.lock:
+            self.nodes_compressed_under_pressure += 1
+            self.slots_freed_under_pressure += slots_freed
+
     def tree_cleared(self) -> None:
         with self.lock:
             self.compressed_nodes = self.compressed_tokens = self.kept_cells = self.kept_entries = 0
+            self.deferred_nodes = self.deferred_plan_bytes = 0
 
     def overlap_wait(self, reason: str) -> None:
         """The overlap schedule waited for a batch's results, for ``reason`` (``coordinator.SETTLED_FOR_*``)."""

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
 
+from sgl_kvevict.engine.deferred import COMPRESS_WHEN, PREFILL, PRESSURE
 from sgl_kvevict.server.flags import FlagError, LaunchConfig, parse_args
 from sgl_kvevict.server.processes import (
     ChildExited,
@@ -34,6 +35,7 @@ VANILLA_POLICY = "none"
 # The plugin's path with nothing evicted: every speed comparison with stock serves it too, so a policy's
 # ratio splits into what eviction buys (policy / full) and what the path costs (full / stock).
 FULL_POLICY = "full"
+WHEN_FLAG = "--kv-evict-when"
 STOP_TIMEOUT_SECONDS = 90.0  # the launcher's own SIGTERM grace is 30 s, SGLang needs ~10 s
 # What SGLang's idle self-check logs (as a warning, unless strict mode is on) when a pool leaks.
 LEAK_LOG_PATTERN = re.compile(r"memory leak detected|use-after-free")
@@ -64,8 +66,14 @@ class ServerVariant:
 
     @property
     def full_counterpart(self) -> "ServerVariant":
-        """``full`` with this variant's scope, schedule and other flags: its reference with nothing evicted."""
-        return ServerVariant(FULL_POLICY, None, self.extra, self.tag)
+        """``full`` with this variant's scope, schedule and other flags: its reference with nothing evicted
+        (whenever it compresses: ``full`` evicts nothing, so it is the same server under pressure)."""
+        extra = list(self.extra)
+        if WHEN_FLAG in extra:
+            at = extra.index(WHEN_FLAG)
+            del extra[at : at + 2]
+        tag = " ".join(word for word in self.tag.split() if word != PRESSURE)
+        return ServerVariant(FULL_POLICY, None, tuple(extra), tag)
 
     @property
     def label(self) -> str:
@@ -114,30 +122,44 @@ def check_lineup(
 
 
 def server_variants(
-    policies: Sequence[str], budgets: Sequence[str], scopes: Sequence[str] = ("request",), block_size: Optional[int] = None
-) -> tuple[ServerVariant, ...]:
-    """Vanilla, then every policy (``name[:score]``) at every budget in every scope."""
+    policies: Sequence[str], budgets: Sequence[str], scopes: Sequence[str] = ("request",), block_size: Optional[int] = None,
+    whens: Sequence[str] = (PREFILL,),
+) -> tuple[ServerVariant, ...]:  # fmt: skip
+    """Vanilla, then every policy (``name[:score]``) at every budget in every scope, compressing at every
+    ``whens`` (``--kv-evict-when``: under ``pressure`` tagged so)."""
     unknown = [s for s in scopes if s not in SCOPES]
     if unknown or not scopes:
         raise ServerError(f"scopes {list(scopes)}: choose from {', '.join(SCOPES)}")
     if block_size is not None and "block" not in scopes:
         raise ServerError("a block size applies to block scope only: add the block scope")
+    unknown = [when for when in whens if when not in COMPRESS_WHEN]
+    if unknown or not whens:
+        raise ServerError(f"compress when {list(whens)}: choose from {', '.join(COMPRESS_WHEN)}")
     chosen = [
-        ServerVariant(policy, budget) if scope == "request" else ServerVariant.block_scope(policy, budget, block_size)
+        _compressing(ServerVariant(policy, budget) if scope == "request" else ServerVariant.block_scope(policy, budget, block_size), when)
         for policy in policies
         if policy != VANILLA_POLICY
         for budget in budgets
         for scope in scopes
+        for when in whens
     ]
     return (ServerVariant(VANILLA_POLICY),) + tuple(chosen)
 
 
+def _compressing(variant: ServerVariant, when: str) -> ServerVariant:
+    if when == PREFILL:
+        return variant
+    return ServerVariant(variant.policy, variant.budget, (*variant.extra, WHEN_FLAG, when), f"{variant.tag} {when}".strip())
+
+
 def attributed_variants(
-    policies: Sequence[str], budgets: Sequence[str], scopes: Sequence[str] = ("request",), block_size: Optional[int] = None
-) -> tuple[ServerVariant, ...]:
+    policies: Sequence[str], budgets: Sequence[str], scopes: Sequence[str] = ("request",), block_size: Optional[int] = None,
+    whens: Sequence[str] = (PREFILL,),
+) -> tuple[ServerVariant, ...]:  # fmt: skip
     """``server_variants`` with ``full`` (no budget) in every scope after vanilla, where any policy is
-    compared; ``full`` among ``policies`` is that same server, not a second one."""
-    chosen = server_variants([p for p in policies if p != FULL_POLICY], budgets, scopes, block_size)
+    compared; ``full`` among ``policies`` is that same server, not a second one (nor under pressure: it
+    evicts nothing)."""
+    chosen = server_variants([p for p in policies if p != FULL_POLICY], budgets, scopes, block_size, whens)
     if len(chosen) == 1 and FULL_POLICY not in policies:  # ``full`` alone: stock vs full in every scope
         return chosen
     return chosen[:1] + server_variants([FULL_POLICY], [None], scopes, block_size)[1:] + chosen[1:]

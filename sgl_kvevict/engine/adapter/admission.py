@@ -51,7 +51,9 @@ def chunk_size() -> Optional[int]:
 
 def served_footprint(serving: ServingConfig, local: Optional[LocalShare]) -> Optional[PrefillFootprint]:
     """The footprint of the server's own setup on a model with ``local`` layers (None without one)."""
-    return PrefillFootprint.of(serving.eviction, serving.scope, chunk_size(), local) if serving.enabled else None
+    if not serving.compresses_while_prefilling:
+        return None
+    return PrefillFootprint.of(serving.eviction, serving.scope, chunk_size(), local)
 
 
 def _engine_local_share(allocator) -> Optional[LocalShare]:
@@ -91,7 +93,7 @@ def prefill_admission(serving: ServingConfig):
         engine = engine_of(adder.token_to_kv_pool_allocator)
         if engine is not None:
             pool = adder.token_to_kv_pool_allocator.size
-            footprint = engine.coordinator.footprint_of(req)
+            footprint = engine.coordinator.footprint_of(req) if serving.compresses_while_prefilling else None
             if footprint is not None:
                 peak = footprint.peak_slots(req.prefix_len, req.prefix_len + extend_input_len)
                 held = engine.tree.path_slots(req.last_node)

@@ -38,6 +38,7 @@ from sgl_kvevict.engine.adapter.slots import SchedulerSlots, slot_source
 from sgl_kvevict.engine.arena import Arena
 from sgl_kvevict.engine.compression import HiddenStates, ScoringCapture, needs_reconstruction
 from sgl_kvevict.engine.coordinator import CompressionCoordinator, PlanListener
+from sgl_kvevict.engine.deferred import PREFILL
 from sgl_kvevict.engine.eviction import CompressedTreeOrder
 from sgl_kvevict.engine.metrics import export_metrics
 from sgl_kvevict.engine.paths import PathViews
@@ -49,7 +50,7 @@ from sgl_kvevict.engine.stats import EngineStats
 from sgl_kvevict.engine.stats_channel import serve_stats
 from sgl_kvevict.engine.tensor_parallel import RankGroup, process_group_gather
 from sgl_kvevict.footprint import LocalShare
-from sgl_kvevict.limits import LOCAL_LAYERS_MAX_TP_SIZE, SetupFacts, violations
+from sgl_kvevict.limits import SetupFacts, violations
 from sgl_kvevict.local_layers import LocalLayers
 from sgl_kvevict.scope import Scope
 from sgl_kvevict.scoring.kvzip import ReconstructionPrompt
@@ -102,8 +103,7 @@ def unsupported_features(ctx: TreeCacheBuildContext, attn_backend, local_layers:
         # SGLang sets a window for models with local layers in the one pool (Gemma 2/3) and hybrid SWA pools;
         # Gemma 3's (``local_layers``) are served.
         sliding_window_layers=ctx.is_hybrid_swa or (runner.sliding_window_size is not None and local_layers is None),
-        local_layers_elsewhere=local_layers is not None
-        and (not isinstance(attn_backend, KVEvictTorchBackend) or ctx.tp_size > LOCAL_LAYERS_MAX_TP_SIZE),
+        local_layers_elsewhere=local_layers is not None and not isinstance(attn_backend, KVEvictTorchBackend),
         state_space_layers=ctx.is_hybrid_ssm,
     )
     return violations(facts)
@@ -173,6 +173,7 @@ def build_engine(
     order: Optional[CompressedTreeOrder] = None,
     plan_listener: Optional[PlanListener] = None,
     local_layers: Optional[LocalLayers] = None,
+    compress_when: str = PREFILL,
 ) -> Engine:
     """The engine over the pools of SGLang's ``CacheInitParams`` (the request table, the KV allocator and
     its pool; the tree keeps the rest of SGLang's settings: metrics, KV events), wired once, in
@@ -200,7 +201,7 @@ def build_engine(
     coordinator = CompressionCoordinator(
         setups, scope, shape, capture, stats, paths, reconstructor, chunk_size, ranks, plan_listener, local_share
     )  # fmt: skip
-    tree = CompressedRadixCache(pools, coordinator, arena, stats, order, local_layers)
+    tree = CompressedRadixCache(pools, coordinator, arena, stats, order, local_layers, compress_when)
     engine = Engine(tree, coordinator, arena, space, setups, stats, local_layers)
     register_engine(kv_pool, engine)
     return engine
@@ -245,6 +246,7 @@ def create_compressed_radix_cache(ctx: TreeCacheBuildContext, serving: ServingCo
     engine = build_engine(
         setups, serving.scope, shape, ctx.params, model=ModelParts(hidden_states, reconstruction), chunk_size=chunk_size(),
         ranks=ranks, plan_listener=PlanDump.from_env(ranks.shard), local_layers=local_layers,
+        compress_when=serving.compress_when,
     )  # fmt: skip
     tree = engine.tree
     logger.info(
@@ -257,7 +259,7 @@ def create_compressed_radix_cache(ctx: TreeCacheBuildContext, serving: ServingCo
     def snapshot() -> dict:
         return {
             **engine.coordinator.describe(), **engine.stats.snapshot(), **setups.counters(), **tree.memory_levels(),
-            "tp_size": ranks.shard.tp_size, "tp_exchanges": ranks.exchanges, "tp_bytes_sent": ranks.bytes_sent,
+            "compress_when": serving.compress_when, "tp_size": ranks.shard.tp_size, "tp_exchanges": ranks.exchanges, "tp_bytes_sent": ranks.bytes_sent,
         }  # fmt: skip
 
     serve_stats(snapshot)

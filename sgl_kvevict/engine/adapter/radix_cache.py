@@ -25,7 +25,8 @@ head finds it whole and hangs its own node there too. The same rule holds for bl
 **Memory** (one pool). A compression never needs free memory: its cells come from holes in borrowed
 slots, then from the segment's own dense slots (adopted before they are freed), then from SGLang's
 allocator. ``evict`` (SGLang asks for ``n`` free slots) first gives back slots the arena can empty by
-moving cells, then evicts leaves in one order for both kinds (``engine.eviction``: GreedyDual-Size-
+moving cells, then (``--kv-evict-when pressure``, ``engine.deferred``) compresses unlocked dense nodes
+that hold a plan, then evicts leaves in one order for both kinds (``engine.eviction``: GreedyDual-Size-
 Frequency) until enough slots can be given back. SGLang's ledger stays exact: ``evictable_size`` and
 ``protected_size`` count dense slots of the tree plus the arena's borrowed slots (the ones its locked
 cells need at the least are protected), so ``available + evictable + protected + uncached == total``,
@@ -76,6 +77,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 from sgl_kvevict.engine.arena import Arena
 from sgl_kvevict.engine.coordinator import CompressionCoordinator, ReadyPlan
+from sgl_kvevict.engine.deferred import PREFILL, PRESSURE, DeferredPlan
 from sgl_kvevict.engine.eviction import CompressedTreeOrder, GreedyDualSizeFrequency, NodeCost
 from sgl_kvevict.engine.paths import compressed_nodes, is_compressed, match_may_end
 from sgl_kvevict.engine.records import RECORD_ATTR, NodeRecord, node_record, request_record
@@ -91,7 +93,9 @@ class CompressedRadixCache(RadixCache):
     """params: SGLang's; coordinator: what to compress (it never calls the tree: a request's compressed
     path is read through ``engine.paths``); arena: the compressed cells; stats: the engine's counters;
     order: the eviction order; local_layers: the model's local attention layers (a split head gains their
-    window before the split). Built by ``factory.build_engine``."""
+    window before the split); compress_when: ``prefill`` stores a scored segment compressed at its
+    checkpoint, ``pressure`` keeps it dense with its plan until ``evict`` needs the room
+    (``engine.deferred``). Built by ``factory.build_engine``."""
 
     def __init__(
         self,
@@ -101,8 +105,10 @@ class CompressedRadixCache(RadixCache):
         stats: EngineStats,
         order: Optional[CompressedTreeOrder] = None,
         local_layers: Optional[LocalLayers] = None,
+        compress_when: str = PREFILL,
     ):
         self.coordinator = coordinator
+        self.defers = compress_when == PRESSURE
         self.arena = arena
         self.stats = stats
         self.local_layers = local_layers
@@ -116,6 +122,10 @@ class CompressedRadixCache(RadixCache):
     def reset(self):
         super().reset()
         setattr(self.root_node, RECORD_ATTR, NodeRecord())
+        self._deferred: dict[int, TreeNode] = {}  # id -> a dense node with a plan (``engine.deferred``)
+        # Whether compressing cold prompts gave SGLang the room it last asked for: while it did not (running
+        # requests lock the prompts it would compress), checkpoints compress at once, as at prefill.
+        self._deferral_keeps_up = True
         self.arena.reset()
         self.order.reset()
         self.stats.tree_cleared()
@@ -162,7 +172,30 @@ class CompressedRadixCache(RadixCache):
         head = super()._split_node(key, child, split_len)
         setattr(head, RECORD_ATTR, NodeRecord())
         self.order.inherit(node_record(head), node_record(child))
+        deferred = self._undefer(child)
+        if deferred is not None:  # each part keeps its positions' entries
+            head_plan, tail_plan = deferred.split(deferred.start + split_len)
+            self._defer(child, tail_plan)
+            # A head of a model with local layers would lack their window before the split: it stays dense.
+            if self.local_layers is None:
+                self._defer(head, head_plan)
         return head
+
+    def _defer(self, node: TreeNode, deferred: DeferredPlan) -> None:
+        """Keep ``deferred`` on dense ``node`` until ``evict`` needs its room (none: it evicts nothing)."""
+        if deferred.evicts_anything():
+            node_record(node).deferred = deferred
+            self._deferred[id(node)] = node
+            self.stats.plan_deferred(deferred.nbytes)
+
+    def _undefer(self, node: TreeNode) -> Optional[DeferredPlan]:
+        """Take ``node``'s plan off it (None: it had none)."""
+        record = node_record(node)
+        deferred, record.deferred = record.deferred, None
+        if deferred is not None:
+            del self._deferred[id(node)]
+            self.stats.deferred_plan_dropped(deferred.nbytes)
+        return deferred
 
     def _split_compressed_node(
         self, node: TreeNode, split_len: int, split: Split, spare: Optional[SpareCells],
@@ -205,7 +238,7 @@ class CompressedRadixCache(RadixCache):
         merged, from_segment, from_added = segment.merged(added)
         merged.owner_id = self.arena.register(merged)
         for part, indices in ((segment, from_segment), (added, from_added)):
-            self.arena.transfer(part, torch.arange(part.num_entries), merged, indices)
+            self.arena.transfer(part, torch.arange(part.num_cells), merged, indices)
             self.arena.forget(part)
         return merged
 
@@ -289,6 +322,10 @@ class CompressedRadixCache(RadixCache):
         start_time = time.perf_counter()
         arena, wanted = self.arena, params.num_tokens
         freed = arena.release_slots(wanted)
+        if self.defers:
+            if freed < wanted:
+                freed += self._compress_cold(wanted - freed)
+            self._deferral_keeps_up = freed + arena.slots_reclaimable_by_moves >= wanted
         heap = [(self.order.get_priority(leaf), leaf) for leaf in self.evictable_leaves]
         heapq.heapify(heap)
         while heap and freed + arena.slots_reclaimable_by_moves < wanted:
@@ -303,9 +340,41 @@ class CompressedRadixCache(RadixCache):
         self.update_eviction_metrics(freed, start_time)
         return EvictResult(num_tokens_evicted=freed)
 
+    def _compress_cold(self, wanted: int) -> int:
+        """Compress unlocked dense nodes with a plan, coldest first in the eviction order, until ``wanted``
+        slots are given back or reclaimable by moves; returns the slots given back to SGLang."""
+        order = self.order
+        candidates = sorted((order.get_priority(node), node) for node in self._deferred.values() if node.lock_ref == 0)
+        freed = 0
+        for _, node in candidates:
+            if freed + self.arena.slots_reclaimable_by_moves >= wanted:
+                break
+            freed += self._compress_in_place(node)
+        return freed
+
+    def _compress_in_place(self, node: TreeNode) -> int:
+        """Turn unlocked dense ``node`` into a compressed node with its plan; returns the slots given back.
+        Its children stay as they are (a compressed node's children may be dense), no request reads it (it
+        is unlocked), and the paths below it see its cells from the next view on."""
+        assert node.lock_ref == 0, "a node a request reads is never compressed under it"
+        deferred = self._undefer(node)
+        before = self._cost(node)
+        row = torch.zeros(deferred.end, dtype=node.value.dtype, device=node.value.device)
+        row[deferred.start :] = node.value
+        [segment], freed = self._store(row, [(deferred.plan, deferred.rank_counts)], deferred.start, deferred.end)
+        node.value = torch.zeros(len(node.key), dtype=torch.int64, device=self.device)  # dummy slot 0
+        record = node_record(node)
+        record.segment, record.match_may_end, record.requests_served = segment, deferred.match_may_end, 1
+        self.evictable_size_ -= len(node.key)  # its dense slots were evictable; its cells count as the arena's
+        self.order.resized(record, before, self._cost(node))
+        self.arena.paths_changed()
+        self.stats.compressed_under_pressure(freed)
+        return freed
+
     def _evict_leaf(self, leaf: TreeNode) -> int:
         """Free the leaf's storage and delete it; returns the slots given back to SGLang (a dense leaf's;
         a compressed leaf's cells go back to the arena, whose slots ``evict`` releases after)."""
+        self._undefer(leaf)
         segment = node_record(leaf).segment
         if segment is not None:
             self.arena.free(segment, segment.cells)
@@ -412,6 +481,14 @@ class CompressedRadixCache(RadixCache):
             self.stats.count("compression_races_lost")
         if decision.outcome is not Outcome.COMPRESS:
             return None
+        if self.defers:
+            if decision.split_node is None and self._deferral_keeps_up:
+                self._insert_deferred(req, ready, decision.own_start, end)
+                return None
+            self.stats.count("compressed_at_checkpoint_under_pressure")
+        # Under pressure too, a segment diverging inside a compressed node (one the pool's pressure compressed)
+        # is compressed now: it could not enter the tree dense, as the node is matched whole or not at all; so
+        # is every segment while compressing cold prompts does not give SGLang the room it asks for.
         # Hanging the node may split a compressed node: lock what it hangs on while cells are taken.
         anchor = self.lock(decision.split_node or decision.parent)
         try:
@@ -427,8 +504,9 @@ class CompressedRadixCache(RadixCache):
                 if head_window is not None:  # copied from this request's dense slots, like its own entries
                     parts.append((head_window, RankCounts.of_plan(head_window)))
             own = decision.own_start
-            segment, *head_additions = self._store(
-                req, [(ready.plan.restricted(own, end), ready.rank_counts.restricted(own, end)), *parts], start, end
+            row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+            (segment, *head_additions), _ = self._store(
+                row, [(ready.plan.restricted(own, end), ready.rank_counts.restricted(own, end)), *parts], start, end
             )  # fmt: skip
             parent = decision.parent
             if split is not None:
@@ -440,6 +518,16 @@ class CompressedRadixCache(RadixCache):
             return node
         finally:
             self.unlock(anchor)
+
+    def _insert_deferred(self, req, ready: ReadyPlan, own_start: int, end: int) -> None:
+        """Insert the request's tokens up to ``end`` dense and keep its plan of ``[own_start, end)`` on the node
+        that holds exactly those positions (``engine.deferred``); where another request's node holds some of
+        them, it stays dense without a plan."""
+        self._insert_dense(req, end)
+        node = req.last_node
+        if node is self.root_node or is_compressed(node) or len(node.key) != end - own_start:
+            return
+        self._defer(node, DeferredPlan(ready.plan.restricted(own_start, end), ready.rank_counts.restricted(own_start, end)))
 
     def _spare_cells(self, count: int) -> Optional[SpareCells]:
         """``count`` cells taken from the arena for a split (None: zero, or SGLang has no slot for them)."""
@@ -462,13 +550,13 @@ class CompressedRadixCache(RadixCache):
         return local.window_before(head.start, head.end, head.layer_positions(local.layers[0]), num_layers, num_kv_heads)
 
     def _store(
-        self, req, plans: list[tuple[CompressionPlan, RankCounts]], start: int, end: int
-    ) -> list[CompressedSegment]:
+        self, row: torch.Tensor, plans: list[tuple[CompressionPlan, RankCounts]], start: int, end: int
+    ) -> tuple[list[CompressedSegment], int]:
         """Copy the entries of ``plans`` (each with its rank counts: the request's own node, then what a split
-        head gains) from the request's dense slots into arena cells and free the segment's dense slots
-        ``[start, end)``; the slots the arena needs are adopted from the segment itself, so a compression
-        never waits for memory."""
-        row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+        head gains) from their dense slots (``row``: the slot of each position, a request's ``req_to_token``
+        row) into arena cells and free the segment's dense slots ``[start, end)``; the slots the arena needs
+        are adopted from the segment itself, so a compression never waits for memory. Returns the segments
+        and the slots given back to SGLang."""
         segment_slots = row[start:end].to(torch.int64).cpu()
         arena, space = self.arena, self.arena.space
         segments, sources, adopted = [], [], torch.empty(0, dtype=torch.int64)
@@ -488,9 +576,10 @@ class CompressedRadixCache(RadixCache):
         space.copy(sources[~at_risk], entry_cells[~at_risk])
         targets = entry_cells[at_risk].to(space.device)
         space.k_rows[targets], space.v_rows[targets] = saved_k, saved_v
-        self.token_to_kv_pool_allocator.free(segment_slots[~torch.isin(segment_slots, adopted)].to(row.device))
+        freed = segment_slots[~torch.isin(segment_slots, adopted)]
+        self.token_to_kv_pool_allocator.free(freed.to(row.device))
         self.stats.node_added(segments[0])
-        return segments
+        return segments, len(freed)
 
     def _attach_compressed_node(
         self, parent: TreeNode, key: RadixKey, segment: CompressedSegment, priority: int

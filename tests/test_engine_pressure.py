@@ -1,0 +1,65 @@
+"""``--kv-evict-when pressure`` on a real server (tiny fp32 model, snapkv at 0.25, request scope): while the
+pool has room every prompt stays dense with its plan, so a conversation decodes the dense model's greedy
+tokens (the reference's, which evicts nothing) and nothing is compressed; when later conversations need
+the room, cold prompts are compressed in place instead of evicted, their next turns still reuse them, and
+a flush gives every slot, cell and plan back."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+import engine_client as client
+from sgl_kvevict.config import EvictionConfig, build_policy
+
+pytestmark = pytest.mark.server
+
+POOL = 1500
+PROMPT = 300
+MAX_NEW_TOKENS = 6
+FLAGS = ("--kv-evict-policy", "snapkv", "--kv-evict-budget", "0.25", "--kv-evict-when", "pressure",
+         "--max-total-tokens", str(POOL), *client.TINY_SERVER_FLAGS)  # fmt: skip
+
+
+def random_prompt(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(5, 250) for _ in range(length)]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir, tmp_path_factory):
+    with client.checked_server(tiny_llama_dir, tmp_path_factory.mktemp("pressure"), *FLAGS) as running:
+        yield running
+
+
+def chat(server, reference, prompt: list[int], rid: str, *, dense_tokens: bool) -> list[int]:
+    """One turn; with ``dense_tokens``, its greedy tokens are the dense model's. Returns the conversation."""
+    response = client.generate(server, prompt, MAX_NEW_TOKENS, rid=rid)
+    output = list(response["output_ids"])
+    if dense_tokens:
+        dense = reference.generate(prompt, build_policy(EvictionConfig.for_policy("full")), max_new_tokens=MAX_NEW_TOKENS)
+        assert tuple(output) == dense.output_ids, rid
+    return prompt + output
+
+
+def test_with_room_answers_are_dense_and_under_pressure_cold_prompts_are_compressed_not_evicted(server, reference):
+    first = chat(server, reference, random_prompt(PROMPT, seed=1), "first-1", dense_tokens=True)
+    second_prompt = first + random_prompt(20, seed=2)
+    response = client.generate(server, second_prompt, MAX_NEW_TOKENS, rid="first-2")
+    assert response["meta_info"]["cached_tokens"] >= len(first) - 1
+    chat(server, reference, second_prompt, "first-2-again", dense_tokens=True)
+    stats = client.stats(server)
+    assert stats["compress_when"] == "pressure" and stats["deferred_nodes"] >= 1 and stats["deferred_plan_bytes"] > 0
+    assert stats["compressed_nodes"] == stats["nodes_compressed_under_pressure"] == 0
+
+    # Five more conversations of 300 tokens do not fit beside it dense: the coldest prompts are compressed.
+    others = [chat(server, reference, random_prompt(PROMPT, seed=10 + k), f"other-{k}", dense_tokens=False) for k in range(5)]
+    stats = client.stats(server)
+    assert stats["nodes_compressed_under_pressure"] >= 1 and stats["slots_freed_under_pressure"] > 0
+    assert stats["compressed_nodes"] >= 1 and stats["compressed_nodes_evicted"] == 0
+    for k, conversation in enumerate(others[-2:]):  # the latest conversations' next turns reuse their prompts
+        response = client.generate(server, conversation + random_prompt(10, seed=30 + k), MAX_NEW_TOKENS, rid=f"next-{k}")
+        assert response["meta_info"]["cached_tokens"] >= PROMPT
+    after = client.assert_no_leak_after_flush(server)
+    assert after["deferred_nodes"] == after["deferred_plan_bytes"] == 0

@@ -1,0 +1,210 @@
+"""``--kv-evict-when pressure`` in-process (``tree_harness``): a scored segment stays dense in the tree with
+its plan (``engine.deferred``), and only ``evict`` compresses it, coldest first, before anything is
+evicted; a locked node never; a split keeps each part's plan; SGLang's ledger after every step."""
+
+from __future__ import annotations
+
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+from sgl_kvevict.engine.deferred import PRESSURE
+from sgl_kvevict.engine.records import node_record
+from sgl_kvevict.scope import BlockScope
+from tree_harness import WINDOW, TreeHarness, tokens
+
+
+def pressure_harness(**kwargs) -> TreeHarness:
+    return TreeHarness(compress_when=PRESSURE, **kwargs)
+
+
+def chat_turn(harness: TreeHarness, prompt: list[int], output: list[int] = (7, 8, 9)) -> list[int]:
+    """Prefill ``prompt``, decode ``output``, finish; the conversation so far."""
+    req = harness.prefill(prompt)
+    harness.assert_ledger()
+    harness.decode(req, list(output))
+    harness.finish(req)
+    harness.assert_ledger()
+    harness.assert_cells_hold_their_entries()
+    return prompt + list(output)
+
+
+def compress_every_deferred_node(harness: TreeHarness) -> None:
+    """What ``evict`` does first when SGLang asks for more slots than those compressions give back."""
+    harness.tree._compress_cold(harness.allocator.size)
+
+
+def stored_entries(node) -> tuple[torch.Tensor, ...]:
+    segment = node_record(node).segment
+    return segment.start, segment.end, segment.layer_ids(), segment.head_ids(), segment.positions
+
+
+def test_a_pool_with_room_keeps_the_prompt_dense_with_its_plan_and_the_next_turn_reuses_it():
+    harness = pressure_harness()
+    conversation = chat_turn(harness, tokens(1, 100, first=1))
+    assert harness.compressed_nodes() == [] and harness.arena.slots_borrowed == 0
+    (node,) = harness.deferred_nodes()
+    assert len(node.key) == 100 - WINDOW and node_record(node).deferred.start == 0
+    stats = harness.stats_snapshot()
+    assert stats["deferred_nodes"] == 1 and stats["deferred_plan_bytes"] == node_record(node).deferred.nbytes > 0
+    follow_up = harness.prefill(conversation + tokens(2, 20))
+    assert harness.last_match == len(conversation)
+    harness.finish(follow_up)
+    assert stats["nodes_compressed_under_pressure"] == 0 and harness.stats.dense_nodes_evicted == 0
+
+
+def test_pressure_compresses_cold_prompts_with_the_plan_prefill_would_have_stored_and_evicts_nothing():
+    harness = pressure_harness(pool_slots=300)
+    conversations = [chat_turn(harness, tokens(10 + seed, 90, first=10 + seed)) for seed in range(3)]
+    # The first conversation's next turn: its nodes are reused, so warmer than the others.
+    conversations[0] = chat_turn(harness, conversations[0] + tokens(20, 6))
+    assert harness.compressed_nodes() == [] and harness.allocator.available_size() < 40
+    deferred = {id(node): node_record(node).deferred for node in harness.deferred_nodes()}
+    big = harness.prefill(tokens(30, 100, first=30))  # needs slots the pool has only in cached prompts
+    harness.assert_ledger()
+    stats = harness.stats_snapshot()
+    assert stats["nodes_compressed_under_pressure"] >= 1 and stats["slots_freed_under_pressure"] > 0
+    assert stats["dense_nodes_evicted"] == stats["compressed_nodes_evicted"] == 0
+    compressed = harness.compressed_nodes()
+    assert len(compressed) == stats["nodes_compressed_under_pressure"]
+    warm = {id(node) for node in harness.tree.root_node.children.values() if node.key.token_ids[0] == 10}
+    assert not warm & {id(node) for node in compressed}  # the reused conversation is compressed last
+    harness.assert_cells_hold_their_entries()
+    # Each compressed node holds exactly the entries its plan kept, as the prefill mode stores them.
+    for node in compressed:
+        plan = deferred[id(node)]
+        assert node_record(node).deferred is None and plan.evicts_anything()
+        _, _, layers, heads, positions = stored_entries(node)
+        expected = torch.cat([
+            torch.stack([torch.full_like(layer.kept_positions, index), layer.head_ids(), layer.kept_positions])
+            for index, layer in enumerate(plan.plan.layers)
+        ], dim=1)  # fmt: skip
+        assert torch.equal(torch.stack([layers, heads, positions]).sort(dim=1).values, expected.sort(dim=1).values)
+    harness.finish(big)
+    for conversation in conversations:  # every conversation's next turn still reuses its whole history
+        follow_up = harness.prefill(conversation + tokens(40, 4))
+        assert harness.last_match == len(conversation)
+        harness.finish(follow_up)
+        harness.assert_ledger()
+    harness.assert_cells_hold_their_entries()
+
+
+def test_the_same_prompt_is_stored_the_same_under_pressure_as_after_its_prefill():
+    prompt = tokens(50, 120, first=50)
+    at_prefill = TreeHarness(pool_slots=200)
+    chat_turn(at_prefill, prompt)
+    under_pressure = pressure_harness(pool_slots=200)
+    chat_turn(under_pressure, prompt)
+    under_pressure.tree.evict(EvictParams(num_tokens=1))
+    (left,), (right,) = at_prefill.compressed_nodes(), under_pressure.compressed_nodes()
+    for a, b in zip(stored_entries(left), stored_entries(right)):
+        assert torch.equal(torch.as_tensor(a), torch.as_tensor(b))
+    under_pressure.assert_cells_hold_their_entries()
+    under_pressure.assert_ledger()
+
+
+def test_a_node_a_running_request_reads_is_never_compressed_under_it():
+    harness = pressure_harness(pool_slots=300)
+    conversation = chat_turn(harness, tokens(60, 100, first=60))
+    reader = harness.prefill(conversation + tokens(61, 10))  # running: it locks the conversation's nodes
+    (node,) = [node for node in harness.deferred_nodes() if node.key.token_ids[0] == 60]
+    assert node.lock_ref > 0
+    harness.tree.evict(EvictParams(num_tokens=harness.allocator.size))
+    assert node_record(node).deferred is not None and not node_record(node).is_compressed
+    harness.assert_ledger()
+    harness.finish(reader)
+    compress_every_deferred_node(harness)  # unlocked now
+    assert node_record(node).is_compressed and harness.stats.dense_nodes_evicted == 0
+    harness.assert_cells_hold_their_entries()
+    harness.assert_ledger()
+
+
+def test_while_compressing_cold_prompts_does_not_free_enough_checkpoints_compress_at_once():
+    """Running requests lock their dense prompts, so a prefill that needs room gets too little from cold
+    prompts: the tree evicts, and the next checkpoints compress their segments at once (as at prefill), until
+    compressing cold prompts gives SGLang what it asks for again."""
+    harness = pressure_harness(pool_slots=300)
+    chat_turn(harness, tokens(100, 60, first=100))  # a cold prompt with a plan, and its dense tail
+    running = [harness.prefill(tokens(101 + k, 90, first=101 + k)) for k in range(2)]  # locked, dense
+    assert harness.compressed_nodes() == [] and harness.stats.compressed_at_checkpoint_under_pressure == 0
+    squeezed = harness.prefill(tokens(110, 100, first=110))  # its slots: the cold prompt compressed, its tail evicted
+    harness.assert_ledger()
+    stats = harness.stats_snapshot()
+    assert stats["nodes_compressed_under_pressure"] == 1 and stats["dense_nodes_evicted"] >= 1
+    assert stats["compressed_at_checkpoint_under_pressure"] == 1  # its own segment, compressed at its checkpoint
+    assert len(harness.compressed_nodes()) == 2
+    for req in [*running, squeezed]:
+        harness.finish(req)
+    harness.tree.evict(EvictParams(num_tokens=10))  # cold prompts give the room again
+    chat_turn(harness, tokens(120, 60, first=120))
+    assert harness.stats.compressed_at_checkpoint_under_pressure == 1 and len(harness.deferred_nodes()) >= 1
+    harness.assert_cells_hold_their_entries()
+
+
+def test_a_split_keeps_each_parts_plan_and_both_parts_compress_under_pressure():
+    harness = pressure_harness(pool_slots=400)
+    system = tokens(70, 40, first=70)
+    first = chat_turn(harness, system + tokens(71, 80))
+    (whole,) = harness.deferred_nodes()
+    plan = node_record(whole).deferred
+    second = chat_turn(harness, system + tokens(72, 70))
+    assert harness.last_match == 40  # a dense node: the match ends inside it (stock's split)
+    head = harness.tree.root_node.children[system[0]]
+    assert len(head.key) == 40 and len(head.children) == 2
+    head_plan, tail_plan = node_record(head).deferred, node_record(whole).deferred
+    assert (head_plan.start, head_plan.end, tail_plan.start, tail_plan.end) == (0, 40, 40, plan.end)
+    assert not head_plan.match_may_end and tail_plan.match_may_end
+    assert head_plan.plan.total_kept() + tail_plan.plan.total_kept() == plan.plan.total_kept()
+    assert harness.stats.deferred_nodes == len(harness.deferred_nodes()) == 3  # head, tail, the second's own
+    compress_every_deferred_node(harness)
+    harness.assert_ledger()
+    harness.assert_cells_hold_their_entries()
+    assert node_record(head).is_compressed and not node_record(head).match_may_end
+    assert harness.stats.deferred_nodes == harness.stats.deferred_plan_bytes == 0
+
+
+def test_block_scope_defers_every_block_and_a_document_sharing_them_reuses_them_compressed():
+    harness = pressure_harness(pool_slots=300, scope=BlockScope(32))
+    document = tokens(80, 100, first=80)
+    chat_turn(harness, document)
+    blocks = harness.deferred_nodes()
+    assert sorted(len(node.key) for node in blocks) == [32, 32, 32] and harness.compressed_nodes() == []
+    compress_every_deferred_node(harness)
+    assert len(harness.compressed_nodes()) == 3
+    question = harness.prefill(document[:70] + tokens(81, 10))
+    assert harness.last_match == 64  # two whole compressed blocks
+    harness.finish(question)
+    harness.assert_ledger()
+    harness.assert_cells_hold_their_entries()
+
+
+def test_a_chunked_prefill_defers_its_blocks_and_none_is_compressed_under_the_request_prefilling_it():
+    """Chunks of 48 tokens, blocks of 32: each block enters the tree dense with its plan at the checkpoint
+    of the chunk it ends in; the request holds them (locked) until it finishes, so a pool that needs room
+    compresses none of them under it."""
+    harness = pressure_harness(pool_slots=400, scope=BlockScope(32))
+    document = tokens(85, 200, first=85)
+    req = harness.begin_chunked(document, 48)
+    while req.kv.kv_committed_len < len(document):
+        harness.next_chunk(req, 48)
+        harness.assert_ledger()
+    harness.checkpoint(req)
+    assert len(harness.deferred_nodes()) == 6 and harness.compressed_nodes() == []
+    compress_every_deferred_node(harness)
+    assert harness.compressed_nodes() == []  # all locked by the request
+    harness.finish(req)
+    compress_every_deferred_node(harness)
+    assert len(harness.compressed_nodes()) == 6
+    harness.assert_cells_hold_their_entries()
+    harness.assert_ledger()
+
+
+def test_flush_drops_the_plans_and_returns_every_slot():
+    harness = pressure_harness(pool_slots=300)
+    for seed in range(3):
+        chat_turn(harness, tokens(90 + seed, 80, first=90 + seed))
+    harness.tree.evict(EvictParams(num_tokens=100))
+    assert harness.compressed_nodes() and harness.deferred_nodes()
+    harness.flush()
+    assert harness.deferred_nodes() == [] and harness.stats.deferred_nodes == harness.stats.deferred_plan_bytes == 0
+    assert harness.allocator.available_size() == harness.allocator.size and harness.arena.slots_borrowed == 0
+    harness.assert_ledger()
