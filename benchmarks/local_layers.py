@@ -92,6 +92,15 @@ def driver_argv(model: Path, defaults: Sequence[str], given: Sequence[str]) -> l
     return ["--model", str(model), *defaults, *given]
 
 
+def differing_replies(records: Sequence[dict], baseline: Sequence[dict]) -> tuple[list, list]:
+    """The (user, turn) keys both runs' ``records`` answered (no error), sorted, and those whose reply text
+    differs from ``baseline``'s."""
+    theirs = {(r["user"], r["turn"]): r["reply"] for r in baseline if r.get("error") is None}
+    mine = {(r["user"], r["turn"]): r["reply"] for r in records if r.get("error") is None}
+    both = sorted(theirs.keys() & mine.keys())
+    return both, [key for key in both if theirs[key] != mine[key]]
+
+
 def answers(runs: Sequence[dict]) -> list[dict]:
     """Per finished server, at its pool: how many of its replies are stock's (the vanilla server of that
     pool, ``baseline`` in its own row) text for the same (user, turn), the first (user, turn) that
@@ -102,10 +111,7 @@ def answers(runs: Sequence[dict]) -> list[dict]:
         stock = next((r for r in done if r["variant"]["policy"] == "none" and r["pool_tokens"] == run["pool_tokens"]), None)
         if stock is None:
             continue
-        theirs = {(r["user"], r["turn"]): r["reply"] for r in stock["records"] if r["error"] is None}
-        mine = {(r["user"], r["turn"]): r["reply"] for r in run["records"] if r["error"] is None}
-        both = sorted(theirs.keys() & mine.keys())
-        differing = [key for key in both if theirs[key] != mine[key]]
+        both, differing = differing_replies(run["records"], stock["records"])
         rows.append({
             "server": run["label"], "pool_tokens": run["pool_tokens"], "compared": len(both),
             "identical": len(both) - len(differing), "first_differing": list(differing[0]) if differing else None,

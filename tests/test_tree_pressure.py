@@ -4,9 +4,15 @@ evicted; a locked node never; a split keeps each part's plan; SGLang's ledger af
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
+from sgl_kvevict.engine.adapter import radix_cache
+from sgl_kvevict.engine.adapter.admission import prefill_admission
+from sgl_kvevict.engine.records import request_record
+from sgl_kvevict.serving import ServingConfig
 from sgl_kvevict.engine.deferred import PRESSURE
 from sgl_kvevict.engine.records import node_record
 from sgl_kvevict.scope import BlockScope
@@ -118,10 +124,11 @@ def test_a_node_a_running_request_reads_is_never_compressed_under_it():
     harness.assert_ledger()
 
 
-def test_while_compressing_cold_prompts_does_not_free_enough_checkpoints_compress_at_once():
+def test_after_compressing_cold_prompts_falls_short_checkpoints_compress_at_once_for_a_while(monkeypatch):
     """Running requests lock their dense prompts, so a prefill that needs room gets too little from cold
-    prompts: the tree evicts, and the next checkpoints compress their segments at once (as at prefill), until
-    compressing cold prompts gives SGLang what it asks for again."""
+    prompts: the tree evicts, and the next ``RECOVERY_CHECKPOINTS`` checkpoints compress their segments at
+    once (as at prefill); then prompts stay dense again."""
+    monkeypatch.setattr(radix_cache, "RECOVERY_CHECKPOINTS", 2)
     harness = pressure_harness(pool_slots=300)
     chat_turn(harness, tokens(100, 60, first=100))  # a cold prompt with a plan, and its dense tail
     running = [harness.prefill(tokens(101 + k, 90, first=101 + k)) for k in range(2)]  # locked, dense
@@ -134,9 +141,11 @@ def test_while_compressing_cold_prompts_does_not_free_enough_checkpoints_compres
     assert len(harness.compressed_nodes()) == 2
     for req in [*running, squeezed]:
         harness.finish(req)
-    harness.tree.evict(EvictParams(num_tokens=10))  # cold prompts give the room again
-    chat_turn(harness, tokens(120, 60, first=120))
-    assert harness.stats.compressed_at_checkpoint_under_pressure == 1 and len(harness.deferred_nodes()) >= 1
+    deferred_before = len(harness.deferred_nodes())
+    chat_turn(harness, tokens(120, 40, first=120))  # the second checkpoint since: compressed at once
+    assert harness.stats.compressed_at_checkpoint_under_pressure == 2 and len(harness.deferred_nodes()) == deferred_before
+    chat_turn(harness, tokens(121, 40, first=121))  # then dense again, with its plan
+    assert harness.stats.compressed_at_checkpoint_under_pressure == 2 and len(harness.deferred_nodes()) == deferred_before + 1
     harness.assert_cells_hold_their_entries()
 
 
@@ -194,6 +203,41 @@ def test_a_chunked_prefill_defers_its_blocks_and_none_is_compressed_under_the_re
     harness.finish(req)
     compress_every_deferred_node(harness)
     assert len(harness.compressed_nodes()) == 6
+    harness.assert_cells_hold_their_entries()
+    harness.assert_ledger()
+
+
+def test_a_prompt_that_does_not_fit_dense_is_admitted_by_its_compressed_footprint_and_compressed_as_prefilled():
+    """Admission under pressure (``admission.prefill_admission``): a prompt that fits what SGLang can still
+    give stays dense; one that does not is admitted by its compressed peak, as under ``prefill``, and its
+    blocks are stored compressed at the checkpoints of the chunks they end in."""
+    harness = pressure_harness(pool_slots=400, scope=BlockScope(32), chunk_size=48)
+    admit = prefill_admission(ServingConfig("snapkv", {"window": "4"}, scope=BlockScope(32), compress_when=PRESSURE))
+    prompt = tokens(95, 200, first=95)
+    req = harness.request(prompt)
+    harness.match(req)
+    admitted = {}
+
+    def original(adder, req, *, extend_input_len, total_tokens):
+        admitted["total_tokens"] = total_tokens
+        return True, None
+
+    adder = SimpleNamespace(token_to_kv_pool_allocator=harness.allocator, rem_total_tokens=300)
+    admit(original, adder, req, extend_input_len=200, total_tokens=200)
+    assert not request_record(req).admitted_compressed and admitted["total_tokens"] == 200
+    adder.rem_total_tokens = 150
+    admit(original, adder, req, extend_input_len=200, total_tokens=200)
+    assert request_record(req).admitted_compressed and admitted["total_tokens"] < 150  # its compressed peak
+    harness.tree.unlock(req.lock)
+
+    chunked = harness.begin_chunked(prompt, 48)
+    request_record(chunked).admitted_compressed = True  # what admission wrote
+    while chunked.kv.kv_committed_len < len(prompt):
+        harness.next_chunk(chunked, 48)
+        assert harness.deferred_nodes() == []
+    harness.checkpoint(chunked)
+    assert len(harness.compressed_nodes()) == 6 == harness.stats.compressed_at_checkpoint_under_pressure
+    harness.finish(chunked)
     harness.assert_cells_hold_their_entries()
     harness.assert_ledger()
 

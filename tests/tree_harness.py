@@ -122,9 +122,11 @@ class TreeHarness:
         ranks: Optional[RankGroup] = None,
         compress_when: str = PREFILL,
         local_layers: Optional[LocalLayers] = None,
+        chunk_size: Optional[int] = None,
     ):
         """``local_layers``: the model's local attention layers, trimmed to their window as a server trims
-        them (the rule plans the global layers)."""
+        them (the rule plans the global layers); ``chunk_size``: SGLang's chunked-prefill size the engine is
+        told (admission's footprints)."""
         install_contiguous_kv_buffers()
         self.shape = ModelShape(num_layers, 2 * num_kv_heads, num_kv_heads)
         self.pool = MHATokenToKVPool(
@@ -142,7 +144,8 @@ class TreeHarness:
             disable=False, req_to_token_pool=self.req_to_token_pool, token_to_kv_pool_allocator=self.allocator, page_size=1
         )
         self.engine = build_engine(
-            setups, scope, self.shape, params, ranks=ranks, order=order, local_layers=local_layers, compress_when=compress_when
+            setups, scope, self.shape, params, ranks=ranks, order=order, local_layers=local_layers,
+            compress_when=compress_when, chunk_size=chunk_size,
         )  # fmt: skip
         self.tree, self.coordinator, self.arena = self.engine.tree, self.engine.coordinator, self.engine.arena
         self.space, self.stats = self.engine.space, self.engine.stats

@@ -51,9 +51,9 @@ class EngineStats:
     (``engine.deferred``): levels ``deferred_nodes`` (dense nodes holding a plan) and ``deferred_plan_bytes``
     (the host memory those plans take); totals ``nodes_compressed_under_pressure`` and
     ``slots_freed_under_pressure`` (slots those compressions gave back to SGLang), and
-    ``compressed_at_checkpoint_under_pressure`` (segments stored compressed at their checkpoint: while
-    compressing cold prompts did not give SGLang the room it last asked for, or diverging inside a
-    compressed node). ``served_histogram`` maps "distinct
+    ``compressed_at_checkpoint_under_pressure`` (segments stored compressed at their checkpoint: in the
+    checkpoints after compressing cold prompts fell short of the room SGLang asked for, or diverging inside
+    a compressed node). ``served_histogram`` maps "distinct
     requests a node served" to the number of nodes, over every node created since start.
     """
 

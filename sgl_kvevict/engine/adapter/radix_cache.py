@@ -88,6 +88,12 @@ from sgl_kvevict.local_layers import LocalLayers
 from sgl_kvevict.plan import CompressionPlan
 from sgl_kvevict.sharding import RankCounts
 
+# Under pressure: after compressing cold prompts fell short of the room SGLang asked for, the segments of
+# this many checkpoints are compressed at once (as at prefill) before prompts stay dense again: while
+# running requests hold more dense prompts than the pool has room for, deferring only makes SGLang evict
+# cached prompts instead (``engine.deferred``).
+RECOVERY_CHECKPOINTS = 64
+
 
 class CompressedRadixCache(RadixCache):
     """params: SGLang's; coordinator: what to compress (it never calls the tree: a request's compressed
@@ -123,9 +129,10 @@ class CompressedRadixCache(RadixCache):
         super().reset()
         setattr(self.root_node, RECORD_ATTR, NodeRecord())
         self._deferred: dict[int, TreeNode] = {}  # id -> a dense node with a plan (``engine.deferred``)
-        # Whether compressing cold prompts gave SGLang the room it last asked for: while it did not (running
-        # requests lock the prompts it would compress), checkpoints compress at once, as at prefill.
-        self._deferral_keeps_up = True
+        # Checkpoints since compressing cold prompts last fell short of the room SGLang asked for (running
+        # requests lock the prompts it would compress, so cached ones were evicted): until RECOVERY_CHECKPOINTS
+        # have passed without a shortfall, checkpoints compress at once, as at prefill.
+        self._checkpoints_since_shortfall = RECOVERY_CHECKPOINTS
         self.arena.reset()
         self.order.reset()
         self.stats.tree_cleared()
@@ -325,7 +332,8 @@ class CompressedRadixCache(RadixCache):
         if self.defers:
             if freed < wanted:
                 freed += self._compress_cold(wanted - freed)
-            self._deferral_keeps_up = freed + arena.slots_reclaimable_by_moves >= wanted
+            if freed + arena.slots_reclaimable_by_moves < wanted:
+                self._checkpoints_since_shortfall = 0
         heap = [(self.order.get_priority(leaf), leaf) for leaf in self.evictable_leaves]
         heapq.heapify(heap)
         while heap and freed + arena.slots_reclaimable_by_moves < wanted:
@@ -482,13 +490,16 @@ class CompressedRadixCache(RadixCache):
         if decision.outcome is not Outcome.COMPRESS:
             return None
         if self.defers:
-            if decision.split_node is None and self._deferral_keeps_up:
+            deferring = self._checkpoints_since_shortfall >= RECOVERY_CHECKPOINTS
+            self._checkpoints_since_shortfall += 1
+            if decision.split_node is None and deferring and not request_record(req).admitted_compressed:
                 self._insert_deferred(req, ready, decision.own_start, end)
                 return None
             self.stats.count("compressed_at_checkpoint_under_pressure")
         # Under pressure too, a segment diverging inside a compressed node (one the pool's pressure compressed)
         # is compressed now: it could not enter the tree dense, as the node is matched whole or not at all; so
-        # is every segment while compressing cold prompts does not give SGLang the room it asks for.
+        # is every segment for a while after compressing cold prompts fell short of the room SGLang asked for,
+        # and every segment of a prompt SGLang admitted only by its compressed footprint (``admission``).
         # Hanging the node may split a compressed node: lock what it hangs on while cells are taken.
         anchor = self.lock(decision.split_node or decision.parent)
         try:
