@@ -73,13 +73,8 @@ def test_conversations_sharing_a_prefix_split_the_node_and_each_hangs_its_own(ha
     short = harness.prefill(system[:30] + tokens(10, WINDOW))
     assert len(heads[0].children) == 3 and len(harness.compressed_nodes()) == 4
     harness.finish(short)
-    for conversation in (first, second, third):  # every conversation's next turn reuses all of it
-        prompt = list(conversation.origin_input_ids)
-        follow_up = harness.prefill(prompt + tokens(9, 10))
-        assert harness.last_match == len(prompt)
-        harness.finish(follow_up)
-    harness.assert_ledger()
-    harness.assert_cells_hold_their_entries()
+    # Every conversation's next turn reuses all of it.
+    harness.assert_next_turns_reuse([list(c.origin_input_ids) for c in (first, second, third)], seed=9, new_tokens=10)
 
 
 def test_requests_racing_for_the_same_segment_store_it_once():

@@ -4,15 +4,10 @@ evicted; a locked node never; a split keeps each part's plan; SGLang's ledger af
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
 from sgl_kvevict.engine.adapter import radix_cache
-from sgl_kvevict.engine.adapter.admission import prefill_admission
-from sgl_kvevict.engine.records import request_record
-from sgl_kvevict.serving import ServingConfig
 from sgl_kvevict.engine.deferred import PRESSURE
 from sgl_kvevict.engine.records import node_record
 from sgl_kvevict.scope import BlockScope
@@ -86,12 +81,7 @@ def test_pressure_compresses_cold_prompts_with_the_plan_prefill_would_have_store
         ], dim=1)  # fmt: skip
         assert torch.equal(torch.stack([layers, heads, positions]).sort(dim=1).values, expected.sort(dim=1).values)
     harness.finish(big)
-    for conversation in conversations:  # every conversation's next turn still reuses its whole history
-        follow_up = harness.prefill(conversation + tokens(40, 4))
-        assert harness.last_match == len(conversation)
-        harness.finish(follow_up)
-        harness.assert_ledger()
-    harness.assert_cells_hold_their_entries()
+    harness.assert_next_turns_reuse(conversations, seed=40, new_tokens=4)  # each still reuses its whole history
 
 
 def test_the_same_prompt_is_stored_the_same_under_pressure_as_after_its_prefill():
@@ -203,41 +193,6 @@ def test_a_chunked_prefill_defers_its_blocks_and_none_is_compressed_under_the_re
     harness.finish(req)
     compress_every_deferred_node(harness)
     assert len(harness.compressed_nodes()) == 6
-    harness.assert_cells_hold_their_entries()
-    harness.assert_ledger()
-
-
-def test_a_prompt_that_does_not_fit_dense_is_admitted_by_its_compressed_footprint_and_compressed_as_prefilled():
-    """Admission under pressure (``admission.prefill_admission``): a prompt that fits what SGLang can still
-    give stays dense; one that does not is admitted by its compressed peak, as under ``prefill``, and its
-    blocks are stored compressed at the checkpoints of the chunks they end in."""
-    harness = pressure_harness(pool_slots=400, scope=BlockScope(32), chunk_size=48)
-    admit = prefill_admission(ServingConfig("snapkv", {"window": "4"}, scope=BlockScope(32), compress_when=PRESSURE))
-    prompt = tokens(95, 200, first=95)
-    req = harness.request(prompt)
-    harness.match(req)
-    admitted = {}
-
-    def original(adder, req, *, extend_input_len, total_tokens):
-        admitted["total_tokens"] = total_tokens
-        return True, None
-
-    adder = SimpleNamespace(token_to_kv_pool_allocator=harness.allocator, rem_total_tokens=300)
-    admit(original, adder, req, extend_input_len=200, total_tokens=200)
-    assert not request_record(req).admitted_compressed and admitted["total_tokens"] == 200
-    adder.rem_total_tokens = 150
-    admit(original, adder, req, extend_input_len=200, total_tokens=200)
-    assert request_record(req).admitted_compressed and admitted["total_tokens"] < 150  # its compressed peak
-    harness.tree.unlock(req.lock)
-
-    chunked = harness.begin_chunked(prompt, 48)
-    request_record(chunked).admitted_compressed = True  # what admission wrote
-    while chunked.kv.kv_committed_len < len(prompt):
-        harness.next_chunk(chunked, 48)
-        assert harness.deferred_nodes() == []
-    harness.checkpoint(chunked)
-    assert len(harness.compressed_nodes()) == 6 == harness.stats.compressed_at_checkpoint_under_pressure
-    harness.finish(chunked)
     harness.assert_cells_hold_their_entries()
     harness.assert_ledger()
 

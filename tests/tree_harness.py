@@ -122,11 +122,9 @@ class TreeHarness:
         ranks: Optional[RankGroup] = None,
         compress_when: str = PREFILL,
         local_layers: Optional[LocalLayers] = None,
-        chunk_size: Optional[int] = None,
     ):
         """``local_layers``: the model's local attention layers, trimmed to their window as a server trims
-        them (the rule plans the global layers); ``chunk_size``: SGLang's chunked-prefill size the engine is
-        told (admission's footprints)."""
+        them (the rule plans the global layers)."""
         install_contiguous_kv_buffers()
         self.shape = ModelShape(num_layers, 2 * num_kv_heads, num_kv_heads)
         self.pool = MHATokenToKVPool(
@@ -145,7 +143,7 @@ class TreeHarness:
         )
         self.engine = build_engine(
             setups, scope, self.shape, params, ranks=ranks, order=order, local_layers=local_layers,
-            compress_when=compress_when, chunk_size=chunk_size,
+            compress_when=compress_when,
         )  # fmt: skip
         self.tree, self.coordinator, self.arena = self.engine.tree, self.engine.coordinator, self.engine.arena
         self.space, self.stats = self.engine.space, self.engine.stats
@@ -309,6 +307,16 @@ class TreeHarness:
             cells = segment.entry_cells
             torch.testing.assert_close(self.space.k_rows[cells][:, 0], expected, rtol=0, atol=0)
             torch.testing.assert_close(self.space.v_rows[cells][:, 0], -expected, rtol=0, atol=0)
+
+    def assert_next_turns_reuse(self, histories: list[list[int]], seed: int, new_tokens: int) -> None:
+        """Each history's next turn (``new_tokens`` more) matches the whole history; then the ledger and every
+        compressed node's cells hold."""
+        for history in histories:
+            follow_up = self.prefill(history + tokens(seed, new_tokens))
+            assert self.last_match == len(history)
+            self.finish(follow_up)
+        self.assert_ledger()
+        self.assert_cells_hold_their_entries()
 
     def compressed_nodes(self) -> list:
         return [node for node in self.nodes() if node_record(node).is_compressed]

@@ -34,7 +34,6 @@ from typing import Optional
 from sglang.srt.runtime_context import get_schedule
 
 from sgl_kvevict.engine.adapter.slots import engine_of
-from sgl_kvevict.engine.records import request_record
 from sgl_kvevict.footprint import LocalShare, PrefillFootprint
 from sgl_kvevict.serving import ServingConfig
 
@@ -94,14 +93,7 @@ def prefill_admission(serving: ServingConfig):
         engine = engine_of(adder.token_to_kv_pool_allocator)
         if engine is not None:
             pool = adder.token_to_kv_pool_allocator.size
-            footprint = engine.coordinator.footprint_of(req)
-            record = request_record(req)
-            if not serving.compresses_while_prefilling and footprint is not None:
-                # Under pressure a prompt that fits dense stays dense; one that does not is admitted by its
-                # compressed footprint, and its blocks are compressed while it is prefilled.
-                record.admitted_compressed = total_tokens > adder.rem_total_tokens
-                if not record.admitted_compressed:
-                    footprint = None
+            footprint = engine.coordinator.footprint_of(req) if serving.compresses_while_prefilling else None
             if footprint is not None:
                 peak = footprint.peak_slots(req.prefix_len, req.prefix_len + extend_input_len)
                 held = engine.tree.path_slots(req.last_node)

@@ -492,14 +492,13 @@ class CompressedRadixCache(RadixCache):
         if self.defers:
             deferring = self._checkpoints_since_shortfall >= RECOVERY_CHECKPOINTS
             self._checkpoints_since_shortfall += 1
-            if decision.split_node is None and deferring and not request_record(req).admitted_compressed:
+            if decision.split_node is None and deferring:
                 self._insert_deferred(req, ready, decision.own_start, end)
                 return None
             self.stats.count("compressed_at_checkpoint_under_pressure")
         # Under pressure too, a segment diverging inside a compressed node (one the pool's pressure compressed)
         # is compressed now: it could not enter the tree dense, as the node is matched whole or not at all; so
-        # is every segment for a while after compressing cold prompts fell short of the room SGLang asked for,
-        # and every segment of a prompt SGLang admitted only by its compressed footprint (``admission``).
+        # is every segment for a while after compressing cold prompts fell short of the room SGLang asked for.
         # Hanging the node may split a compressed node: lock what it hangs on while cells are taken.
         anchor = self.lock(decision.split_node or decision.parent)
         try:
