@@ -25,6 +25,10 @@ from sgl_kvevict.server.processes import authorization
 MEMORY_FLAGS = ("--mem-fraction-static", "0.3")
 # Parity needs the reference's fp32 numerics.
 TINY_SERVER_FLAGS = ("--dtype", "float32", *MEMORY_FLAGS)
+# The real Gemma 3 270M (1.5 GB of fp32 weights) under fp32: SGLang's CPU profile counts as the weights' what
+# every process loading at the same moment takes (the other test worker's servers, or the stock server a test
+# starts beside it), and under 0.3 it found no room left for the pool; --max-total-tokens sizes the pool anyway.
+GEMMA3_SERVER_FLAGS = ("--dtype", "float32", "--mem-fraction-static", "0.6")
 # A test server whose requests choose any eviction options (the tests are trusted clients).
 ANY_REQUEST_OPTIONS = ("--kv-evict-per-request", "--kv-evict-request-allow", "all")
 

@@ -16,6 +16,7 @@ from sgl_kvevict.config import EvictionConfig
 from sgl_kvevict.policies import get_policy_class, registered_policies
 from sgl_kvevict.scope import BlockScope
 from sgl_kvevict.serving import ENV_VAR as SERVING_ENV_VAR, ServingConfig
+from sgl_kvevict.settings import ConfigError
 from sgl_kvevict.limits import limit_flags
 from sgl_kvevict.server.flags import build_parser, knob_fields, knob_flag, parse_args
 from sgl_kvevict.server.refusals import FlagError, check_environment, check_tensor_parallel, inspected_flags
@@ -287,6 +288,17 @@ def test_the_serving_config_travels_to_sglang_processes_intact():
     serving = parse("--kv-evict-policy", "lava", "--kv-evict-scope", "block", "--kv-evict-block-size", "256").serving
     assert serving.scope == BlockScope(256)
     assert ServingConfig.from_env({SERVING_ENV_VAR: serving.to_env()}) == serving
+
+
+def test_compress_when_is_prefill_unless_pressure_is_asked_and_travels_intact():
+    assert parse("--kv-evict-policy", "lava").serving.compress_when == "prefill"
+    serving = parse("--kv-evict-policy", "lava", "--kv-evict-when", "pressure").serving
+    assert serving.compress_when == "pressure" and not serving.compresses_while_prefilling
+    assert ServingConfig.from_env({SERVING_ENV_VAR: serving.to_env()}) == serving
+    with pytest.raises(FlagError, match="--kv-evict-when: only with a --kv-evict-policy"):
+        parse("--kv-evict-policy", "none", "--kv-evict-when", "pressure")
+    with pytest.raises(ConfigError, match="compress when 'later'"):
+        ServingConfig("lava", compress_when="later")
 
 
 def test_sglang_command_with_a_policy_on_cpu():

@@ -25,7 +25,7 @@ POOL = 4000
 BLOCK = 1024
 FLAGS = ("--kv-evict-policy", "full", "--kv-evict-scope", "block", "--kv-evict-block-size", str(BLOCK),
          "--chunked-prefill-size", "512", *client.ANY_REQUEST_OPTIONS, "--max-total-tokens", str(POOL),
-         *client.TINY_SERVER_FLAGS)  # fmt: skip
+         *client.GEMMA3_SERVER_FLAGS)  # fmt: skip
 
 
 @pytest.fixture(scope="module")

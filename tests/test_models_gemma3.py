@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.server, pytest.mark.gemma3]
 CONTEXT_TOKENS = 900
 ANSWER_TOKENS = 12
 OBSERVATION_WINDOW = 32  # full's default window: request scope leaves the prompt's last 32 tokens dense
-FLAGS = ("--max-total-tokens", "4096", *client.TINY_SERVER_FLAGS)  # fp32
+FLAGS = ("--max-total-tokens", "4096", *client.GEMMA3_SERVER_FLAGS)
 
 
 @pytest.fixture(scope="module")
