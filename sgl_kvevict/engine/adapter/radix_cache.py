@@ -367,9 +367,7 @@ class CompressedRadixCache(RadixCache):
         assert node.lock_ref == 0, "a node a request reads is never compressed under it"
         deferred = self._undefer(node)
         before = self._cost(node)
-        row = torch.zeros(deferred.end, dtype=node.value.dtype, device=node.value.device)
-        row[deferred.start :] = node.value
-        [segment], freed = self._store(row, [(deferred.plan, deferred.rank_counts)], deferred.start, deferred.end)
+        [segment], freed = self._store(node.value, [(deferred.plan, deferred.rank_counts)], deferred.start, deferred.end)
         node.value = torch.zeros(len(node.key), dtype=torch.int64, device=self.device)  # dummy slot 0
         record = node_record(node)
         record.segment, record.match_may_end, record.requests_served = segment, deferred.match_may_end, 1
@@ -516,7 +514,7 @@ class CompressedRadixCache(RadixCache):
             own = decision.own_start
             row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
             (segment, *head_additions), _ = self._store(
-                row, [(ready.plan.restricted(own, end), ready.rank_counts.restricted(own, end)), *parts], start, end
+                row[start:end], [(ready.plan.restricted(own, end), ready.rank_counts.restricted(own, end)), *parts], start, end
             )  # fmt: skip
             parent = decision.parent
             if split is not None:
@@ -560,20 +558,20 @@ class CompressedRadixCache(RadixCache):
         return local.window_before(head.start, head.end, head.layer_positions(local.layers[0]), num_layers, num_kv_heads)
 
     def _store(
-        self, row: torch.Tensor, plans: list[tuple[CompressionPlan, RankCounts]], start: int, end: int
+        self, slots: torch.Tensor, plans: list[tuple[CompressionPlan, RankCounts]], start: int, end: int
     ) -> tuple[list[CompressedSegment], int]:
         """Copy the entries of ``plans`` (each with its rank counts: the request's own node, then what a split
-        head gains) from their dense slots (``row``: the slot of each position, a request's ``req_to_token``
-        row) into arena cells and free the segment's dense slots ``[start, end)``; the slots the arena needs
-        are adopted from the segment itself, so a compression never waits for memory. Returns the segments
-        and the slots given back to SGLang."""
-        segment_slots = row[start:end].to(torch.int64).cpu()
+        head gains; every entry inside ``[start, end)``) from the segment's dense slots (``slots`` ``[end -
+        start]``: a request's ``req_to_token`` row there, or a dense node's value) into arena cells and free
+        those slots; the slots the arena needs are adopted from the segment itself, so a compression never
+        waits for memory. Returns the segments and the slots given back to SGLang."""
+        segment_slots = slots.to(torch.int64).cpu()
         arena, space = self.arena, self.arena.space
         segments, sources, adopted = [], [], torch.empty(0, dtype=torch.int64)
         for plan, rank_counts in plans:
             segment = CompressedSegment.of_plan(plan, rank_counts)
             segment.owner_id = arena.register(segment)
-            sources.append(space.entry_rows(segment.layer_ids(), row[segment.positions.to(row.device)].cpu(), segment.head_ids()))
+            sources.append(space.entry_rows(segment.layer_ids(), segment_slots[segment.positions - start], segment.head_ids()))
             taken = arena.alloc(segment, segment.num_cells, adoptable=segment_slots[~torch.isin(segment_slots, adopted)])
             assert taken is not None, "the segment's own slots always hold its reserved cells"
             adopted = torch.cat([adopted, taken])
@@ -587,7 +585,7 @@ class CompressedRadixCache(RadixCache):
         targets = entry_cells[at_risk].to(space.device)
         space.k_rows[targets], space.v_rows[targets] = saved_k, saved_v
         freed = segment_slots[~torch.isin(segment_slots, adopted)]
-        self.token_to_kv_pool_allocator.free(freed.to(row.device))
+        self.token_to_kv_pool_allocator.free(freed.to(slots.device))
         self.stats.node_added(segments[0])
         return segments, len(freed)
 
