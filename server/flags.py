@@ -163,9 +163,9 @@ def launcher_notes() -> list[str]:
         "Models refused with a policy, from their config.json before they load: MLA (DeepSeek-V2/V3), local "
         "attention layers in a pool of their own or soft-capped (gpt-oss, Gemma 2), state-space layers (Qwen3-Next, "
         "Falcon-H1); which architectures were tested: docs/compatibility.md. Gemma 3's local layers, trimmed to their "
-        "window, are served by the torch backend, at any --tp-size: with a policy, a Gemma 3 model with an attention "
-        "backend other than torch_native (flashinfer, CUDA's default with a policy) is refused before it loads "
-        "(local layers off the torch backend).",
+        "window, are served by both wrapped backends (torch_native, flashinfer), at any --tp-size, without decode "
+        "CUDA graphs: with a policy on CUDA the launcher adds --cuda-graph-backend-decode disabled for a Gemma 3 "
+        "model and refuses another value before it loads (decode graphs with local layers).",
         f"sgl-kvevict runs on sglang=={SGLANG_VERSION} only.",
     ]
 

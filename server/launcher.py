@@ -38,7 +38,7 @@ from sgl_kvevict.server.refusals import (
     check_model_architecture,
     check_tensor_parallel,
 )
-from sgl_kvevict.server.sglang_args import flag_value, tp_size
+from sgl_kvevict.server.sglang_args import LOCAL_LAYER_DEFAULTS, defaults_not_given, flag_value, tp_size
 from sgl_kvevict.server.worker import (
     THREADS_BIND_ENV_VAR,
     server_env,
@@ -112,6 +112,17 @@ def advise_block_size(serving: ServingConfig, model_dir: Path) -> None:
         )
 
 
+def with_local_layer_defaults(config: LaunchConfig, model_dir: Path, cpu_mode: bool) -> LaunchConfig:
+    """A model with local layers served with a policy on CUDA: ``LOCAL_LAYER_DEFAULTS`` for the flags the user
+    left unset, said in the log (``check_local_layers`` refused other values)."""
+    if cpu_mode or local_attention_layers(model_dir) is None:
+        return config
+    added = defaults_not_given(config.sglang_args, LOCAL_LAYER_DEFAULTS)
+    if added:
+        log(f"{' '.join(added)}: this model's local attention layers are windowed eagerly (no decode CUDA graphs)")
+    return dataclasses.replace(config, sglang_args=[*config.sglang_args, *added])
+
+
 def run(config: LaunchConfig) -> int:
     from sgl_kvevict.compat import cpu_mode_needed  # imports torch
 
@@ -132,6 +143,7 @@ def run(config: LaunchConfig) -> int:
     if config.serving.enabled:
         check_model_architecture(model_dir)
         check_local_layers(model_dir, launched_args)
+        config = with_local_layer_defaults(config, model_dir, cpu_mode)
         check_tensor_parallel(tp, model_kv_heads(model_dir), cpu_mode)
         advise_block_size(config.serving, model_dir)
     config = with_learned_weights(config, model_dir)

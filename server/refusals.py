@@ -15,7 +15,6 @@ from pathlib import Path
 from sgl_kvevict.architectures import attention_backends_note, local_attention_layers, model_facts
 from sgl_kvevict.limits import (
     LIMITS,
-    LOCAL_LAYER_ATTENTION_BACKENDS,
     METADATA_GLUE_GRAPH_ENV,
     METADATA_GLUE_GRAPH_REASON,
     SetupFacts,
@@ -142,35 +141,19 @@ def check_model_architecture(model_dir: Path) -> None:
         )
 
 
-def attention_backends(sglang_args: list[str]) -> list[tuple[str, str]]:
-    """The attention backends SGLang runs prefill and decode with, each with the flag that chose it
-    (``--prefill-attention-backend`` / ``--decode-attention-backend`` where given, else
-    ``--attention-backend``); SGLang's own choice is not listed where none is given."""
-    chosen = []
-    for phase in ("--prefill-attention-backend", "--decode-attention-backend"):
-        for flag in (phase, "--attention-backend"):
-            value = flag_value(sglang_args, flag)
-            if value is not None:
-                if (flag, value) not in chosen:
-                    chosen.append((flag, value))
-                break
-    return chosen
-
-
 def check_local_layers(model_dir: Path, sglang_args: list[str]) -> None:
     """With a policy, a model whose local attention layers the plugin trims to their window (Gemma 3, from
-    its config.json): served only by the attention backend that windows them over compressed nodes (limits:
-    local layers off the torch backend), refused before the weights load. ``sglang_args``:
-    every flag SGLang gets, the launcher's included (the backend it adds on this machine)."""
+    its config.json): decode CUDA graphs have no windowed part for them (limit "decode graphs with local
+    layers"), so a ``--cuda-graph-backend-decode`` other than ``disabled`` is refused before the weights load
+    (``with_local_layer_defaults`` turns them off where the user chose none). ``sglang_args``: every flag
+    SGLang gets, the launcher's included."""
     local = local_attention_layers(model_dir)
-    if local is None:
+    graphs = flag_value(sglang_args, "--cuda-graph-backend-decode")
+    if local is None or graphs in (None, "disabled"):
         return
-    backends = attention_backends(sglang_args)
-    refused = [f"{flag} {value}" for flag, value in backends if value not in LOCAL_LAYER_ATTENTION_BACKENDS]
-    if refused:
-        layers, window = local
-        reason = next(limit.reason for limit in LIMITS if limit.name == "local layers off the torch backend")
-        raise FlagError(
-            f"{refused[0]} cannot be used with a --kv-evict-policy on the model in {model_dir}, which has "
-            f"{len(layers)} local attention layers (window {window}): {reason} (docs/compatibility.md)"
-        )
+    layers, window = local
+    reason = next(limit.reason for limit in LIMITS if limit.name == "decode graphs with local layers")
+    raise FlagError(
+        f"--cuda-graph-backend-decode {graphs} cannot be used with a --kv-evict-policy on the model in {model_dir}, "
+        f"which has {len(layers)} local attention layers (window {window}): {reason} (docs/compatibility.md)"
+    )

@@ -55,6 +55,11 @@ COMPRESSION_DEFAULTS: Defaults = (
 )
 
 
+# What a model with local layers (Gemma 3) needs with a policy on CUDA, for the flags the user left unset
+# (limit "decode graphs with local layers"); in CPU mode decode graphs are off already.
+LOCAL_LAYER_DEFAULTS: Defaults = (("--cuda-graph-backend-decode", ("disabled",)),)
+
+
 # The SGLang flags that decide which kernels a forward runs and how it rounds: a stock server compared
 # with a compressing one gets the compressing one's (sgl_kvevict.evaluate), so that `full` against stock
 # measures the plugin's path, not another attention backend or prefill chunk.

@@ -73,8 +73,8 @@ class SetupFacts:
     # The model's KV: decided by its architecture (``architectures.model_facts`` reads them from config.json).
     mla_model: bool = False  # multi-head latent attention: one latent per token, not K and V per KV head
     sliding_window_layers: bool = False  # local (sliding-window or chunked) attention layers, but Gemma 3's
-    # Gemma 3's local layers (trimmed to their window, ``local_layers.py``) under the CUDA backend or TP
-    local_layers_elsewhere: bool = False
+    # decode CUDA graphs captured for a model whose local layers the plugin trims (Gemma 3, ``local_layers.py``)
+    local_layer_decode_graphs: bool = False
     state_space_layers: bool = False  # Mamba or linear-attention layers beside attention
 
 
@@ -145,14 +145,11 @@ _SLIDING_WINDOW_LAYERS = (
     "or with Gemma 2's soft-capped attention are not served; Gemma 3's, in the one pool, are (trimmed to their "
     "window)"
 )
-_LOCAL_LAYERS_ELSEWHERE = (
-    "Gemma 3's local layers are trimmed to their window and attended by position only in the torch backend "
-    "(torch_native), on any number of tensor-parallel ranks; the FlashInfer path does not window them yet"
+_LOCAL_LAYER_DECODE_GRAPHS = (
+    "the segments decode graph has no windowed part for Gemma 3's local layers (both wrapped backends window "
+    "them eagerly, on any number of tensor-parallel ranks): with a policy the launcher turns decode CUDA graphs "
+    "off for such a model and refuses --cuda-graph-backend-decode with another value"
 )
-# Where Gemma 3's local layers are served (limit "local layers off the torch backend"): the attention
-# backends that window them over compressed nodes. The launcher refuses the rest from its flags and the
-# model's config.json before the weights load; the tree from SGLang's backend.
-LOCAL_LAYER_ATTENTION_BACKENDS = ("torch_native",)
 
 # The first-version limits (page size 1, no prefill graphs),
 # SGLang 0.5.23's features that copy, move or share KV by slot rows, which compressed nodes do not
@@ -215,7 +212,7 @@ LIMITS = (
           lambda f: not f.attention_backend_wrapped),
     Limit("MLA models", _MLA, (), lambda f: f.mla_model),
     Limit("sliding-window layers", _SLIDING_WINDOW_LAYERS, (), lambda f: f.sliding_window_layers),
-    Limit("local layers off the torch backend", _LOCAL_LAYERS_ELSEWHERE, (), lambda f: f.local_layers_elsewhere),
+    Limit("decode graphs with local layers", _LOCAL_LAYER_DECODE_GRAPHS, (), lambda f: f.local_layer_decode_graphs),
     Limit("state-space layers",
           "Mamba and linear-attention layers (Qwen3-Next, Falcon-H1, Jamba, Nemotron-H) keep a recurrent state per "
           "request beside the KV pool, which the compressed tree neither stores nor restores",

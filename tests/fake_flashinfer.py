@@ -10,7 +10,9 @@ It implements exactly:
   ``causal`` and ``sm_scale`` (default ``1/sqrt(head_dim)``) fixed at plan time, ``q_data_type`` /
   ``kv_data_type`` checked at run; ``run``: ``q`` ``[qo_indptr[-1], H_q, D]``, the cache a tuple of
   4-D NHD tensors ``[pages, page_size, H_kv, D]``, returns out (``o_data_type`` = q's dtype) and,
-  with ``return_lse``, lse fp32 ``[qo_indptr[-1], H_q]``);
+  with ``return_lse``, lse fp32 ``[qo_indptr[-1], H_q]``); ``window_left`` (plan time, ``-1``: none) is
+  "the left (inclusive) window size": query ``i`` also needs ``j >= i + kv_len - qo_len - window_left``,
+  the mask of FlashInfer's ``variants.cuh`` (``kv_idx + qo_len + window_left >= kv_len + qo_idx``);
 * ``BatchDecodeWithPagedKVCacheWrapper`` in CUDA-graph mode, the mode SGLang's decode graphs use
   (https://docs.flashinfer.ai/api/decode.html): ``use_cuda_graph=True`` with fixed
   ``paged_kv_indptr_buffer`` ``[B + 1]``, ``paged_kv_indices_buffer`` and
@@ -86,6 +88,7 @@ class _Plan:
     page_size: int
     causal: bool
     sm_scale: float
+    window_left: int
     q_data_type: torch.dtype
     kv_data_type: torch.dtype
 
@@ -113,6 +116,7 @@ class BatchPrefillWithPagedKVCacheWrapper:
         head_dim_vo: int | None = None,
         causal: bool = False,
         sm_scale: float | None = None,
+        window_left: int = -1,
         q_data_type: torch.dtype = torch.float16,
         kv_data_type: torch.dtype | None = None,
         non_blocking: bool = True,
@@ -121,8 +125,9 @@ class BatchPrefillWithPagedKVCacheWrapper:
             qo_indptr=qo_indptr, paged_kv_indptr=paged_kv_indptr, paged_kv_indices=paged_kv_indices,
             paged_kv_last_page_len=paged_kv_last_page_len, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
             head_dim_qk=head_dim_qk, page_size=page_size, head_dim_vo=head_dim_vo, causal=causal, sm_scale=sm_scale,
-            q_data_type=q_data_type, kv_data_type=kv_data_type,
+            window_left=window_left, q_data_type=q_data_type, kv_data_type=kv_data_type,
         ))  # fmt: skip
+        _check(isinstance(window_left, int) and window_left >= -1, "window_left: -1 or a size")
         batch_size = len(qo_indptr) - 1
         _check(batch_size >= 1, "qo_indptr must describe at least one request")
         _check_indptr("qo_indptr", qo_indptr, batch_size)
@@ -152,6 +157,7 @@ class BatchPrefillWithPagedKVCacheWrapper:
             page_size=page_size,
             causal=causal,
             sm_scale=1.0 / math.sqrt(head_dim_qk) if sm_scale is None else sm_scale,
+            window_left=window_left,
             q_data_type=q_data_type,
             kv_data_type=q_data_type if kv_data_type is None else kv_data_type,
         )
@@ -187,10 +193,13 @@ class BatchPrefillWithPagedKVCacheWrapper:
             values = v_cache[pages].flatten(0, 1)[:kv_len].float()
             queries = q[q_start:q_end].float().view(q_end - q_start, plan.num_kv_heads, group, -1)
             logits = torch.einsum("tkgd,lkd->tkgl", queries, keys) * plan.sm_scale
+            aligned = torch.arange(q_end - q_start)[:, None] + kv_len - (q_end - q_start)  # bottom-right
+            visible = torch.ones(q_end - q_start, kv_len, dtype=torch.bool)
             if plan.causal:
-                offset = kv_len - (q_end - q_start)
-                visible = torch.arange(kv_len)[None, :] <= torch.arange(q_end - q_start)[:, None] + offset
-                logits = logits.masked_fill(~visible[:, None, None, :].to(logits.device), float("-inf"))
+                visible &= torch.arange(kv_len)[None, :] <= aligned
+            if plan.window_left >= 0:
+                visible &= torch.arange(kv_len)[None, :] >= aligned - plan.window_left
+            logits = logits.masked_fill(~visible[:, None, None, :].to(logits.device), float("-inf"))
             lse_e = torch.logsumexp(logits, dim=-1)
             probs = torch.exp(logits - lse_e[..., None])
             attended = torch.einsum("tkgl,lkd->tkgd", probs, values)

@@ -107,6 +107,7 @@ class ScenarioEngine:
     def __init__(self):
         self.stats = EngineStats()
         self.coordinator = self
+        self.local_layers = None
 
     def forward_begin(self, forward_batch, req_to_token):
         return forward_batch.requests
@@ -158,6 +159,7 @@ class GraphRunner:
         backend.max_context_len = context_len
         backend.workspace_buffer = torch.empty(1 << 20, dtype=torch.uint8)
         backend.decode_backend, backend.decode_use_tensor_cores, backend.num_wrappers = "fa2", False, 1
+        backend.dispatch_reason = None  # no local layers: SGLang's one wrapper set
         backend.kv_indptr = [torch.zeros(max_bs + 1, dtype=torch.int32)]
         backend.cuda_graph_kv_indices = [torch.zeros(max_bs * context_len, dtype=torch.int32)]
         backend.kv_last_page_len = torch.ones(max_bs, dtype=torch.int32)

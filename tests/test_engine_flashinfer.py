@@ -41,6 +41,7 @@ def make_flashinfer_backend(module, scenario: scenarios.Scenario, num_kv_heads: 
     backend.token_to_kv_pool = scenario.pool
     workspace = torch.empty(1 << 20, dtype=torch.uint8)
     backend.prefill_wrappers_paged = [module.fake.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")]
+    backend.num_wrappers, backend.dispatch_reason = 1, None  # a model without local layers: one wrapper set
     layer = scenarios.layer_of(0, num_kv_heads, group)
     head_dim, dtype = scenarios.HEAD_DIM, scenario.pool.dtype
     backend._shape = module.backend.AttentionShape(

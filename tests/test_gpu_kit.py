@@ -278,7 +278,7 @@ def test_a_dry_run_reports_every_check_in_order(tmp_path):
     assert checks == [
         "install", "imports", "model", "stock", "full", "snapkv", "snapkv-eager",
         "(a) capture full", "(a) capture snapkv", "(b) tokens full vs stock", "(b) tokens snapkv-eager vs snapkv",
-        "(b) stats snapkv", "(b) stats snapkv-eager", "(c) syncs", "(d) ITL", "(e) kernel tests",
+        "(b) stats snapkv", "(b) stats snapkv-eager", "(c) syncs", "(d) ITL", "(f) Gemma 3 local layers", "(e) kernel tests",
         "decode step benchmark (issue 38)", "evaluate (issue 48)",
     ]  # fmt: skip
     assert "(c) syncs** NOT RUN: no syncs of the stock server / syncs of the snapkv server" in report
@@ -422,6 +422,23 @@ def test_the_checks_judge_what_the_servers_measured():
     assert gpu_smoke.check_syncs(results)[0].status == "PASS"
     results["snapkv"]["syncs"]["compressed_nodes"] = 0  # the prompt stayed dense: nothing was measured
     assert gpu_smoke.check_syncs(results)[0].status == "FAIL"
+
+
+def test_the_gemma3_line_judges_full_against_stock_the_trim_and_the_reuse():
+    turns = replies(([1, 2], [-1.0, -1.0], [[-1.0, -2.0], [-1.0, -2.0]]))
+    stock = {**turns, "cached_tokens": [300, 300], "pool_tokens": 5000}
+    stats = {"compressed_tokens": 600, "arena_cells_per_slot": 6, "kept_cells": 1200}
+    results = {"stock": stock, "full": {**stock, "pool_tokens": 4990}, "stats": stats}
+    line = gpu_smoke.check_gemma3(results)
+    assert line.status == "PASS" and line.check == "(f) Gemma 3 local layers"
+    assert "kept share 0.33 of 600 compressed prompt tokens' KV" in line.detail and "KV pool 4990 tokens (stock 5000)" in line.detail
+    untrimmed = {**results, "stats": {**stats, "kept_cells": 3600}}  # local layers kept whole: no trim
+    no_reuse = {**results, "full": {**results["full"], "cached_tokens": [300, 0]}}
+    diverged = {**results, "full": {**results["full"], **replies(([1, 3], [-1.0, -1.0], [[-1.0, -2.0], [-1.0, -2.0]]))}}
+    for failing in (untrimmed, no_reuse, diverged):
+        assert gpu_smoke.check_gemma3(failing).status == "FAIL"
+    missing = gpu_smoke.check_gemma3({"stock": stock})
+    assert missing.status == "NOT RUN" and missing.detail == "no full / stats"
 
 
 def test_a_rehearsal_reports_what_needs_a_gpu_as_not_on_cpu_and_passes_on_the_rest(tmp_path):

@@ -125,13 +125,20 @@ def tiny_gemma3_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("gemma3"), "gemma3", num_layers=4, overrides=overrides)
 
 
-def test_gemma_3_off_the_torch_backend_is_refused_before_it_loads(tiny_gemma3_dir):
-    flag = "--attention-backend flashinfer"
-    line, _ = fast_refusal(
-        "--model", str(tiny_gemma3_dir), "--port", str(free_port()), "--kv-evict-policy", "snapkv", *flag.split(), exit_code=2
-    )  # fmt: skip
-    assert f"{flag} cannot be used with a --kv-evict-policy on the model in {tiny_gemma3_dir}" in line
-    assert "3 local attention layers (window 16)" in line and "local layers are trimmed to their window" in line
+def test_gemma_3_with_decode_graphs_on_cuda_is_refused_before_it_loads(tiny_gemma3_dir, monkeypatch, capsys):
+    """In-process, as on a CUDA machine (CPU mode refuses decode graphs for every model first): a Gemma 3 model
+    with a policy and decode CUDA graphs is refused from its config.json, before SGLang starts."""
+    import sgl_kvevict.compat
+    from sgl_kvevict.server import launcher
+
+    monkeypatch.setattr(sgl_kvevict.compat, "cpu_mode_needed", lambda: False)
+    monkeypatch.setattr(launcher, "run_single", lambda *args: pytest.fail("the server was started"))
+    code = launcher.main(["--model", str(tiny_gemma3_dir), "--port", str(free_port()), "--kv-evict-policy", "snapkv",
+                          "--cuda-graph-backend-decode", "full"])  # fmt: skip
+    assert code == 2
+    [line] = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert f"--cuda-graph-backend-decode full cannot be used with a --kv-evict-policy on the model in {tiny_gemma3_dir}" in line
+    assert "3 local attention layers (window 16)" in line and "decode graph has no windowed part" in line
 
 
 @pytest.mark.parametrize(

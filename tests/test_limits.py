@@ -38,7 +38,7 @@ BROKEN_SETUPS = {
     "attention backend": {"attention_backend_wrapped": False},
     "MLA models": {"mla_model": True},
     "sliding-window layers": {"sliding_window_layers": True},
-    "local layers off the torch backend": {"local_layers_elsewhere": True},
+    "decode graphs with local layers": {"local_layer_decode_graphs": True},
     "state-space layers": {"state_space_layers": True},
 }
 # Limits only the launcher can refuse, each for the reason its text gives.

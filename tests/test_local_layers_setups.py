@@ -1,8 +1,9 @@
 """Gemma 3's set-ups (local attention layers trimmed to their window): what the launcher refuses before the
-weights load (``server.refusals.check_local_layers``: an attention backend other than torch_native; any
-TP size passes), the tree's start-up check that config.json's local layers are SGLang's per-layer
-windows (``factory.check_local_windows``, on fake models), and the rank counts a split head's window adds
-on every rank alike. Pure, in-process."""
+weights load (``server.refusals.check_local_layers``: decode CUDA graphs; both wrapped backends and any TP
+size pass) and the decode-graph default it adds on CUDA (``launcher.with_local_layer_defaults``), the
+tree's start-up check that config.json's local layers are SGLang's per-layer windows
+(``factory.check_local_windows``, on fake models), and the rank counts a split head's window adds on every
+rank alike. Pure, in-process."""
 
 from __future__ import annotations
 
@@ -11,15 +12,18 @@ import json
 import pytest
 import torch
 
-from sgl_kvevict.limits import LIMITS, LOCAL_LAYER_ATTENTION_BACKENDS, WRAPPED_ATTENTION_BACKENDS
+from sgl_kvevict.limits import LIMITS, SetupFacts, violations
 from sgl_kvevict.local_layers import LocalLayers
-from sgl_kvevict.server.refusals import FlagError, attention_backends, check_local_layers
+from sgl_kvevict.server.flags import parse_args
+from sgl_kvevict.server.launcher import with_local_layer_defaults
+from sgl_kvevict.server.refusals import FlagError, check_local_layers
+from sgl_kvevict.server.sglang_args import compression_args, flag_value
 from sgl_kvevict.sharding import RankCounts
 
 WINDOW = 16
 LAYER_TYPES = ["sliding_attention"] * 3 + ["full_attention"]
 CPU_ARGS = ["--attention-backend", "torch_native", "--page-size", "1"]
-LOCAL_REASON = next(limit.reason for limit in LIMITS if limit.name == "local layers off the torch backend")
+GRAPHS_REASON = next(limit.reason for limit in LIMITS if limit.name == "decode graphs with local layers")
 
 
 @pytest.fixture
@@ -36,51 +40,39 @@ def refusal(model_dir, args: list[str]) -> str:
     return line
 
 
-def test_the_torch_backend_serves_gemma_3():
-    assert set(LOCAL_LAYER_ATTENTION_BACKENDS) <= set(WRAPPED_ATTENTION_BACKENDS)
-
-
-def test_gemma_3_on_the_torch_backend_passes_at_any_tp_size(gemma_dir):
+def test_gemma_3_passes_on_both_wrapped_backends_at_any_tp_size(gemma_dir):
     check_local_layers(gemma_dir, CPU_ARGS)
     check_local_layers(gemma_dir, [*CPU_ARGS, "--tp-size", "2"])
-    # Both phases on the torch backend: --attention-backend (the launcher's addition) is not used.
-    check_local_layers(gemma_dir, ["--prefill-attention-backend", "torch_native", "--decode-attention-backend",
-                                   "torch_native", "--attention-backend", "flashinfer"])  # fmt: skip
+    check_local_layers(gemma_dir, compression_args([], cpu_mode=False))  # CUDA: flashinfer, the launcher's
+    check_local_layers(gemma_dir, ["--attention-backend", "flashinfer", "--cuda-graph-backend-decode", "disabled"])
 
 
 def test_a_model_without_local_layers_is_not_checked(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2}))
-    check_local_layers(tmp_path, ["--attention-backend", "flashinfer", "--tp-size", "2"])
+    check_local_layers(tmp_path, ["--attention-backend", "flashinfer", "--cuda-graph-backend-decode", "full"])
 
 
-@pytest.mark.parametrize(
-    "args, named",
-    [
-        (["--attention-backend", "flashinfer"], "--attention-backend flashinfer"),  # CUDA's, with a policy
-        ([*CPU_ARGS, "--decode-attention-backend", "flashinfer"], "--decode-attention-backend flashinfer"),
-    ],
-)
-def test_gemma_3_elsewhere_is_refused_in_one_line_naming_the_flag(gemma_dir, args, named):
-    line = refusal(gemma_dir, args)
-    assert line.startswith(f"{named} cannot be used with a --kv-evict-policy on the model in {gemma_dir}")
-    assert f"3 local attention layers (window {WINDOW})" in line and LOCAL_REASON in line
+def test_decode_graphs_for_gemma_3_are_refused_in_one_line_naming_the_flag(gemma_dir):
+    line = refusal(gemma_dir, ["--attention-backend", "flashinfer", "--cuda-graph-backend-decode", "full"])
+    assert line.startswith(f"--cuda-graph-backend-decode full cannot be used with a --kv-evict-policy on the model in {gemma_dir}")
+    assert f"3 local attention layers (window {WINDOW})" in line and GRAPHS_REASON in line
 
 
-def test_gemma_3_with_the_launchers_flags_is_refused_on_cuda_and_served_on_cpu(gemma_dir):
-    """With a policy the launcher adds the backend it wraps on the machine (``compression_args``): flashinfer on
-    CUDA, refused for Gemma 3 with no flag of the user's; torch_native in CPU mode."""
-    from sgl_kvevict.server.sglang_args import compression_args
+def test_the_launcher_turns_decode_graphs_off_for_gemma_3_on_cuda_only(gemma_dir, tmp_path_factory):
+    config = parse_args(["--model", str(gemma_dir), "--kv-evict-policy", "full"])
+    on_cuda = with_local_layer_defaults(config, gemma_dir, cpu_mode=False)
+    assert flag_value(on_cuda.sglang_args, "--cuda-graph-backend-decode") == "disabled"
+    assert with_local_layer_defaults(config, gemma_dir, cpu_mode=True) == config  # CPU mode: off already
+    llama = tmp_path_factory.mktemp("llama")
+    (llama / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2}))
+    assert with_local_layer_defaults(config, llama, cpu_mode=False) == config
+    given = parse_args(["--model", str(gemma_dir), "--kv-evict-policy", "full", "--cuda-graph-backend-decode", "disabled"])
+    assert with_local_layer_defaults(given, gemma_dir, cpu_mode=False).sglang_args == given.sglang_args  # not twice
 
-    assert refusal(gemma_dir, compression_args([], cpu_mode=False)).startswith("--attention-backend flashinfer cannot")
-    check_local_layers(gemma_dir, compression_args([], cpu_mode=True))
 
-
-def test_the_backends_are_those_each_phase_runs_with():
-    assert attention_backends(["--attention-backend", "flashinfer"]) == [("--attention-backend", "flashinfer")]
-    assert attention_backends(["--prefill-attention-backend", "torch_native", "--attention-backend", "flashinfer"]) == [
-        ("--prefill-attention-backend", "torch_native"), ("--attention-backend", "flashinfer")
-    ]  # fmt: skip
-    assert attention_backends([]) == []
+def test_the_tree_refuses_decode_graphs_for_local_layers_from_its_facts():
+    [line] = violations(SetupFacts(local_layer_decode_graphs=True))
+    assert line == f"decode graphs with local layers: {GRAPHS_REASON}"
 
 
 # ---- the tree: config.json's local layers against SGLang's per-layer windows --------------------------
@@ -153,12 +145,12 @@ def test_entries_every_rank_gains_alike_add_to_each_ranks_counts():
 
 
 def test_the_evaluate_commands_preflight_refuses_gemma_3_where_the_launcher_would(gemma_dir):
-    """``python -m sgl_kvevict.evaluate`` checks every plugin server before stock starts: a Gemma 3 server on
-    FlashInfer is refused there, not after stock has run; several TP ranks are served."""
+    """``python -m sgl_kvevict.evaluate`` checks every plugin server before stock starts: Gemma 3 with decode
+    graphs is refused there, not after stock has run; FlashInfer and several TP ranks are served."""
     from sgl_kvevict.measure.servers import ServerError, ServerVariant, check_model_takes
 
     full = ServerVariant("full")
     check_model_takes(str(gemma_dir), full, 4096, ())
     check_model_takes(str(gemma_dir), full, 4096, ("--tp-size", "2"))
-    with pytest.raises(ServerError, match="--attention-backend flashinfer cannot be used with a --kv-evict-policy"):
-        check_model_takes(str(gemma_dir), full, 4096, ("--attention-backend", "flashinfer"))
+    with pytest.raises(ServerError, match="--cuda-graph-backend-decode full cannot be used with a --kv-evict-policy"):
+        check_model_takes(str(gemma_dir), full, 4096, ("--attention-backend", "flashinfer", "--cuda-graph-backend-decode", "full"))

@@ -22,8 +22,12 @@ SmolLM2-shaped model (SmolLM2-135M's config and tokenizer from the kit, random w
 (c) syncs: host-synchronising calls per compressed decode step (``engine/adapter/sync_probe.py``) vs stock;
 (d) ITL: decode inter-token latency, ``snapkv`` vs stock, batch 1 and 8;
 (e) kernels: the kernels' GPU tests (docs/gpu.md, section 2);
-issue 38's per-step decode benchmark where ``benchmarks.decode_step`` exists; and issue 48's evaluate
-command on the run's model (mechanics only).
+issue 38's per-step decode benchmark where ``benchmarks.decode_step`` exists; issue 48's evaluate
+command on the run's model (mechanics only); and
+(f) Gemma 3's local layers on the FlashInfer path: a random Gemma 3-shaped model (5 local layers with a
+    128-token window : 1 global, ``GEMMA3_SHAPE``), stock and ``full`` each serving two turns of four
+    conversations whose prompts span several windows (the second turn reads the first one's compressed
+    node): ``full``'s greedy tokens against stock's, the kept share of the compressed prompts' KV, both pools.
 
 Every step has a time limit inside the whole run's budget; a failed step is a report line and the run
 goes on with what does not depend on it. The report is rewritten after every line, so a run cut short
@@ -94,10 +98,26 @@ class Workload:
     sync_new_tokens: int  # (c)
     itl_prompt: int  # (d)
     itl_new_tokens: int
+    gemma3_prompt: int = 1024  # (f): each turn's new prompt tokens (8 windows of 128), then its answer
+    gemma3_new_tokens: int = 64
+
+
+# (f): Gemma-3-1B's layer pattern, small, a 128-token window; head_dim 64 as the SmolLM2 shape's, whose
+# FlashInfer kernels the run has compiled by then.
+GEMMA3_SHAPE = {
+    "num_layers": 6, "num_q_heads": 4, "num_kv_heads": 1, "vocab_size": 512, "seed": 0,
+    "overrides": {"layer_types": ["sliding_attention"] * 5 + ["full_attention"], "sliding_window": 128, "hidden_size": 256,
+                  "intermediate_size": 512, "head_dim": 64, "query_pre_attn_scalar": 64, "max_position_embeddings": 4096,
+                  "tie_word_embeddings": True},
+}  # fmt: skip
+GEMMA3_CONVERSATIONS = 4
+GEMMA3_SECONDS = 120  # two servers on a warm machine; less than this left, it is reported NOT RUN
+GEMMA3_LIMIT_SECONDS = 300
 
 
 GPU_WORKLOAD = Workload(long_prompt=512, short_prompt=16, mixed_new_tokens=256, sync_new_tokens=64, itl_prompt=1024, itl_new_tokens=128)
-REHEARSAL_WORKLOAD = Workload(long_prompt=256, short_prompt=8, mixed_new_tokens=24, sync_new_tokens=12, itl_prompt=256, itl_new_tokens=12)
+REHEARSAL_WORKLOAD = Workload(long_prompt=256, short_prompt=8, mixed_new_tokens=24, sync_new_tokens=12, itl_prompt=256, itl_new_tokens=12,
+                             gemma3_prompt=384, gemma3_new_tokens=12)  # fmt: skip
 MIXED_BATCH = 8  # half compressed, half plain
 
 
@@ -374,18 +394,25 @@ def measure_capture(smoke: Smoke, plan: ServerPlan, server) -> dict:
     return found
 
 
+def token_record(reply: dict) -> dict:
+    """What ``compare_tokens`` reads of a ``/generate`` reply with logprobs."""
+    meta = reply["meta_info"]
+    return {"output_ids": reply["output_ids"], "token_logprobs": [item[0] for item in meta["output_token_logprobs"]],
+            "top2": [[item[0] for item in top[:2]] for top in meta["output_top_logprobs"]]}  # fmt: skip
+
+
+def generate_together(server, prompts: list[list[int]], new_tokens: int) -> list[dict]:
+    """Greedy replies with logprobs to ``prompts`` sent at once, so that they decode in the same batches."""
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda ids: generate(server, ids, new_tokens, logprobs=True), prompts))
+
+
 def measure_tokens(smoke: Smoke, plan: ServerPlan, server) -> dict:
     """The mixed batch: half the requests with a compressible prompt, half with one too short to
     compress, sent together so that they decode in the same batches."""
     work = smoke.workload
     prompts = [smoke.prompt(seed, work.long_prompt if seed % 2 == 0 else work.short_prompt) for seed in range(MIXED_BATCH)]
-    with ThreadPoolExecutor(MIXED_BATCH) as pool:
-        replies = list(pool.map(lambda ids: generate(server, ids, work.mixed_new_tokens, logprobs=True), prompts))
-    return {"replies": [
-        {"output_ids": reply["output_ids"], "token_logprobs": [item[0] for item in reply["meta_info"]["output_token_logprobs"]],
-         "top2": [[item[0] for item in top[:2]] for top in reply["meta_info"]["output_top_logprobs"]]}
-        for reply in replies
-    ]}  # fmt: skip
+    return {"replies": [token_record(reply) for reply in generate_together(server, prompts, work.mixed_new_tokens)]}
 
 
 def probe_path(smoke: Smoke, plan: ServerPlan) -> Path:
@@ -689,9 +716,69 @@ def evaluate_step(smoke: Smoke) -> list[Line]:
     return [Line(EVALUATE_SLOT, "PASS" if passed else "FAIL", f"exit {code}: {' / '.join(last)}")]
 
 
+def measure_gemma3_turns(smoke: Smoke, server) -> dict:
+    """Two turns of ``GEMMA3_CONVERSATIONS`` conversations, each turn's requests sent together: the first
+    turn's prompts span several windows; the second turn's are the first's followed by as many new tokens
+    (not the first answer, so that stock and ``full`` read the same prompts whatever they answered), reading
+    the first prompt's node. Greedy tokens of both turns, the second turn's cached tokens, the pool's size."""
+    work = smoke.workload
+    first = [random_prompt(3000 + seed, work.gemma3_prompt, GEMMA3_SHAPE["vocab_size"]) for seed in range(GEMMA3_CONVERSATIONS)]
+    second = [ids + random_prompt(4000 + seed, work.gemma3_prompt, GEMMA3_SHAPE["vocab_size"]) for seed, ids in enumerate(first)]
+    replies = generate_together(server, first, work.gemma3_new_tokens)
+    later = generate_together(server, second, work.gemma3_new_tokens)
+    pool = SCHEDULER_MEMORY.search(server.log())
+    return {"replies": [token_record(reply) for reply in replies + later], "pool_tokens": int(pool[1]) if pool else None,
+            "cached_tokens": [reply["meta_info"].get("cached_tokens") for reply in later]}  # fmt: skip
+
+
+def check_gemma3(results: dict) -> Line:
+    """(f) from the two Gemma 3 servers' ``turns`` and ``full``'s ``/kvevict/stats``: PASS when ``full``
+    decodes stock's tokens (up to near-ties), kept less than the compressed prompts' whole KV (the local
+    layers' trim) and every second turn read cached tokens."""
+    stock, full, stats = (results.get(name) for name in ("stock", "full", "stats"))
+    if stock is None or full is None or stats is None:
+        return Line(GEMMA3_SLOT, "NOT RUN", "no " + " / ".join(name for name, got in (("stock", stock), ("full", full), ("stats", stats)) if got is None))
+    status, detail = compare_tokens(stock, full)
+    tokens, per_slot = stats.get("compressed_tokens") or 0, stats.get("arena_cells_per_slot") or 0
+    kept = stats["kept_cells"] / (tokens * per_slot) if tokens and per_slot else None
+    reused = full["cached_tokens"]
+    trimmed = kept is not None and kept < 1
+    ok = status == "PASS" and trimmed and all(reused)
+    return Line(GEMMA3_SLOT, "PASS" if ok else "FAIL", (
+        f"full vs stock over two turns: {detail}; kept share {'none compressed' if kept is None else f'{kept:.2f}'} of "
+        f"{tokens} compressed prompt tokens' KV; second turns' cached tokens {reused} (stock {stock['cached_tokens']}); "
+        f"KV pool {full['pool_tokens']} tokens (stock {stock['pool_tokens']})"
+    ))  # fmt: skip
+
+
+def gemma3_step(smoke: Smoke) -> list[Line]:
+    """(f): the Gemma 3-shaped model built, stock and ``full`` started one after the other with the servers'
+    GPU flags (``full`` gets the launcher's ``--cuda-graph-backend-decode disabled``), each measured, stopped."""
+    if smoke.budget.left() < GEMMA3_SECONDS:
+        return [Line(GEMMA3_SLOT, "NOT RUN", f"{smoke.budget.left():.0f} s left of the budget, it needs {GEMMA3_SECONDS} s")]
+    repository_importable()
+    from sgl_kvevict.checkpoints import build_tiny_model
+
+    model = smoke.work / "gemma3"
+    if not (model / "config.json").exists():
+        build_tiny_model(model, "gemma3", **GEMMA3_SHAPE)
+    serving, results = serving_helpers(), {}
+    deadline = time.monotonic() + smoke.budget.limit(GEMMA3_LIMIT_SECONDS)
+    for name in ("stock", "full"):
+        folder = smoke.work / f"gemma3-{name}"
+        folder.mkdir(parents=True, exist_ok=True)
+        flags = ("--kv-evict-policy", "none" if name == "stock" else "full", *common_flags(smoke.rehearsal))
+        with serving.running_server(model, folder, *flags, startup_timeout=max(10.0, deadline - time.monotonic())) as server:
+            results[name] = measure_gemma3_turns(smoke, server)
+            if name == "full":
+                results["stats"] = get_json(server, "/kvevict/stats")
+    return [check_gemma3(results)]
+
+
 CHECKS_STEP = "checks (a)-(d)"
 DECODE_STEP_SLOT = "decode step benchmark (issue 38)"
 EVALUATE_SLOT = "evaluate (issue 48)"
+GEMMA3_SLOT = "(f) Gemma 3 local layers"
 
 
 def plan_steps(smoke: Smoke, install: Line) -> list[Step]:
@@ -700,6 +787,7 @@ def plan_steps(smoke: Smoke, install: Line) -> list[Step]:
     # A plugin server runs even where stock did not start: its capture and stats are results of their own.
     steps += [Step(plan.name, lambda plan=plan: server_step(smoke, plan), 60, ("model",)) for plan in SERVER_PLANS]
     steps += [Step(CHECKS_STEP, lambda: checks_step(smoke), 0, starts_work=False),
+              Step(GEMMA3_SLOT, lambda: gemma3_step(smoke), 0, ("imports",)),
               Step("(e) kernel tests", lambda: kernel_tests_step(smoke), 60, ("install",)),
               Step(DECODE_STEP_SLOT, lambda: decode_step_benchmark_step(smoke), 0, ("install",)),
               Step(EVALUATE_SLOT, lambda: evaluate_step(smoke), 0, ("model",))]  # fmt: skip

@@ -246,6 +246,16 @@ class WindowKeys:
             query_rows, query_positions(requests, device), layers,
         )  # fmt: skip
 
+    def keys_of(self, layer_id: int, k_rows: torch.Tensor, v_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values of local layer ``layer_id`` gathered from the pool's cell rows (``CellSpace``):
+        ``[B, K, H_kv, D]`` each, request ``b``'s key ``j`` at position ``positions[b, j]``."""
+        rows = self.rows[self.layer_rows[layer_id]]  # [B, H_kv, K]
+        batch, num_kv_heads, width = rows.shape
+        flat = rows.reshape(-1)
+        k = k_rows.index_select(0, flat).view(batch, num_kv_heads, width, -1).transpose(1, 2)
+        v = v_rows.index_select(0, flat).view(batch, num_kv_heads, width, -1).transpose(1, 2)
+        return k, v
+
     def decoded(
         self, new_slots: torch.Tensor, space: CellSpace, window: int, width: int, requests: Optional[torch.Tensor] = None
     ) -> "WindowKeys":
@@ -544,12 +554,14 @@ class WindowKeysCache:
         self.builds = 0  # decode forwards whose keys were not all slid from the last ones (tests)
 
     def of(
-        self, rids, forward: ForwardRequests, req_to_token: torch.Tensor, space: CellSpace, local: LocalLayers, new_slots: torch.Tensor
-    ) -> WindowKeys:
+        self, rids, forward: ForwardRequests, req_to_token: torch.Tensor, space: CellSpace, local: LocalLayers,
+        new_slots: torch.Tensor, every_request: bool = False,
+    ) -> WindowKeys:  # fmt: skip
         """The window keys of ``forward``: in a decode (its requests' ids ``rids``, the slots its new tokens
-        are written to ``new_slots`` int ``[B]``) every request's, in an extend the compressed ones'."""
+        are written to ``new_slots`` int ``[B]``) every request's, in an extend the compressed ones' (with
+        ``every_request``, the plain ones' too: the FlashInfer path attends every request itself)."""
         if not forward.is_decode:
-            return WindowKeys.of(forward.compressed, req_to_token, space, local)
+            return WindowKeys.of(forward.requests if every_request else forward.compressed, req_to_token, space, local)
         carried, same = self._steps.step(rids, forward)
         width = max(min(request.seq_len, local.window) for request in forward.requests)  # a decode query's span
         if same:

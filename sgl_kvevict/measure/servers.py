@@ -312,15 +312,20 @@ def sigterm_raises() -> Iterator[None]:
 def sglang_argv(model: str, variant: ServerVariant, pool_tokens: int, extra: tuple[str, ...], cpu_mode: bool) -> list[str]:
     """Every SGLang flag the launcher gives ``variant``'s server (its additions included; not host,
     port, model): what the server runs with, as the launcher would start it on this machine."""
+    from sgl_kvevict.models import resolve_model
+    from sgl_kvevict.server.launcher import with_local_layer_defaults
     from sgl_kvevict.server.worker import sglang_args
 
-    return sglang_args(check_launcher_accepts(model, variant, pool_tokens, extra), cpu_mode)
+    config = check_launcher_accepts(model, variant, pool_tokens, extra)
+    if config.serving.enabled:
+        config = with_local_layer_defaults(config, resolve_model(model, log=lambda message: None), cpu_mode)
+    return sglang_args(config, cpu_mode)
 
 
 def check_model_takes(model: str, variant: ServerVariant, pool_tokens: int, extra: tuple[str, ...]) -> None:
     """What the launcher checks of the model before it starts SGLang, for a server with a policy: its
-    architecture (sliding-window, MLA, state-space layers are refused), where its local layers can be
-    served (Gemma 3: the attention backend and TP size the launcher would give it on this machine) and,
+    architecture (sliding-window, MLA, state-space layers are refused), how its local layers can be
+    served (Gemma 3: without decode CUDA graphs) and,
     with a learned score, that the weights fit it; raises ServerError with the launcher's message."""
     from sgl_kvevict.compat import cpu_mode_needed
     from sgl_kvevict.models import ModelError, resolve_model

@@ -353,11 +353,9 @@ class KVEvictTorchBackend(SegmentAttentionBackend, TorchNativeAttnBackend):
         """A local layer's attention for ``requests`` (the ``WindowKeys`` of this forward, in that order) over
         their windows' keys, masked by position: queries ``[N, H_q, D]``; returns ``[N_r, H_q, D_v]`` for their
         query rows, request-major. A decode batch is one batched call, an extend one call per request."""
-        keys, (k_rows, v_rows) = self.window_keys, self.cell_rows
-        rows = keys.rows[keys.layer_rows[layer.layer_id]]  # [B, H_kv, K]
-        batch, num_kv_heads, width = rows.shape
-        k = k_rows.index_select(0, rows.reshape(-1)).view(batch, num_kv_heads, width, -1).transpose(1, 2)
-        v = v_rows.index_select(0, rows.reshape(-1)).view(batch, num_kv_heads, width, -1).transpose(1, 2)
+        keys = self.window_keys
+        k, v = keys.keys_of(layer.layer_id, *self.cell_rows)  # [B, K, H_kv, D]
+        batch = k.shape[0]
         if len(keys.query_rows) == batch:  # one query per request: a decode batch
             out, _ = dense_attention(
                 queries.index_select(0, keys.query_rows).unsqueeze(1), k, v, keys.query_positions.unsqueeze(1),

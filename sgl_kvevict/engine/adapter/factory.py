@@ -29,7 +29,7 @@ from sglang.srt.runtime_context import (
 )
 
 from sgl_kvevict.engine.adapter.admission import chunk_size
-from sgl_kvevict.engine.adapter.attention import KVEvictTorchBackend, SegmentAttentionBackend, local_window
+from sgl_kvevict.engine.adapter.attention import SegmentAttentionBackend, local_window
 from sgl_kvevict.engine.adapter.forward_batches import piece_forward
 from sgl_kvevict.engine.adapter.hidden_states import HiddenStateCapture
 from sgl_kvevict.engine.adapter.pool import UnsupportedKVPool, cell_space_of
@@ -72,7 +72,7 @@ def unsupported_features(ctx: TreeCacheBuildContext, attn_backend, local_layers:
     from SGLang's resolved configuration and the graphs the model runner captured. The tree is built
     after the attention backends and graph capture (scheduler.py: init_model_worker, then
     build_kv_cache), so both are final here. ``local_layers``: the model's local layers the plugin trims
-    (Gemma 3), which only the torch backend attends over, on one rank."""
+    (Gemma 3), which both wrapped backends attend over, eagerly."""
     schedule, parallel, memory = get_schedule(), get_parallel(), get_memory()
     graphs = get_exec().graph.cuda_graph_config
     # graphs is never None once SGLang resolved its arguments (cuda_graph_config.py builds the default).
@@ -103,7 +103,7 @@ def unsupported_features(ctx: TreeCacheBuildContext, attn_backend, local_layers:
         # SGLang sets a window for models with local layers in the one pool (Gemma 2/3) and hybrid SWA pools;
         # Gemma 3's (``local_layers``) are served.
         sliding_window_layers=ctx.is_hybrid_swa or (runner.sliding_window_size is not None and local_layers is None),
-        local_layers_elsewhere=local_layers is not None and not isinstance(attn_backend, KVEvictTorchBackend),
+        local_layer_decode_graphs=local_layers is not None and decode_graphs not in (Backend.DISABLED, "cpu"),
         state_space_layers=ctx.is_hybrid_ssm,
     )
     return violations(facts)

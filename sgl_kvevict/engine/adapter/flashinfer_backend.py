@@ -20,6 +20,16 @@ runs every request of the batch as
 * **compressed part**, Triton: ``kernels.segment_attention``, one pseudo-sequence per (request, KV
   head), GQA group as its query heads (shared with the CPU backend through ``compressed_attention``).
 * **merge**: ``flashinfer.cascade.merge_state`` of the two, compressed requests' rows only.
+* **local layers** (Gemma 3's sliding-window layers, ``sgl_kvevict.local_layers``): no merge. A compressed
+  node keeps, in every KV head of a local layer, its last ``window`` positions, so every key a local query
+  reads is a dense slot or one of those cells; per forward every request's keys from its first query's
+  window start to its last query (``WindowKeys``, kept across decode steps as the torch backend keeps them)
+  are gathered per local layer into a buffer of their own (``WindowLayout``: request-major, positions
+  ascending and contiguous) and attended by SGLang's sliding-window wrapper (``prefill_wrappers_paged[0]``),
+  planned once per forward with ``causal=True`` and ``window_left`` = SGLang's ``sliding_window_size``:
+  over a contiguous span, FlashInfer's mask by key index (bottom-right aligned: query ``i`` sees key ``j``
+  iff ``i + kv_len - qo_len - window_left <= j <= i + kv_len - qo_len``) is the window by position.
+  Global layers plan the full-attention wrapper (``[1]``) as above.
 
 Why Triton and not FlashInfer for the compressed part (the alternative in docs/design.md#segment-attention,
 a paged prefill wrapper planned with ``num_kv_heads=1`` over the (request, head)
@@ -46,8 +56,10 @@ LSE bases: FlashInfer's ``run(..., return_lse=True)`` returns base-2 LSEs (``log
 ``* log2(e)`` before merging (the graph body converts FlashInfer's instead, ``* ln 2``, for
 ``kernels.merge_attention_states``).
 
-Limits (refused, not approximated): sliding-window and cross-attention models (two wrapper sets),
-page size > 1, quantised KV caches, attention logit soft-capping (the segment kernel has none).
+Limits (refused, not approximated): cross-attention models and hybrid SWA pools (gpt-oss, Llama 4),
+page size > 1, quantised KV caches, attention logit soft-capping (the segment kernel has none), decode CUDA
+graphs on a model with local layers (the ``segments`` graph has no windowed part: the launcher refuses
+them before the weights load, ``--cuda-graph-backend-decode disabled`` serves such a model).
 """
 
 from __future__ import annotations
@@ -59,13 +71,13 @@ from typing import Optional
 
 import torch
 from flashinfer.cascade import merge_state
-from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
+from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend, WrapperDispatch
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang.srt.model_executor.runner_utils.capture_mode import get_capture_attention_variant
 
-from sgl_kvevict.engine.adapter.attention import SegmentAttentionBackend
+from sgl_kvevict.engine.adapter.attention import SegmentAttentionBackend, local_window
 from sgl_kvevict.engine.adapter.pool import cell_space_of
-from sgl_kvevict.engine.batch import ForwardRequests, SegmentMetadata
+from sgl_kvevict.engine.batch import ForwardRequests, SegmentMetadata, WindowKeys, WindowKeysCache
 from sgl_kvevict.engine.decode_graph import (
     FITS,
     STOCK,
@@ -126,6 +138,46 @@ class DenseLayout:
         last-page lengths, query and KV heads, head dim, page size 1 (one token per page: the slot is the
         page id)."""
         return (self.kv_indptr, self.kv_indices, self.kv_last_page_len, shape.num_q_heads, shape.num_kv_heads, shape.head_dim, 1)
+
+
+@dataclass(frozen=True)
+class WindowLayout:
+    """The FlashInfer paged batch (page size 1) of every request's local-layer keys (``WindowKeys``), each
+    local layer's gathered into a buffer of its own (``gathered``): request ``b``'s ``n_b`` keys are rows
+    ``[b * K, b * K + n_b)`` of it (``K``: the keys' padded width), positions ascending and contiguous, the
+    last one its last query's. Host-known counts: qo_indptr, kv_indptr int32 ``[B + 1]`` and
+    kv_last_page_len int32 ``[B]`` on the host, kv_indices int32 ``[nnz]`` on the keys' device."""
+
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_last_page_len: torch.Tensor
+
+    @classmethod
+    def of(cls, forward: ForwardRequests, keys: WindowKeys, window: int) -> "WindowLayout":
+        """``keys``: ``forward``'s requests' window keys, in its order; ``window``: the keys a query reads."""
+        width = keys.rows.shape[-1]
+        kv_counts = [request.seq_len - max(0, request.first_query_position - window + 1) for request in forward.requests]
+        columns = torch.arange(width)
+        rows = columns[None, :] + width * torch.arange(len(kv_counts))[:, None]  # [B, K]
+        kv_indices = rows[columns[None, :] < torch.tensor(kv_counts)[:, None]].to(torch.int32)
+        return cls(
+            qo_indptr=_indptr([request.num_queries for request in forward.requests]),
+            kv_indptr=_indptr(kv_counts),
+            kv_indices=kv_indices.to(keys.rows.device, non_blocking=True),
+            kv_last_page_len=torch.ones(len(kv_counts), dtype=torch.int32),
+        )
+
+    def paged_kv(self, shape: "AttentionShape") -> tuple:
+        """``plan``'s paged-KV arguments (as ``DenseLayout.paged_kv``)."""
+        return (self.kv_indptr, self.kv_indices, self.kv_last_page_len, shape.num_q_heads, shape.num_kv_heads, shape.head_dim, 1)
+
+    @staticmethod
+    def gathered(keys: WindowKeys, layer_id: int, k_rows: torch.Tensor, v_rows: torch.Tensor) -> tuple:
+        """Local layer ``layer_id``'s keys and values as the planned paged cache (NHD, page size 1):
+        ``[B * K, 1, H_kv, D]`` each."""
+        k, v = keys.keys_of(layer_id, k_rows, v_rows)  # [B, K, H_kv, D]
+        return k.reshape(-1, 1, *k.shape[2:]), v.reshape(-1, 1, *v.shape[2:])
 
 
 @dataclass(frozen=True)
@@ -211,7 +263,8 @@ class KVEvictFlashInferBackend(SegmentAttentionBackend, FlashInferAttnBackend):
     def __init__(self, model_runner, **kwargs):
         super().__init__(model_runner, **kwargs)
         problems = [
-            (self.num_wrappers != 1, "sliding-window and cross-attention models"),
+            (self.dispatch_reason == WrapperDispatch.CROSS_ATTENTION, "cross-attention models"),
+            (self.use_sliding_window_kv_pool, "hybrid SWA KV pools (local layers in a pool of their own)"),
             (self.page_size != 1, f"page size {self.page_size}"),
             (
                 self.prefill_uses_dequant_workspace
@@ -225,34 +278,55 @@ class KVEvictFlashInferBackend(SegmentAttentionBackend, FlashInferAttnBackend):
             raise NotImplementedError(
                 f"sgl-kvevict FlashInfer segment attention does not support: {'; '.join(refused)}"
             )
-        self._dense_layout: Optional[DenseLayout] = None
-        self._dense_planned_scale: Optional[float] = None
         self._shape = AttentionShape.of(model_runner, self.token_to_kv_pool)
+        self._window_keys = WindowKeysCache()
+
+    # This forward's, set by ``_init_segment_metadata`` before any layer reads them. Wrapper indices are
+    # SGLang's (``_get_wrapper_idx``): 0 alone, or with local layers 0 for them and 1 for global layers.
+    _layouts: dict[int, tuple]  # wrapper index -> (its DenseLayout or WindowLayout, its window_left)
+    _planned_scales: dict[int, float]  # wrapper index -> the scale it is planned with
+    window_keys: Optional[WindowKeys] = None  # the local layers' keys (a model with them)
 
     def _init_segment_metadata(self, forward_batch, segments: SegmentMetadata) -> None:
-        """Plan the dense part once per forward, with the model's attention scale (every layer of the
-        supported models shares it; a layer with another scale re-plans, ``_dense_wrapper``)."""
-        self._dense_layout = DenseLayout.of(segments.forward, self.req_to_token_pool.req_to_token)
-        self._plan_dense(self._shape.scaling)
+        """Plan once per forward, with the model's attention scale (every layer of the supported models shares
+        it; a layer with another scale re-plans, ``_wrapper``): the global layers' dense part, and with local
+        layers their windows (``WindowLayout``)."""
+        forward, to_token = segments.forward, self.req_to_token_pool.req_to_token
+        global_index = self.num_wrappers - 1
+        self._layouts = {global_index: (DenseLayout.of(forward, to_token), -1)}
+        engine = self.engine
+        local = None if engine is None else engine.local_layers
+        self.window_keys = None
+        if local is not None:
+            self.window_keys = self._window_keys.of(
+                forward_batch.rids, forward, to_token, self.cell_space, local, forward_batch.out_cache_loc, every_request=True
+            )  # fmt: skip
+            self._layouts[0] = (WindowLayout.of(forward, self.window_keys, local.window), local.window - 1)
+        self._planned_scales = {}
+        for index in self._layouts:
+            self._plan(index, self._shape.scaling)
 
-    def _plan_dense(self, scaling: float) -> None:
-        layout, shape = self._dense_layout, self._shape
-        self.prefill_wrappers_paged[0].plan(
+    def _plan(self, index: int, scaling: float) -> None:
+        (layout, window_left), shape = self._layouts[index], self._shape
+        self.prefill_wrappers_paged[index].plan(
             layout.qo_indptr,
             *layout.paged_kv(shape),
             head_dim_vo=shape.v_head_dim,
             causal=True,
             sm_scale=scaling,
+            window_left=window_left,
             q_data_type=shape.q_dtype,
             kv_data_type=shape.kv_dtype,
         )
-        self._dense_planned_scale = scaling
+        self._planned_scales[index] = scaling
 
-    def _dense_wrapper(self, layer):
-        """The stock paged prefill wrapper, planned over the dense layout for ``layer``'s scale."""
-        if self._dense_planned_scale != layer.scaling:
-            self._plan_dense(layer.scaling)
-        return self.prefill_wrappers_paged[0]
+    def _wrapper(self, layer):
+        """SGLang's paged prefill wrapper of ``layer`` (local or global), planned over its layout for the
+        layer's scale."""
+        index = int(self._get_wrapper_idx(layer))
+        if self._planned_scales[index] != layer.scaling:
+            self._plan(index, layer.scaling)
+        return self.prefill_wrappers_paged[index]
 
     def _layer_inputs(self, q, k, v, layer, forward_batch, save_kv_cache):
         """This forward's K/V written; returns the queries ``[N, H_q, D]`` and the layer's paged cache as
@@ -267,7 +341,10 @@ class KVEvictFlashInferBackend(SegmentAttentionBackend, FlashInferAttnBackend):
 
     def _forward_with_segments(self, q, k, v, layer, forward_batch, save_kv_cache, segments: SegmentMetadata):
         queries, paged_cache = self._layer_inputs(q, k, v, layer, forward_batch, save_kv_cache)
-        out, lse_base2 = self._dense_wrapper(layer).run(queries, paged_cache, return_lse=True)
+        if local_window(layer) is not None:  # every key it reads is in its gathered window: nothing to merge
+            window = WindowLayout.gathered(self.window_keys, layer.layer_id, *self.cell_rows)
+            return self._wrapper(layer).run(queries, window).view(-1, layer.tp_q_head_num * layer.v_head_dim)
+        out, lse_base2 = self._wrapper(layer).run(queries, paged_cache, return_lse=True)
         compressed_out, compressed_lse = self._compressed_attention(segments, queries, layer)
         rows = segments.query_rows
         merged, _ = merge_states_base2(out[rows], lse_base2[rows], compressed_out, compressed_lse * LOG2_E)
@@ -286,6 +363,11 @@ class KVEvictFlashInferBackend(SegmentAttentionBackend, FlashInferAttnBackend):
         shared by many requests, decodes eagerly), a (layer, request, KV head) up to the model's context
         length of cells. The cell views are the pool's, as the tree's (``CellSpace``), which does not
         exist yet when SGLang captures."""
+        if self.dispatch_reason == WrapperDispatch.SLIDING_WINDOW:
+            raise NotImplementedError(
+                "sgl-kvevict decode CUDA graphs have no windowed part for local attention layers; pass "
+                "--cuda-graph-backend-decode disabled for this model"
+            )
         if not self._shape.one_scaling:
             raise NotImplementedError(
                 "sgl-kvevict decode CUDA graphs need one attention scale for every layer (the graph's dense "
