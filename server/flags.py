@@ -285,9 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
         f"the room or not. {PRESSURE}: it is scored during the same prefill but kept dense in the radix tree "
         "with the plan the policy made (a few bytes per kept entry, on the host); only when SGLang needs KV "
         "slots are the coldest dense prompts no running request reads compressed with their plan, before "
-        "anything is evicted, so answers change only where stock would have lost the prefix; when that does not "
-        "free what SGLang asks for (running requests hold the prompts it would compress), the next 64 prompts are "
-        "compressed right after their prefill, as under prefill. Scores are the prefill's own (an attention score reads the prompt's own window), KVzip's passes still run at the "
+        "anything is evicted, so answers change only once the pool is full; from then on, the next 64 prompts are "
+        "compressed right after their prefill, as under prefill (each new request for room starts the count again). Scores are the prefill's own (an attention score reads the prompt's own window), KVzip's passes still run at the "
         "prefill, and a prompt longer than the pool is refused as stock refuses it (under prefill, block scope "
         f"serves it by compressing its blocks while it is prefilled) (default {PREFILL})",
     )

@@ -65,8 +65,10 @@ def test_pressure_compresses_cold_prompts_with_the_plan_prefill_would_have_store
     stats = harness.stats_snapshot()
     assert stats["nodes_compressed_under_pressure"] >= 1 and stats["slots_freed_under_pressure"] > 0
     assert stats["dense_nodes_evicted"] == stats["compressed_nodes_evicted"] == 0
-    compressed = harness.compressed_nodes()
+    # The cold prompts compressed in place, and the big prompt's own segment at its checkpoint (the pool is full).
+    compressed = [node for node in harness.compressed_nodes() if id(node) in deferred]
     assert len(compressed) == stats["nodes_compressed_under_pressure"]
+    assert len(harness.compressed_nodes()) == len(compressed) + 1 == len(compressed) + stats["compressed_at_checkpoint_under_pressure"]
     warm = {id(node) for node in harness.tree.root_node.children.values() if node.key.token_ids[0] == 10}
     assert not warm & {id(node) for node in compressed}  # the reused conversation is compressed last
     harness.assert_cells_hold_their_entries()
@@ -114,11 +116,40 @@ def test_a_node_a_running_request_reads_is_never_compressed_under_it():
     harness.assert_ledger()
 
 
+def assert_one_more_checkpoint_compresses_then_prompts_defer(harness: TreeHarness, seed: int) -> None:
+    """With ``PRESSURE_CHECKPOINTS`` 2, after the checkpoint of the request SGLang made room for: the next
+    chat turn's segment is compressed at once, the one after it stays dense with its plan."""
+    deferred_before = len(harness.deferred_nodes())
+    chat_turn(harness, tokens(seed, 40, first=seed))  # the second checkpoint since: compressed at once
+    assert harness.stats.compressed_at_checkpoint_under_pressure == 2 and len(harness.deferred_nodes()) == deferred_before
+    chat_turn(harness, tokens(seed + 1, 40, first=seed + 1))  # then dense again, with its plan
+    assert harness.stats.compressed_at_checkpoint_under_pressure == 2 and len(harness.deferred_nodes()) == deferred_before + 1
+    harness.assert_cells_hold_their_entries()
+    harness.assert_ledger()
+
+
+def test_once_sglang_asks_for_room_checkpoints_compress_at_once_for_a_while(monkeypatch):
+    """Cold prompts give SGLang all the room it asked for (nothing evicted), and still the next
+    ``PRESSURE_CHECKPOINTS`` checkpoints compress their segments at once (as at prefill): the pool is full,
+    and a prompt kept dense would only be compressed cold later; then prompts stay dense again."""
+    monkeypatch.setattr(radix_cache, "PRESSURE_CHECKPOINTS", 2)
+    harness = pressure_harness(pool_slots=300)
+    for seed in range(3):
+        chat_turn(harness, tokens(10 + seed, 90, first=10 + seed))
+    assert harness.stats.compressed_at_checkpoint_under_pressure == 0  # the pool had room: all deferred
+    big = harness.prefill(tokens(30, 100, first=30))  # its slots: cold prompts compressed, nothing evicted
+    stats = harness.stats_snapshot()
+    assert stats["nodes_compressed_under_pressure"] >= 1 and stats["dense_nodes_evicted"] == stats["compressed_nodes_evicted"] == 0
+    assert stats["compressed_at_checkpoint_under_pressure"] == 1  # its own segment, compressed at its checkpoint
+    harness.finish(big)
+    assert_one_more_checkpoint_compresses_then_prompts_defer(harness, seed=60)
+
+
 def test_after_compressing_cold_prompts_falls_short_checkpoints_compress_at_once_for_a_while(monkeypatch):
     """Running requests lock their dense prompts, so a prefill that needs room gets too little from cold
-    prompts: the tree evicts, and the next ``RECOVERY_CHECKPOINTS`` checkpoints compress their segments at
+    prompts: the tree evicts, and the next ``PRESSURE_CHECKPOINTS`` checkpoints compress their segments at
     once (as at prefill); then prompts stay dense again."""
-    monkeypatch.setattr(radix_cache, "RECOVERY_CHECKPOINTS", 2)
+    monkeypatch.setattr(radix_cache, "PRESSURE_CHECKPOINTS", 2)
     harness = pressure_harness(pool_slots=300)
     chat_turn(harness, tokens(100, 60, first=100))  # a cold prompt with a plan, and its dense tail
     running = [harness.prefill(tokens(101 + k, 90, first=101 + k)) for k in range(2)]  # locked, dense
@@ -131,12 +162,7 @@ def test_after_compressing_cold_prompts_falls_short_checkpoints_compress_at_once
     assert len(harness.compressed_nodes()) == 2
     for req in [*running, squeezed]:
         harness.finish(req)
-    deferred_before = len(harness.deferred_nodes())
-    chat_turn(harness, tokens(120, 40, first=120))  # the second checkpoint since: compressed at once
-    assert harness.stats.compressed_at_checkpoint_under_pressure == 2 and len(harness.deferred_nodes()) == deferred_before
-    chat_turn(harness, tokens(121, 40, first=121))  # then dense again, with its plan
-    assert harness.stats.compressed_at_checkpoint_under_pressure == 2 and len(harness.deferred_nodes()) == deferred_before + 1
-    harness.assert_cells_hold_their_entries()
+    assert_one_more_checkpoint_compresses_then_prompts_defer(harness, seed=120)
 
 
 def test_a_split_keeps_each_parts_plan_and_both_parts_compress_under_pressure():

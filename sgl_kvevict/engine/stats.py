@@ -52,8 +52,8 @@ class EngineStats:
     (the host memory those plans take); totals ``nodes_compressed_under_pressure`` and
     ``slots_freed_under_pressure`` (slots those compressions gave back to SGLang), and
     ``compressed_at_checkpoint_under_pressure`` (segments stored compressed at their checkpoint: in the
-    checkpoints after compressing cold prompts fell short of the room SGLang asked for, or diverging inside
-    a compressed node). ``served_histogram`` maps "distinct
+    checkpoints after SGLang asked for room the pool did not have free, or diverging inside a compressed
+    node). ``served_histogram`` maps "distinct
     requests a node served" to the number of nodes, over every node created since start.
     """
 

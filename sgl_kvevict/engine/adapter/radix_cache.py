@@ -88,11 +88,12 @@ from sgl_kvevict.local_layers import LocalLayers
 from sgl_kvevict.plan import CompressionPlan
 from sgl_kvevict.sharding import RankCounts
 
-# Under pressure: after compressing cold prompts fell short of the room SGLang asked for, the segments of
-# this many checkpoints are compressed at once (as at prefill) before prompts stay dense again: while
-# running requests hold more dense prompts than the pool has room for, deferring only makes SGLang evict
-# cached prompts instead (``engine.deferred``).
-RECOVERY_CHECKPOINTS = 64
+# Under pressure: once SGLang asks the tree for room that moves alone cannot give (the pool is full), the
+# segments of this many checkpoints are compressed at once (as at prefill) before prompts stay dense again.
+# While the pool stays full every new prompt would be compressed cold soon anyway, and compressed at once it
+# also shrinks what its running request reads at every decode step and the room running requests lock
+# (deferred, their dense prompts crowd the pool and SGLang evicts cached prompts instead: ``engine.deferred``).
+PRESSURE_CHECKPOINTS = 64
 
 
 class CompressedRadixCache(RadixCache):
@@ -129,10 +130,9 @@ class CompressedRadixCache(RadixCache):
         super().reset()
         setattr(self.root_node, RECORD_ATTR, NodeRecord())
         self._deferred: dict[int, TreeNode] = {}  # id -> a dense node with a plan (``engine.deferred``)
-        # Checkpoints since compressing cold prompts last fell short of the room SGLang asked for (running
-        # requests lock the prompts it would compress, so cached ones were evicted): until RECOVERY_CHECKPOINTS
-        # have passed without a shortfall, checkpoints compress at once, as at prefill.
-        self._checkpoints_since_shortfall = RECOVERY_CHECKPOINTS
+        # Checkpoints since SGLang last asked for room the pool did not have free: until PRESSURE_CHECKPOINTS
+        # have passed without, checkpoints compress at once, as at prefill.
+        self._checkpoints_since_pressure = PRESSURE_CHECKPOINTS
         self.arena.reset()
         self.order.reset()
         self.stats.tree_cleared()
@@ -329,11 +329,9 @@ class CompressedRadixCache(RadixCache):
         start_time = time.perf_counter()
         arena, wanted = self.arena, params.num_tokens
         freed = arena.release_slots(wanted)
-        if self.defers:
-            if freed < wanted:
-                freed += self._compress_cold(wanted - freed)
-            if freed + arena.slots_reclaimable_by_moves < wanted:
-                self._checkpoints_since_shortfall = 0
+        if self.defers and freed < wanted:
+            self._checkpoints_since_pressure = 0
+            freed += self._compress_cold(wanted - freed)
         heap = [(self.order.get_priority(leaf), leaf) for leaf in self.evictable_leaves]
         heapq.heapify(heap)
         while heap and freed + arena.slots_reclaimable_by_moves < wanted:
@@ -488,15 +486,15 @@ class CompressedRadixCache(RadixCache):
         if decision.outcome is not Outcome.COMPRESS:
             return None
         if self.defers:
-            deferring = self._checkpoints_since_shortfall >= RECOVERY_CHECKPOINTS
-            self._checkpoints_since_shortfall += 1
+            deferring = self._checkpoints_since_pressure >= PRESSURE_CHECKPOINTS
+            self._checkpoints_since_pressure += 1
             if decision.split_node is None and deferring:
                 self._insert_deferred(req, ready, decision.own_start, end)
                 return None
             self.stats.count("compressed_at_checkpoint_under_pressure")
         # Under pressure too, a segment diverging inside a compressed node (one the pool's pressure compressed)
         # is compressed now: it could not enter the tree dense, as the node is matched whole or not at all; so
-        # is every segment for a while after compressing cold prompts fell short of the room SGLang asked for.
+        # is every segment for a while after SGLang asked for room the pool did not have free.
         # Hanging the node may split a compressed node: lock what it hangs on while cells are taken.
         anchor = self.lock(decision.split_node or decision.parent)
         try:
