@@ -97,20 +97,31 @@ _UNQUANTISED_KV_DTYPES = (torch.float16, torch.bfloat16)
 
 
 @dataclass(frozen=True)
-class DenseLayout:
-    """The FlashInfer paged batch (page size 1, one page per token) of every request's dense positions.
+class PagedLayout:
+    """A FlashInfer paged batch with page size 1 (one page per token: a page id is a row of the cache).
 
     qo_indptr int32 ``[B + 1]`` and kv_indptr int32 ``[B + 1]`` on the host, built from host-known
     lengths: ``plan`` schedules from host copies, so device tensors would cost a synchronising D2H copy.
-    kv_indices int32 ``[nnz]`` on the KV cache's device, gathered there from ``req_to_token``: the slot
-    of each dense position, request-major, positions ascending. kv_last_page_len int32 ``[B]`` (host):
-    all ones, every page holds one token.
+    kv_indices int32 ``[nnz]`` on the KV cache's device, request-major, positions ascending.
+    kv_last_page_len int32 ``[B]`` (host): all ones, every page holds one token.
     """
 
     qo_indptr: torch.Tensor
     kv_indptr: torch.Tensor
     kv_indices: torch.Tensor
     kv_last_page_len: torch.Tensor
+
+    def paged_kv(self, shape: "AttentionShape") -> tuple:
+        """``plan``'s paged-KV arguments, the same for the prefill and the decode wrapper: indptr, indices,
+        last-page lengths, query and KV heads, head dim, page size 1 (one token per page: the row is the
+        page id)."""
+        return (self.kv_indptr, self.kv_indices, self.kv_last_page_len, shape.num_q_heads, shape.num_kv_heads, shape.head_dim, 1)
+
+
+@dataclass(frozen=True)
+class DenseLayout(PagedLayout):
+    """Every request's dense positions: kv_indices gathered on the device from ``req_to_token``, the slot of
+    each dense position (rows of the layer's paged cache)."""
 
     @classmethod
     def of(cls, forward: ForwardRequests, req_to_token: torch.Tensor, batch_size: Optional[int] = None) -> "DenseLayout":
@@ -133,25 +144,12 @@ class DenseLayout:
             kv_last_page_len=torch.ones(len(slots), dtype=torch.int32),
         )
 
-    def paged_kv(self, shape: "AttentionShape") -> tuple:
-        """``plan``'s paged-KV arguments, the same for the prefill and the decode wrapper: indptr, indices,
-        last-page lengths, query and KV heads, head dim, page size 1 (one token per page: the slot is the
-        page id)."""
-        return (self.kv_indptr, self.kv_indices, self.kv_last_page_len, shape.num_q_heads, shape.num_kv_heads, shape.head_dim, 1)
-
 
 @dataclass(frozen=True)
-class WindowLayout:
-    """The FlashInfer paged batch (page size 1) of every request's local-layer keys (``WindowKeys``), each
-    local layer's gathered into a buffer of its own (``gathered``): request ``b``'s ``n_b`` keys are rows
-    ``[b * K, b * K + n_b)`` of it (``K``: the keys' padded width), positions ascending and contiguous, the
-    last one its last query's. Host-known counts: qo_indptr, kv_indptr int32 ``[B + 1]`` and
-    kv_last_page_len int32 ``[B]`` on the host, kv_indices int32 ``[nnz]`` on the keys' device."""
-
-    qo_indptr: torch.Tensor
-    kv_indptr: torch.Tensor
-    kv_indices: torch.Tensor
-    kv_last_page_len: torch.Tensor
+class WindowLayout(PagedLayout):
+    """Every request's local-layer keys (``WindowKeys``), each local layer's gathered into a buffer of its
+    own (``gathered``): request ``b``'s ``n_b`` keys are rows ``[b * K, b * K + n_b)`` of it (``K``: the
+    keys' padded width), positions ascending and contiguous, the last one its last query's."""
 
     @classmethod
     def of(cls, forward: ForwardRequests, keys: WindowKeys, window: int) -> "WindowLayout":
@@ -167,10 +165,6 @@ class WindowLayout:
             kv_indices=kv_indices.to(keys.rows.device, non_blocking=True),
             kv_last_page_len=torch.ones(len(kv_counts), dtype=torch.int32),
         )
-
-    def paged_kv(self, shape: "AttentionShape") -> tuple:
-        """``plan``'s paged-KV arguments (as ``DenseLayout.paged_kv``)."""
-        return (self.kv_indptr, self.kv_indices, self.kv_last_page_len, shape.num_q_heads, shape.num_kv_heads, shape.head_dim, 1)
 
     @staticmethod
     def gathered(keys: WindowKeys, layer_id: int, k_rows: torch.Tensor, v_rows: torch.Tensor) -> tuple:
@@ -283,7 +277,7 @@ class KVEvictFlashInferBackend(SegmentAttentionBackend, FlashInferAttnBackend):
 
     # This forward's, set by ``_init_segment_metadata`` before any layer reads them. Wrapper indices are
     # SGLang's (``_get_wrapper_idx``): 0 alone, or with local layers 0 for them and 1 for global layers.
-    _layouts: dict[int, tuple]  # wrapper index -> (its DenseLayout or WindowLayout, its window_left)
+    _layouts: dict[int, tuple[PagedLayout, int]]  # wrapper index -> (its DenseLayout or WindowLayout, its window_left)
     _planned_scales: dict[int, float]  # wrapper index -> the scale it is planned with
     window_keys: Optional[WindowKeys] = None  # the local layers' keys (a model with them)
 
