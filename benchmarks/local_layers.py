@@ -5,6 +5,8 @@
     python -m benchmarks.local_layers multiturn --scopes request,block --block-size 1024   # and block scope, ~12 min
     python -m benchmarks.local_layers multiturn --policies full --name gemma3_local_layers_repeat   # stock vs full only
     python -m benchmarks.local_layers client --scopes request,block --block-size 1024      # SGLang's own client, ~15 min
+    python -m benchmarks.local_layers multiturn --model gemma3-270m --scopes request,block --block-size 1024   # real weights, ~34 min
+    python -m benchmarks.local_layers client --model gemma3-270m --scopes request,block --block-size 1024      # real weights, ~16 min
 
 Gemma 3 attends in 5 of every 6 layers over a sliding window only; for such models every compressed
 radix node keeps, in local layers, just the node's last ``sliding_window`` positions (what a later
@@ -22,6 +24,18 @@ server's answers are token-for-token those of stock (the same text for every (us
 turns re-send the history, so one different answer changes every later prompt of that user), and the
 memory each server held per conversation after the run (``/kvevict/stats``: kept cells over users,
 in token slots, against the dense history a stock server holds).
+
+``--model gemma3-270m`` (given after the subcommand; default ``tiny``, the random model above) runs the
+same drivers on Google's real Gemma 3 270M (base; ``sgl_kvevict.models.resolve_model``: 18 layers, 15
+local with window 512, 3 global, 1 KV head), with ``REAL_MULTITURN`` / ``REAL_CLIENT`` as defaults. The
+base model has no chat template, and both drivers talk through ``/v1/chat/completions`` (the multi-turn
+driver also counts its tokens with the template), so the benchmark serves a copy of the model folder,
+``<cache>/gemma3-270m-chat`` (``chat_folder``; ``model --model gemma3-270m`` prints it: built once, the weights and the large tokenizer.json
+symlinked, the small json files copied), whose tokenizer_config.json carries Gemma's instruction turn
+format (``GEMMA_CHAT_TEMPLATE``, the gemma-it one). A base model's replies are then continuations of
+the transcript rather than instruction-tuned answers; the comparison stays fair because stock SGLang,
+every plugin server and the driver's token counts all read the one folder, so every server is asked
+the same prompts and must answer with stock's tokens to count as the same.
 """
 
 from __future__ import annotations
@@ -65,6 +79,54 @@ MULTITURN = (
 )  # fmt: skip
 CLIENT = ("--policies", "topk:attn", "--budgets", "0.25", DTYPE_ARG, "--name", f"{NAME}_client")
 
+# The real model (``--model gemma3-270m``): sized by timing stock SGLang on the 2-core development machine
+# (fp32, ~135 prompt tokens/s: a 2.5K-token document takes ~19 s to prefill).
+REAL_MODEL = "gemma3-270m"
+REAL_NAME = "gemma3_270m_local_layers"
+# Policies without learned weights for this model: ``topk`` with the ``attn`` score (its default, ``kvzip``,
+# costs an extra pass; ``learned`` has weights only for SmolLM2) and ``snapkv`` (default score ``attn``).
+REAL_SCOPES = ("--budgets", "0.25", "--scopes", "request,block", "--block-size", "1024")
+# 6 users x 3 turns over ~2.5K-token documents (~16K history tokens); the tight pool holds about a third of
+# the final histories dense. Seven servers, 34 min here (stock alone ~6 min).
+REAL_MULTITURN = (
+    "--pools", "tight", "--tight-fraction", "0.33", "--users", "6", "--turns", "3", "--document-tokens", "2500",
+    "--max-tokens", "24", "--policies", "topk:attn,snapkv", *REAL_SCOPES, DTYPE_ARG, "--name", REAL_NAME,
+)  # fmt: skip
+# 3 groups x 3 chats x 2 turns over 1500-token system prompts (shorter than the multi-turn documents, and
+# topk:attn alone besides full: five servers, 16 min here): 4.5K shared + ~1.6K
+# per-chat tokens; a 2000-token pool holds about a third of them (one system prompt and its chats) dense.
+REAL_CLIENT = (
+    "--pool-tokens", "2000", "--groups", "3", "--prompts-per-group", "3", "--turns", "2",
+    "--system-prompt-tokens", "1500", "--question-tokens", "64", "--output-tokens", "24", "--concurrency", "3",
+    "--policies", "topk:attn", *REAL_SCOPES, DTYPE_ARG, "--name", f"{REAL_NAME}_client",
+)  # fmt: skip
+MODELS = ("tiny", REAL_MODEL)
+
+# Gemma's instruction-tuned turn format (gemma-it): a system message is folded into the first user turn.
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}"
+    "{%- set first_user_prefix = '' -%}"
+    "{%- set loop_messages = messages -%}"
+    "{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{%- endif -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}"
+    "{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{ '<start_of_turn>model\n' }}"
+    "{%- endif -%}"
+)
+COPIED_MAX_BYTES = 1 << 20  # json files up to this size are copied into the chat folder; the rest is symlinked
+
 
 def model_folder(cache: Optional[Path] = None, shape: dict = SHAPE, log=print) -> Path:
     """The folder of the model of ``shape`` under ``cache`` (default: the project's model cache), built on first use."""
@@ -85,6 +147,80 @@ def model_folder(cache: Optional[Path] = None, shape: dict = SHAPE, log=print) -
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return folder
+
+
+MANIFEST_NAME = "sgl_kvevict_manifest.json"  # the bundled model's own manifest: not the chat copy's
+
+
+def _copied(path: Path) -> bool:
+    """Whether ``chat_folder`` copies the source's file ``path`` (else it symlinks it)."""
+    return path.suffix == ".json" and path.stat().st_size <= COPIED_MAX_BYTES
+
+
+def _chat_folder_ready(folder: Path, source: Path) -> bool:
+    """``folder`` has the template, every file of ``source`` (a dangling symlink counts as missing) and
+    the same copied files (a rebuilt source's config is picked up)."""
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        files = [path for path in source.iterdir() if path.is_file() and path.name not in (MANIFEST_NAME, "tokenizer_config.json")]
+        return config.get("chat_template") == GEMMA_CHAT_TEMPLATE and all(
+            (folder / path.name).is_file() and (not _copied(path) or (folder / path.name).read_bytes() == path.read_bytes())
+            for path in files
+        )
+    except (OSError, ValueError):
+        return False
+
+
+def chat_folder(source: Path, cache: Optional[Path] = None, log=print) -> Path:
+    """``<cache>/<source name>-chat``: ``source``'s model with Gemma's chat template, built once (whole or
+    not at all) and rebuilt if its template or a file is missing: the small json files copied (the template
+    added to tokenizer_config.json), the rest (the weights, the 33 MB tokenizer.json) symlinked to ``source``."""
+    from sgl_kvevict.models import cache_dir
+
+    source = Path(source).resolve()
+    folder = (cache or cache_dir()) / f"{source.name}-chat"
+    if _chat_folder_ready(folder, source):
+        return folder
+    log(f"building {folder}: {source} with Gemma's chat template")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
+    staging.chmod(0o755)  # mkdtemp's 0700: the folder is read like the converted model's
+    try:
+        for path in sorted(source.iterdir()):
+            if not path.is_file() or path.name == MANIFEST_NAME:
+                continue
+            target = staging / path.name
+            if path.name == "tokenizer_config.json":
+                config = json.loads(path.read_text())
+                config["chat_template"] = GEMMA_CHAT_TEMPLATE
+                target.write_text(json.dumps(config, indent=2) + "\n")
+            elif _copied(path):
+                shutil.copyfile(path, target)
+            else:
+                target.symlink_to(path)
+        if folder.exists():
+            shutil.rmtree(folder)
+        staging.rename(folder)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
+
+
+def split_model(given: Sequence[str]) -> tuple[str, list[str]]:
+    """``--model tiny|gemma3-270m`` taken out of ``given`` (the last one wins; default ``tiny``), and the
+    rest; a ``--model`` with any other value (a folder) is left for the driver."""
+    rest, model, index = [], "tiny", 0
+    while index < len(given):
+        item = given[index]
+        if item == "--model" and index + 1 < len(given) and given[index + 1] in MODELS:
+            model, index = given[index + 1], index + 2
+            continue
+        if item.startswith("--model=") and item.split("=", 1)[1] in MODELS:
+            model = item.split("=", 1)[1]
+        else:
+            rest.append(item)
+        index += 1
+    return model, rest
 
 
 def driver_argv(model: Path, defaults: Sequence[str], given: Sequence[str]) -> list[str]:
@@ -153,7 +289,8 @@ def answers_markdown(answer_rows: Sequence[dict], memory_rows: Sequence[dict], c
         "",
         "## Answers and memory (`benchmarks.local_layers`)",
         "",
-        f"Written by `{command}`, which builds the Gemma 3-shaped model and ran the command above. The machine "
+        f"Written by `{command}`, which prepared the model's folder (the Gemma 3-shaped model, or the real model's "
+        "chat-template copy) and ran the command above. The machine "
         "was shared with other engineers' tests and servers while it ran (load averages before each server are in "
         "the JSON): compare the ratios of this one run, not absolute figures across runs. Same answers: the "
         "server's reply to each (user, turn) is stock's text (greedy, fp32); a user's later prompts re-send its "
@@ -217,19 +354,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not argv or argv[0] not in ("model", "multiturn", "client"):
         print(f"usage:\n{USAGE}", file=sys.stderr)
         return 2
-    command, given = argv[0], argv[1:]
-    folder = model_folder()
+    command, (model, given) = argv[0], split_model(argv[1:])
+    if model == REAL_MODEL:
+        from sgl_kvevict.models import resolve_model
+
+        folder, multiturn_defaults, client_defaults, name = chat_folder(resolve_model(REAL_MODEL)), REAL_MULTITURN, REAL_CLIENT, REAL_NAME
+    else:
+        folder, multiturn_defaults, client_defaults, name = model_folder(), MULTITURN, CLIENT, NAME
     if command == "model":
         print(folder)
         return 0
     if command == "client":
         from benchmarks import sglang_client
 
-        return sglang_client.main(driver_argv(folder, CLIENT, given))
+        return sglang_client.main(driver_argv(folder, client_defaults, given))
     from benchmarks import multiturn
 
-    code = multiturn.main(["compare", *driver_argv(folder, MULTITURN, given)])
-    out, name = Path(_option(given, "--out", RESULTS_DIR)), _option(given, "--name", NAME)
+    code = multiturn.main(["compare", *driver_argv(folder, multiturn_defaults, given)])
+    out, name = Path(_option(given, "--out", RESULTS_DIR)), _option(given, "--name", name)
     if (out / f"{name}.json").exists():
         from benchmarks.cli import command_line
 
