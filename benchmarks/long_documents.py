@@ -61,7 +61,7 @@ from benchmarks.cli import progress
 from benchmarks.cli import run_each
 from benchmarks.load.report import heading
 from benchmarks.reuse_quality import SUMMARY_INSTRUCTION
-from sgl_kvevict.measure.chat import ChatTokens, shared_prefix, slots_held, model_token_counter
+from sgl_kvevict.measure.chat import ChatTokens, kv_held, model_token_counter, shared_prefix
 from sgl_kvevict.measure.client import flush_when_idle, ask
 from sgl_kvevict.measure.intervals import Proportion, wilson
 from sgl_kvevict.measure.results import write_result_files, pyplot as _pyplot, environment
@@ -213,7 +213,7 @@ async def run_document(
         raise ServerError(f"{base_url} did not flush its cache")
     first = await ask(session, base_url, turn_one(task), config.summary_tokens)
     document = DocumentRecord(length, index, task.kind, first.prompt_tokens, first.text, first.completion_tokens,
-                              first.ttft, await slots_held(session, base_url))  # fmt: skip
+                              first.ttft, (await kv_held(session, base_url)).slots)  # fmt: skip
     answers = []
     turn_one_ids = chat.ids(turn_one(task))  # what a question may reuse: the prefix its prompt shares with these
     for question in task.questions:

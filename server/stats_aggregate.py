@@ -47,9 +47,9 @@ def fetch_worker_stats(url: str, key: Optional[str] = None, timeout: float = WOR
 
 def add_counters(total: dict, stats: dict) -> None:
     """Add one worker's counters into ``total``: numbers are summed, ``*_max`` take the maximum,
-    histograms (dicts of counts) add bucket by bucket; means are left out (not additive)."""
+    histograms (dicts of counts) add bucket by bucket; means and kept shares are left out (not additive)."""
     for name, value in stats.items():
-        if name in SETTING_FIELDS or name.endswith("_mean") or isinstance(value, bool):
+        if name in SETTING_FIELDS or name.endswith("_mean") or name.startswith("kept_share") or isinstance(value, bool):
             continue
         if isinstance(value, dict):
             buckets = total.setdefault(name, {})

@@ -227,11 +227,14 @@ def test_full_against_stock_is_the_numerics_floor_and_comes_first():
                                                    "sgl_kvevict": "0", "date": "today"}, "documents": [], "source": "s", "skipped": []}  # fmt: skip
     for server in servers:
         server["seconds"] = 1.0
+    # A model with local layers: the candidate's global layers keep 0.25 (/kvevict/stats), shown beside its share.
+    servers[2]["documents"] = [d | {"kept_share_global_layers": 0.25} for d in servers[2]["documents"]]
     payload["analysis"] = analyse(servers, {d: "2K-4K" for d in names}, set(), 0.9, "both", 0.9)
     assert payload["analysis"]["numerics"]["full"]["full block"]["equal_to_stock"] == {"multi-request": 0.75, "multi-turn": 0.75}
     text = report_markdown(payload)
     assert text.index("## Numerics") < text.index("## Answers") < text.index("## Recommendation")
     assert "`stock` runs SGLang with `--attention-backend torch_native`" in text and "**full block** (nothing evicted) answers as stock on 0.75 / 0.75" in text
+    assert "| 0.4 | all | 4 | 0.40 (global layers 0.25) |" in text and "(global layers" not in text.split("| 0.4 |")[0]
 
 
 def test_probes_quote_the_documents_own_sentences(tmp_path):

@@ -6,7 +6,8 @@ pool less a few tokens (3,994 here); with the trim a block holds its 3 global la
 512 positions of its 15 local ones, about 0.58 of its KV, so the plugin raises SGLang's length limit by
 the trim and serves a 4,600-token prompt, and a flush gives every slot back. On the same server, requests
 naming snapkv and topk at 0.25 (``--kv-evict-per-request``) keep a quarter of each global layer's block,
-and their local layers keep their window (the plans the server dumps).
+and their local layers keep their window (the plans the server dumps, and the kept shares ``/kvevict/stats``
+reports per layer and of global layers).
 """
 
 from __future__ import annotations
@@ -55,11 +56,17 @@ def test_full_in_block_scope_serves_a_prompt_longer_than_the_pool_and_policies_s
         assert served["meta_info"]["finish_reason"]["type"] != "abort", served["meta_info"]
         assert served["meta_info"]["prompt_tokens"] == len(long_prompt)
         blocks = len(long_prompt) // BLOCK
-        assert client.stats(server)["compressed_tokens"] == blocks * BLOCK  # every block stored trimmed
+        stats = client.stats(server)
+        assert stats["compressed_tokens"] == blocks * BLOCK  # every block stored trimmed
+        # /kvevict/stats: global layers whole, local layers their window (half of each block)
+        assert stats["kept_share_global_layers"] == 1.0
+        assert [stats["kept_share_by_layer"][layer] for layer in local] == [window / BLOCK] * len(local)
+        assert stats["kept_share_all_layers"] == round((len(config["layer_types"]) - len(local) * (1 - window / BLOCK)) / len(config["layer_types"]), 4)
         client.assert_no_leak_after_flush(server)
         for policy in ("snapkv", "topk"):
             options = f"policy={policy},budget=0.25" + (",score=attn" if policy == "topk" else "")
             client.generate(server, prompt_ids(tokenizer, 1100, seed=1), max_new_tokens=1, rid=policy, options=options)
+            assert client.stats(server)["kept_share_global_layers"] == 0.25, policy  # the budget, of global layers
         client.assert_no_leak_after_flush(server)
     for policy in ("snapkv", "topk"):
         plan = torch.load(dump_dir / f"{policy}.block0.pt")

@@ -72,8 +72,10 @@ def ledger(harness: TreeHarness) -> dict:
         "available": harness.allocator.available_size(), "evictable": tree.evictable_size(),
         "protected": tree.protected_size(), "slots_borrowed": arena.slots_borrowed, "cells_used": arena.cells_used,
         "cells_locked": arena.cells_locked, "compressed_nodes": len(harness.compressed_nodes()),
-        # Not SGLang's ledger: a rank's moves, and the host bytes of its own heads' deferred plans.
-        **{k: v for k, v in harness.stats_snapshot().items() if k not in ("arena_cells_moved", "deferred_plan_bytes")},
+        # Not SGLang's ledger: a rank's moves, the host bytes of its own heads' deferred plans, and the kept
+        # shares of its own heads.
+        **{k: v for k, v in harness.stats_snapshot().items()
+           if k not in ("arena_cells_moved", "deferred_plan_bytes") and not k.startswith("kept_share")},
     }  # fmt: skip
 
 

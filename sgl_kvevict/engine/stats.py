@@ -10,6 +10,9 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
 
 from sgl_kvevict.engine.segments import CompressedSegment
 
@@ -28,7 +31,11 @@ class EngineStats:
 
     Levels: ``compressed_nodes``, ``compressed_tokens`` (logical tokens they cover), ``kept_cells`` (cells
     they hold on each rank: the same on every tensor-parallel rank, which reserve alike), ``kept_entries``
-    ((layer, KV head, token) entries they keep, over every rank; ``kept_cells`` without TP).
+    ((layer, KV head, token) entries they keep, over every rank; ``kept_cells`` without TP); in the
+    snapshot, ``kept_share_by_layer`` (per model layer, the entries the nodes keep over those their tokens
+    hold dense, this rank's KV heads) and, on a model with local layers (``global_layers`` set),
+    ``kept_share_global_layers`` and ``kept_share_all_layers`` (a policy's budget is a share of the
+    former; local layers keep their window whatever the budget).
     Running totals: ``requests_compressed``; ``reuse_hits`` (requests whose match reused compressed
     nodes made by other requests) and ``reused_tokens``; ``shared_node_hits`` ((request, node) pairs of
     such reuse); ``compressed_nodes_created`` (a split's head counts as a new node);
@@ -87,7 +94,22 @@ class EngineStats:
     slots_freed_under_pressure: int = 0
     compressed_at_checkpoint_under_pressure: int = 0
     served_histogram: Counter = field(default_factory=Counter, repr=False)
+    # The model's global layers where it has local ones (``local_layers``), for the shares of the snapshot.
+    global_layers: tuple[int, ...] = field(default=(), repr=False)
+    # Per model layer (this rank's KV heads): entries the compressed nodes keep, and (layer, head, token) slots
+    # their tokens hold dense (the same for every layer).
+    _kept_by_layer: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64), repr=False)
+    _dense_per_layer: int = field(default=0, repr=False)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def _count_entries(self, counts: torch.Tensor, dense: int, sign: int = 1) -> None:
+        """``counts`` int64 ``[L, H_kv]``: entries per (layer, KV head) added (``sign`` 1) or removed (-1), with
+        ``dense`` (layer, head, token) slots per layer. Called under the lock."""
+        per_layer = counts.sum(1)
+        if len(self._kept_by_layer) != len(per_layer):
+            self._kept_by_layer = torch.zeros_like(per_layer)
+        self._kept_by_layer += sign * per_layer
+        self._dense_per_layer += sign * dense
 
     def node_added(self, segment: CompressedSegment) -> None:
         """A compressed node was created; it has served its creator."""
@@ -96,17 +118,21 @@ class EngineStats:
             self.compressed_tokens += segment.length
             self.kept_cells += segment.num_cells
             self.kept_entries += int(segment.rank_counts.per_rank().sum())
+            self._count_entries(segment.counts, segment.length * segment.counts.shape[1])
             self.compressed_nodes_created += 1
             self.served_histogram[1] += 1
 
-    def node_split(self, served: int, extra_cells: int, added_entries: int = 0) -> None:
+    def node_split(self, served: int, extra_cells: int, added: Optional[CompressedSegment] = None) -> None:
         """A compressed node that had served ``served`` requests was split: its head is a new node with
         the same history; tokens are only partitioned, cells too but for ``extra_cells`` more reserved
-        (tensor parallelism: ``segments.Split``) and ``added_entries`` the head gained (local layers'
+        (tensor parallelism: ``segments.Split``) and the entries of ``added`` the head gained (local layers'
         window before the split), each in a cell of its own."""
         with self.lock:
-            self.kept_cells += extra_cells + added_entries
-            self.kept_entries += added_entries
+            if added is not None:
+                self.kept_cells += added.num_entries
+                self.kept_entries += added.num_entries
+                self._count_entries(added.counts, 0)
+            self.kept_cells += extra_cells
             self.compressed_nodes += 1
             self.compressed_nodes_created += 1
             self.served_histogram[served] += 1
@@ -123,6 +149,7 @@ class EngineStats:
             self.compressed_tokens -= segment.length
             self.kept_cells -= segment.num_cells
             self.kept_entries -= int(segment.rank_counts.per_rank().sum())
+            self._count_entries(segment.counts, segment.length * segment.counts.shape[1], sign=-1)
             self.compressed_nodes_evicted += 1
             self.compressed_cells_evicted += segment.num_cells
 
@@ -151,6 +178,7 @@ class EngineStats:
         with self.lock:
             self.compressed_nodes = self.compressed_tokens = self.kept_cells = self.kept_entries = 0
             self.deferred_nodes = self.deferred_plan_bytes = 0
+            self._kept_by_layer, self._dense_per_layer = torch.zeros(0, dtype=torch.int64), 0
 
     def overlap_wait(self, reason: str) -> None:
         """The overlap schedule waited for a batch's results, for ``reason`` (``coordinator.SETTLED_FOR_*``)."""
@@ -169,6 +197,7 @@ class EngineStats:
         with self.lock:
             counters = {name: getattr(self, name) for name in self.__dataclass_fields__ if name not in _NOT_COUNTERS}
             histogram = {served: nodes for served, nodes in self.served_histogram.items() if nodes}
+            kept_by_layer, dense = self._kept_by_layer.tolist(), self._dense_per_layer
         buckets: dict[str, int] = {}
         for served in sorted(histogram):
             buckets[served_bucket(served)] = buckets.get(served_bucket(served), 0) + histogram[served]
@@ -178,9 +207,21 @@ class EngineStats:
             "requests_served_per_node": buckets,
             "requests_served_per_node_max": max(histogram, default=0),
             "requests_served_per_node_mean": sum(s * n for s, n in histogram.items()) / nodes if nodes else 0.0,
+            **self._shares(kept_by_layer, dense),
         }
 
+    def _shares(self, kept_by_layer: list[int], dense: int) -> dict:
+        """The snapshot's kept shares (empty before any node: nothing to divide)."""
+        if not dense:
+            return {}
+        shares = {"kept_share_by_layer": [round(kept / dense, 4) for kept in kept_by_layer]}
+        if self.global_layers:
+            global_kept = sum(kept_by_layer[layer] for layer in self.global_layers)
+            shares["kept_share_global_layers"] = round(global_kept / (dense * len(self.global_layers)), 4)
+            shares["kept_share_all_layers"] = round(sum(kept_by_layer) / (dense * len(kept_by_layer)), 4)
+        return shares
 
-_NOT_COUNTERS = ("served_histogram", "lock")
+
+_NOT_COUNTERS = ("served_histogram", "lock", "global_layers", "_kept_by_layer", "_dense_per_layer")
 
 

@@ -61,6 +61,7 @@ def compare(server: dict, stock: dict, buckets: dict[str, str], reference: Optio
                 "document_f1": _mean(a.get("document_f1") for a, _ in pairs),
             }
         cell["kept_share"] = _mean(d["kept_share"] for d in server["documents"] if d["document"] in names)
+        cell["kept_share_global_layers"] = _mean(d.get("kept_share_global_layers") for d in server["documents"] if d["document"] in names)
         cells[bucket] = cell
     return cells
 
@@ -243,7 +244,10 @@ def fidelity_rows(servers: Sequence[dict]) -> list[str]:
             if cell is None:
                 continue
             n = "/".join(str(cell[f]["n"]) for f in FORMS)
-            lines.append(f"| {server['label']} | {bucket} | {cell['documents']} | {_fmt(cell['kept_share'])} | {pair(cell, 'accuracy')} "
+            share = _fmt(cell["kept_share"])
+            if cell.get("kept_share_global_layers") is not None:  # local layers keep their window whatever the budget
+                share += f" (global layers {_fmt(cell['kept_share_global_layers'])})"
+            lines.append(f"| {server['label']} | {bucket} | {cell['documents']} | {share} | {pair(cell, 'accuracy')} "
                          f"| {pair(cell, 'document_f1')} | {pair(cell, 'full_exact')} | {pair(cell, 'exact')} (n={n}) |")  # fmt: skip
     return lines
 

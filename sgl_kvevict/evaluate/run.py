@@ -25,7 +25,7 @@ import aiohttp
 
 from sgl_kvevict.evaluate.fidelity import contains_reference, follows_document
 from sgl_kvevict.evaluate.inputs import Document, Question
-from sgl_kvevict.measure.chat import ChatTokens, slots_held
+from sgl_kvevict.measure.chat import ChatTokens, kv_held
 from sgl_kvevict.measure.client import StreamedReply, ask, complete, flush_when_idle
 from sgl_kvevict.measure.servers import ServerError
 
@@ -58,6 +58,7 @@ class DocumentRun:
     summary_tokens: int
     ttft: float
     slots_held: Optional[int]  # None: stock, which holds the conversation dense
+    kept_share_global_layers: Optional[float] = None  # a model with local layers: what its global layers keep
 
     @property
     def kept_share(self) -> Optional[float]:
@@ -166,8 +167,9 @@ async def run_document(
         raise ServerError(f"{base_url} did not flush its cache (POST /flush_cache)")
     turn_one = prompts.first(document)
     first = await prompts.send(session, base_url, turn_one, summary_tokens, False)
+    held = await kv_held(session, base_url)
     record = DocumentRun(document.name, first.prompt_tokens or 0, first.completion_tokens or 0, first.ttft or 0.0,
-                         await slots_held(session, base_url))  # fmt: skip
+                         held.slots, held.global_layers_share)  # fmt: skip
     answers = []
     for index, question in enumerate(document.questions):
         reply = await prompts.send(session, base_url, prompts.new_request(document, question), answer_tokens, True)

@@ -4,6 +4,8 @@ a conversation holds."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import sys
 from typing import Callable, Optional, Sequence
 
@@ -42,10 +44,21 @@ class ChatTokens:
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-async def slots_held(session: aiohttp.ClientSession, base_url: str) -> Optional[int]:
+@dataclass(frozen=True)
+class KVHeld:
+    """What a server holds after a conversation's turn (``/kvevict/stats``): the KV slots in use, and on a
+    model with local layers the share of the global layers' KV its compressed nodes keep (a policy's budget is
+    that share). None for stock, which holds every token dense."""
+
+    slots: Optional[int]
+    global_layers_share: Optional[float] = None
+
+
+async def kv_held(session: aiohttp.ClientSession, base_url: str) -> KVHeld:
     stats = await get_json(session, base_url + STATS_PATH)
-    # Stock answers {"policy": "none"}: it holds every token dense.
-    return stats["kv_slots_total"] - stats["kv_slots_free"] if stats and "kv_slots_total" in stats else None
+    if not stats or "kv_slots_total" not in stats:  # stock answers {"policy": "none"}
+        return KVHeld(None)
+    return KVHeld(stats["kv_slots_total"] - stats["kv_slots_free"], stats.get("kept_share_global_layers"))
 
 
 def model_token_counter(model: str) -> Callable[[str], int]:

@@ -188,7 +188,7 @@ def build_engine(
         raise UnsupportedSetup(f"KV eviction cannot store compressed KV in this KV pool: {error}") from None
     arena = Arena(space, slot_source(allocator, space))
     paths = PathViews(arena, kv_pool.device)
-    stats = EngineStats()
+    stats = EngineStats(global_layers=() if local_layers is None else local_layers.global_layers(shape.num_layers))
     reconstructor = None
     if model.reconstruction is not None:
         parts = model.reconstruction

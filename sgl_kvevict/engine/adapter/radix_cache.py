@@ -237,7 +237,7 @@ class CompressedRadixCache(RadixCache):
         self.order.inherit(head_record, record)
         setattr(head, RECORD_ATTR, head_record)
         record.segment = tail_segment
-        self.stats.node_split(record.requests_served, split.extra, added)
+        self.stats.node_split(record.requests_served, split.extra, head_window)
         return head
 
     def _merged(self, segment: CompressedSegment, added: CompressedSegment) -> CompressedSegment:
