@@ -165,6 +165,26 @@ def test_after_compressing_cold_prompts_falls_short_checkpoints_compress_at_once
     assert_one_more_checkpoint_compresses_then_prompts_defer(harness, seed=120)
 
 
+def test_while_the_pool_is_full_a_prompt_is_compressed_as_soon_as_its_last_reader_is_released():
+    harness = pressure_harness(pool_slots=300)
+    running = harness.prefill(tokens(40, 90, first=40))  # its prompt deferred (the pool has room), locked
+    harness.decode(running, [7, 8])
+    assert len(harness.deferred_nodes()) == 1 and harness.compressed_nodes() == []
+    for seed in range(2):
+        chat_turn(harness, tokens(10 + seed, 90, first=10 + seed))
+    reader = harness.prefill(tokens(30, 100, first=30))  # needs room: the cold prompts compressed, not the read one
+    (read,) = [node for node in harness.deferred_nodes() if node.key.token_ids[0] == 40]
+    assert read.lock_ref > 0 and harness.stats.nodes_compressed_under_pressure >= 1
+    compressed_before = harness.stats.nodes_compressed_under_pressure
+    harness.finish(running)  # its last reader released: compressed at once, nothing evicted
+    assert node_record(read).is_compressed and harness.stats.nodes_compressed_under_pressure == compressed_before + 1
+    assert harness.stats.dense_nodes_evicted == 0
+    harness.assert_ledger()
+    harness.assert_cells_hold_their_entries()
+    harness.finish(reader)
+    harness.assert_ledger()
+
+
 def test_a_split_keeps_each_parts_plan_and_both_parts_compress_under_pressure():
     harness = pressure_harness(pool_slots=400)
     system = tokens(70, 40, first=70)

@@ -429,7 +429,14 @@ class CompressedRadixCache(RadixCache):
                     self._count_served(node)
 
     def on_release(self, req, *, checkpointed: bool) -> None:
+        """The request's row is freed and its lock dropped. While the pool is full (``PRESSURE_CHECKPOINTS``),
+        the dense prompts with a plan that no running request reads any more are compressed now, not at the
+        next request for room: the next turn of a conversation then reads its history compressed, as under
+        ``prefill``, instead of locking it dense again for the whole turn."""
         self.coordinator.on_request_end(req)
+        if self.defers and self._checkpoints_since_pressure < PRESSURE_CHECKPOINTS:
+            for node in [node for node in self._deferred.values() if node.lock_ref == 0]:
+                self._compress_in_place(node)
 
     def _insert_dense(self, req, end: int, split_prompt: bool = False) -> None:
         """Insert the request's tokens ``[0, end)`` as the stock checkpoint does and adopt the tree's path."""
