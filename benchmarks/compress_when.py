@@ -142,8 +142,9 @@ def render(results: Path = RESULTS) -> str:
         "Replies as stock's: the replies (user, turn) equal, as text, to stock SGLang's in the same pool; "
         "later turns carry each server's own earlier answers. Compressed under pressure, at the end of the run "
         "(`/kvevict/stats`): cold prompts compressed in place when SGLang asked for room "
-        "(`nodes_compressed_under_pressure`) / prompts compressed right after their prefill because that did not "
-        "free enough (`compressed_at_checkpoint_under_pressure`). Machines are shared: compare within one run.",
+        "(`nodes_compressed_under_pressure`, released prompts included) / prompts compressed right after their prefill "
+        "once SGLang had asked for room the pool did not have free (`compressed_at_checkpoint_under_pressure`). "
+        "Machines are shared: compare within one run.",
         "",
     ]
     return "\n".join(lines)
