@@ -229,7 +229,7 @@ class WindowKeys:
         device = req_to_token.device
         layers = torch.tensor(local.layers, device=device).view(-1, 1, 1)
         heads = torch.arange(space.num_kv_heads, device=device).view(1, -1, 1)
-        spans = [(max(0, request.first_query_position - local.window + 1), request.seq_len) for request in requests]
+        spans = [window_span(request, local.window) for request in requests]
         width = max(width, *(end - start for start, end in spans))
         rows, positions = [], []
         for request, (start, end) in zip(requests, spans):
@@ -295,6 +295,12 @@ class WindowKeys:
             placed(self.rows, other.rows, 1), placed(self.positions, other.positions, 0), self.layer_rows,
             torch.arange(len(order), device=order.device), placed(self.query_positions, other.query_positions, 0), self.layers,
         )  # fmt: skip
+
+
+def window_span(request: RequestSlice, window: int) -> tuple[int, int]:
+    """The positions ``[start, end)`` a local layer's queries of ``request`` read, from its first query's window
+    start (``window``: the keys a query reads, itself included) to its last query."""
+    return max(0, request.first_query_position - window + 1), request.seq_len
 
 
 def _read_compressed(rows: torch.Tensor, view: PathView, positions: torch.Tensor, local_layers: tuple[int, ...]) -> None:

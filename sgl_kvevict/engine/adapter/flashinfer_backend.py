@@ -77,7 +77,7 @@ from sglang.srt.model_executor.runner_utils.capture_mode import get_capture_atte
 
 from sgl_kvevict.engine.adapter.attention import SegmentAttentionBackend, local_window
 from sgl_kvevict.engine.adapter.pool import cell_space_of
-from sgl_kvevict.engine.batch import ForwardRequests, SegmentMetadata, WindowKeys, WindowKeysCache
+from sgl_kvevict.engine.batch import ForwardRequests, SegmentMetadata, WindowKeys, WindowKeysCache, window_span
 from sgl_kvevict.engine.decode_graph import (
     FITS,
     STOCK,
@@ -155,7 +155,7 @@ class WindowLayout(PagedLayout):
     def of(cls, forward: ForwardRequests, keys: WindowKeys, window: int) -> "WindowLayout":
         """``keys``: ``forward``'s requests' window keys, in its order; ``window``: the keys a query reads."""
         width = keys.rows.shape[-1]
-        kv_counts = [request.seq_len - max(0, request.first_query_position - window + 1) for request in forward.requests]
+        kv_counts = [end - start for start, end in (window_span(request, window) for request in forward.requests)]
         columns = torch.arange(width)
         rows = columns[None, :] + width * torch.arange(len(kv_counts))[:, None]  # [B, K]
         kv_indices = rows[columns[None, :] < torch.tensor(kv_counts)[:, None]].to(torch.int32)

@@ -346,7 +346,7 @@ class CompressedRadixCache(RadixCache):
         self.update_eviction_metrics(freed, start_time)
         return EvictResult(num_tokens_evicted=freed)
 
-    def _compress_cold(self, wanted: int) -> int:
+    def _compress_cold(self, wanted: float) -> int:
         """Compress unlocked dense nodes with a plan, coldest first in the eviction order, until ``wanted``
         slots are given back or reclaimable by moves; returns the slots given back to SGLang."""
         order = self.order
@@ -435,8 +435,7 @@ class CompressedRadixCache(RadixCache):
         ``prefill``, instead of locking it dense again for the whole turn."""
         self.coordinator.on_request_end(req)
         if self.defers and self._checkpoints_since_pressure < PRESSURE_CHECKPOINTS:
-            for node in [node for node in self._deferred.values() if node.lock_ref == 0]:
-                self._compress_in_place(node)
+            self._compress_cold(math.inf)  # every unlocked one
 
     def _insert_dense(self, req, end: int, split_prompt: bool = False) -> None:
         """Insert the request's tokens ``[0, end)`` as the stock checkpoint does and adopt the tree's path."""
