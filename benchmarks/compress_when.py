@@ -47,11 +47,14 @@ def _same_replies(records: list[dict], reference: list[dict]) -> tuple[int, int]
 
 
 def _under_pressure(stats: Optional[dict]) -> str:
-    """Cold nodes compressed when SGLang asked for room / segments compressed at their checkpoint meanwhile."""
+    """Cold nodes compressed when SGLang asked for room / segments compressed at their checkpoint meanwhile /
+    prompts admitted by their compressed size."""
     last = (stats or {}).get("last") or {}
     if "nodes_compressed_under_pressure" not in last:
         return "-"
-    return f"{last['nodes_compressed_under_pressure']} / {last.get('compressed_at_checkpoint_under_pressure', 0)}"
+    counts = (last["nodes_compressed_under_pressure"], last.get("compressed_at_checkpoint_under_pressure", 0),
+              last.get("prompts_admitted_compressed", "-"))  # fmt: skip
+    return " / ".join(map(str, counts))
 
 
 def sweep_table(report: dict) -> list[str]:
@@ -59,7 +62,7 @@ def sweep_table(report: dict) -> list[str]:
     pressure, prefill = _pressure_pair(report["meta"]["variants"])
     lines = [
         "| pool | server | output tok/s | vs prefill | hit rate | facts right | replies as stock's | replies as `full`'s | "
-        "compressed under pressure: cold / at checkpoint |",
+        "compressed under pressure: cold / at checkpoint / admitted |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for pool in report["meta"]["pools"]:
@@ -84,7 +87,7 @@ def client_table(report: dict) -> list[str]:
     pressure, prefill = _pressure_pair([run["label"] for run in runs])
     by_label = {run["label"]: run for run in runs}
     lines = [
-        "| server | output tok/s | vs prefill | TTFT median (s) | ITL mean (ms) | hit rate | compressed under pressure: cold / at checkpoint |",
+        "| server | output tok/s | vs prefill | TTFT median (s) | ITL mean (ms) | hit rate | compressed under pressure: cold / at checkpoint / admitted |",
         "|---|---|---|---|---|---|---|",
     ]
     for run in runs:
@@ -143,7 +146,9 @@ def render(results: Path = RESULTS) -> str:
         "later turns carry each server's own earlier answers. Compressed under pressure, at the end of the run "
         "(`/kvevict/stats`): cold prompts compressed in place when SGLang asked for room "
         "(`nodes_compressed_under_pressure`, released prompts included) / prompts compressed right after their prefill "
-        "once SGLang had asked for room the pool did not have free (`compressed_at_checkpoint_under_pressure`). "
+        "once SGLang had asked for room the pool did not have free (`compressed_at_checkpoint_under_pressure`) / "
+        "prompts admitted by their compressed size while the pool was full (`prompts_admitted_compressed`; "
+        "-: measured before it was counted). "
         "Machines are shared: compare within one run.",
         "",
     ]

@@ -284,9 +284,10 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"when a scored prompt is compressed. {PREFILL}: right after its prefill, whether the KV pool needs "
         f"the room or not. {PRESSURE}: it is scored during the same prefill but kept dense in the radix tree "
         "with the plan the policy made (a few bytes per kept entry, on the host); only when SGLang needs KV "
-        "slots are the coldest dense prompts no running request reads compressed with their plan, before "
-        "anything is evicted, so answers change only once the pool is full; from then on, the next 64 prompts are "
-        "compressed right after their prefill, as under prefill (each new request for room starts the count again). Scores are the prefill's own (an attention score reads the prompt's own window), KVzip's passes still run at the "
+        "slots, or a prompt does not fit dense beside the running requests, are the coldest dense prompts no running "
+        "request reads compressed with their plan, before anything is evicted, so answers change only once the "
+        "pool is full; from then on, the next 64 prompts are admitted by their compressed size and compressed "
+        "right after their prefill, as under prefill (each new request for room starts the count again). Scores are the prefill's own (an attention score reads the prompt's own window), KVzip's passes still run at the "
         "prefill, and a prompt longer than the pool is refused as stock refuses it (under prefill, block scope "
         f"serves it by compressing its blocks while it is prefilled) (default {PREFILL})",
     )

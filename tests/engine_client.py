@@ -10,7 +10,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import pytest
 import torch
@@ -100,9 +100,11 @@ def abort(server: RunningServer, rid: str) -> None:
         pass
 
 
-def stream(server: RunningServer, payload: dict, abort_after: Optional[int] = None) -> int:
+def stream(
+    server: RunningServer, payload: dict, abort_after: Optional[int] = None, on_chunk: Optional[Callable[[], None]] = None
+) -> int:
     """Stream ``/generate`` of ``payload``; with ``abort_after``, abort the request (its ``rid``) once that
-    many chunks arrived. Returns the chunks received."""
+    many chunks arrived; ``on_chunk`` is called at every chunk. Returns the chunks received."""
     request = urllib.request.Request(
         server.base_url + "/generate", data=json.dumps({**payload, "stream": True}).encode(), headers=server.headers()
     )
@@ -111,6 +113,8 @@ def stream(server: RunningServer, payload: dict, abort_after: Optional[int] = No
         for line in response:
             if line.startswith(b"data:") and b"[DONE]" not in line:
                 chunks += 1
+                if on_chunk is not None:
+                    on_chunk()
                 if chunks == abort_after:
                     abort(server, payload["rid"])
     return chunks

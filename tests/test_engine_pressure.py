@@ -2,11 +2,14 @@
 pool has room every prompt stays dense with its plan, so a conversation decodes the dense model's greedy
 tokens (the reference's, which evicts nothing) and nothing is compressed; when later conversations need
 the room, cold prompts are compressed in place instead of evicted, their next turns still reuse them, and
-a flush gives every slot, cell and plan back."""
+a flush gives every slot, cell and plan back. Block scope with chunked prefill: a prompt the pool cannot take
+dense beside a running request is admitted at once by its compressed peak, and the running request's
+prompt is not compressed under it."""
 
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 
@@ -20,6 +23,13 @@ PROMPT = 300
 MAX_NEW_TOKENS = 6
 FLAGS = ("--kv-evict-policy", "snapkv", "--kv-evict-budget", "0.25", "--kv-evict-when", "pressure",
          "--max-total-tokens", str(POOL), *client.TINY_SERVER_FLAGS)  # fmt: skip
+
+
+BLOCK_POOL = 2200
+BLOCK_FLAGS = ("--kv-evict-policy", "snapkv", "--kv-evict-budget", "0.25", "--kv-evict-when", "pressure",
+               "--kv-evict-scope", "block", "--kv-evict-block-size", "192", "--chunked-prefill-size", "128",
+               "--max-total-tokens", str(BLOCK_POOL), *client.TINY_SERVER_FLAGS)  # fmt: skip
+block_server = client.module_server("pressure-blocks", *BLOCK_FLAGS)
 
 
 def random_prompt(length: int, seed: int) -> list[int]:
@@ -63,3 +73,34 @@ def test_with_room_answers_are_dense_and_under_pressure_cold_prompts_are_compres
         assert response["meta_info"]["cached_tokens"] >= PROMPT
     after = client.assert_no_leak_after_flush(server)
     assert after["deferred_nodes"] == after["deferred_plan_bytes"] == 0
+
+
+def test_a_prompt_the_pool_cannot_take_dense_is_admitted_compressed_beside_a_running_request(block_server):
+    """A 1000-token prompt decoding 600 tokens holds its prompt dense (the pool had room) and SGLang reserves
+    room for its answer, so a 900-token prompt does not fit dense beside it: counted dense, it would wait
+    until the first finishes. Counted by its compressed peak (~510 slots), it is admitted at once, its
+    blocks are compressed at their checkpoints, and it finishes while the first still decodes, whose prompt
+    nothing compresses under it."""
+    first_tokens = threading.Event()
+    long_answer = {"input_ids": random_prompt(1000, seed=40), "rid": "long",
+                   "sampling_params": {"max_new_tokens": 600, "temperature": 0, "ignore_eos": True}}  # fmt: skip
+    received = []
+
+    def decode_long():
+        received.append(client.stream(block_server, long_answer, on_chunk=first_tokens.set))
+
+    running = threading.Thread(target=decode_long)
+    running.start()
+    try:
+        assert first_tokens.wait(timeout=300)
+        assert client.stats(block_server)["prompts_admitted_compressed"] == 0  # the first was admitted dense
+        client.generate(block_server, random_prompt(900, seed=41), 4, rid="squeezed")
+        assert running.is_alive(), "the second prompt waited for the first request to finish"
+        stats = client.stats(block_server)
+        assert stats["prompts_admitted_compressed"] == 1
+        assert stats["compressed_at_checkpoint_under_pressure"] >= 900 // 192
+        assert stats["nodes_compressed_under_pressure"] == 0 and stats["deferred_nodes"] >= 1000 // 192
+    finally:
+        running.join(timeout=300)
+    assert received and not running.is_alive()
+    client.assert_no_leak_after_flush(block_server)

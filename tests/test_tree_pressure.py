@@ -9,7 +9,7 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
 from sgl_kvevict.engine.adapter import radix_cache
 from sgl_kvevict.engine.deferred import PRESSURE
-from sgl_kvevict.engine.records import node_record
+from sgl_kvevict.engine.records import node_record, request_record
 from sgl_kvevict.scope import BlockScope
 from tree_harness import WINDOW, TreeHarness, tokens
 
@@ -239,6 +239,30 @@ def test_a_chunked_prefill_defers_its_blocks_and_none_is_compressed_under_the_re
     harness.finish(req)
     compress_every_deferred_node(harness)
     assert len(harness.compressed_nodes()) == 6
+    harness.assert_cells_hold_their_entries()
+    harness.assert_ledger()
+
+
+def test_a_prompt_admitted_compressed_has_every_block_compressed_though_the_pressure_lapses(monkeypatch):
+    """SGLang admitted the prompt by its compressed peak (``admission``): its blocks must be compressed at
+    their checkpoints even after ``PRESSURE_CHECKPOINTS`` pass without SGLang asking for room, or the room
+    admission counted on would be held dense. Another prompt, admitted dense, defers its blocks."""
+    monkeypatch.setattr(radix_cache, "PRESSURE_CHECKPOINTS", 1)
+    harness = pressure_harness(pool_slots=400, scope=BlockScope(32))
+    harness.tree.felt_pressure()
+    assert harness.tree.under_pressure
+    admitted = harness.begin_chunked(tokens(86, 200, first=86), 48)
+    request_record(admitted).admitted_compressed = True
+    while admitted.kv.kv_committed_len < 200:
+        harness.next_chunk(admitted, 48)
+        harness.assert_ledger()
+    harness.checkpoint(admitted)
+    assert not harness.tree.under_pressure  # lapsed after its first block
+    assert len(harness.compressed_nodes()) == harness.stats.compressed_at_checkpoint_under_pressure == 6
+    assert harness.deferred_nodes() == []
+    harness.finish(admitted)
+    chat_turn(harness, tokens(87, 100, first=87))
+    assert len(harness.deferred_nodes()) == 3 and len(harness.compressed_nodes()) == 6
     harness.assert_cells_hold_their_entries()
     harness.assert_ledger()
 

@@ -65,7 +65,9 @@ class RequestRecord:
     than one under chunked prefill). prefilled: the forward holding its prompt's last token ran. compressions: its segments in flight, in position order, from the forward that submits them
     until the tree stores them. Tree fields: use_counted: the nodes its match passed through counted
     this request's use (at its first checkpoint: SGLang may match a waiting request several times);
-    stored_any: the tree stored one of its segments compressed.
+    stored_any: the tree stored one of its segments compressed; admitted_compressed: under
+    ``--kv-evict-when pressure``, SGLang admitted it by its compressed footprint, so every segment of it is
+    stored compressed at its checkpoint.
     """
 
     setup: Optional["EvictionSetup"]
@@ -75,6 +77,7 @@ class RequestRecord:
     compressions: list["SegmentCompression"] = field(default_factory=list)
     use_counted: bool = False
     stored_any: bool = False
+    admitted_compressed: bool = False
 
 
 def node_record(node: Any) -> NodeRecord:

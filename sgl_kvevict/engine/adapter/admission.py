@@ -14,13 +14,15 @@ patched), each built for the server's ``ServingConfig``:
   instead of waiting forever: one whose own eviction options (``--kv-evict-per-request``) hold it dense
   and whose prompt is longer than the pool, and one whose matched prefix plus the peak of its new
   tokens exceed the pool (a cached prefix may hold dense what a fresh prefill would have compressed:
-  the tail of its last block and earlier replies).
+  the tail of its last block and earlier replies). Under ``--kv-evict-when pressure`` a prompt is
+  admitted dense while the pool has room for it; the first one it has not puts the tree under pressure,
+  and from then on, while the pool stays full, prompts are admitted by their peak (``_admit_under_pressure``).
 * ``answer_clip`` (AROUND ``BaseTokenToKVPoolAllocator.max_new_tokens_for_memory``): SGLang
   clips a request's answer so that its prompt and answer fit the empty pool dense, which leaves no
   answer at all to a prompt longer than the pool; such a prompt (only ever served compressed) holds
   its peak instead.
 
-All three do nothing unless the served setup compresses while prefilling (block scope, chunked prefill, a
+All three do nothing unless the served setup may compress while prefilling (block scope, chunked prefill, a
 budget or a model with local layers, scores from the prefill itself). A model's local layers (Gemma 3) count
 as their window for every policy, ``full`` included: a block holds its global layers' budget and its local
 layers' window (``footprint.LocalShare``).
@@ -34,6 +36,8 @@ from typing import Optional
 from sglang.srt.runtime_context import get_schedule
 
 from sgl_kvevict.engine.adapter.slots import engine_of
+from sgl_kvevict.engine.deferred import PRESSURE
+from sgl_kvevict.engine.records import request_record
 from sgl_kvevict.footprint import LocalShare, PrefillFootprint
 from sgl_kvevict.serving import ServingConfig
 
@@ -91,24 +95,67 @@ def answer_clip(serving: ServingConfig):
 def prefill_admission(serving: ServingConfig):
     def admit_by_footprint(original, adder, req, *, extend_input_len: int, total_tokens: int, **kwargs):
         engine = engine_of(adder.token_to_kv_pool_allocator)
-        if engine is not None:
-            pool = adder.token_to_kv_pool_allocator.size
-            footprint = engine.coordinator.footprint_of(req) if serving.compresses_while_prefilling else None
-            if footprint is not None:
-                peak = footprint.peak_slots(req.prefix_len, req.prefix_len + extend_input_len)
-                held = engine.tree.path_slots(req.last_node)
-                if held + peak > pool:
-                    return _refuse(req, f"Input length ({req.prefix_len + extend_input_len} tokens) needs {held + peak} KV "
-                                        f"slots at its peak with its cached prefix ({held} of them); the KV pool holds {pool}")  # fmt: skip
-                total_tokens += peak - extend_input_len
-            elif served_footprint(serving, engine.coordinator.local_share) is not None and extend_input_len + 1 > pool:
-                return _refuse(req, f"Input length ({extend_input_len} tokens) exceeds what the KV pool holds with this "
-                                    f"request's own eviction options, which keep a prompt dense while it is prefilled ({pool} tokens)")  # fmt: skip
+        if engine is None:
+            return original(adder, req, extend_input_len=extend_input_len, total_tokens=total_tokens, **kwargs)
+        if serving.compress_when == PRESSURE:
+            return _admit_under_pressure(original, adder, req, engine, extend_input_len=extend_input_len, total_tokens=total_tokens, **kwargs)
+        pool = adder.token_to_kv_pool_allocator.size
+        footprint = engine.coordinator.footprint_of(req) if serving.compresses_while_prefilling else None
+        if footprint is not None:
+            total_tokens = _compressed_total(req, engine, footprint, pool, extend_input_len, total_tokens)
+            if total_tokens is None:
+                return _REFUSED
+        elif served_footprint(serving, engine.coordinator.local_share) is not None and extend_input_len + 1 > pool:
+            _refuse(req, f"Input length ({extend_input_len} tokens) exceeds what the KV pool holds with this "
+                                f"request's own eviction options, which keep a prompt dense while it is prefilled ({pool} tokens)")  # fmt: skip
+            return _REFUSED
         return original(adder, req, extend_input_len=extend_input_len, total_tokens=total_tokens, **kwargs)
 
     return admit_by_footprint
 
 
-def _refuse(req, reason: str):
+def _admit_under_pressure(original, adder, req, engine, *, extend_input_len: int, total_tokens: int, **kwargs):
+    """``--kv-evict-when pressure``: a prompt is admitted dense while the pool has room for it. One the pool
+    cannot take dense (SGLang would keep it waiting for running requests to finish) puts the tree under
+    pressure, and while the tree is under pressure a prompt is admitted by its compressed peak, as under
+    ``prefill``, and every segment of it is then stored compressed at its checkpoint. Counted dense, a
+    prompt whose blocks will be compressed at once would wait behind the room it never takes, and SGLang
+    would evict cached prompts to reserve it."""
+    footprint = engine.coordinator.footprint_of(req)
+    if footprint is None:
+        return original(adder, req, extend_input_len=extend_input_len, total_tokens=total_tokens, **kwargs)
+    tree = engine.tree
+    if not tree.under_pressure:
+        verdict = original(adder, req, extend_input_len=extend_input_len, total_tokens=total_tokens, **kwargs)
+        if verdict[0]:
+            return verdict
+        tree.felt_pressure()
+    total_tokens = _compressed_total(req, engine, footprint, adder.token_to_kv_pool_allocator.size, extend_input_len, total_tokens)
+    if total_tokens is None:
+        return _REFUSED
+    verdict = original(adder, req, extend_input_len=extend_input_len, total_tokens=total_tokens, **kwargs)
+    record = request_record(req)
+    if verdict[0] and not record.admitted_compressed:
+        record.admitted_compressed = True
+        engine.stats.count("prompts_admitted_compressed")
+    return verdict
+
+
+def _compressed_total(req, engine, footprint: PrefillFootprint, pool: int, extend_input_len: int, total_tokens: int) -> Optional[int]:
+    """SGLang's ``total_tokens`` with the prompt counted by its compressed peak instead of its dense length;
+    None for a prompt that can never fit (finished with an error)."""
+    peak = footprint.peak_slots(req.prefix_len, req.prefix_len + extend_input_len)
+    held = engine.tree.path_slots(req.last_node)
+    if held + peak > pool:
+        _refuse(req, f"Input length ({req.prefix_len + extend_input_len} tokens) needs {held + peak} KV "
+                     f"slots at its peak with its cached prefix ({held} of them); the KV pool holds {pool}")  # fmt: skip
+        return None
+    return total_tokens + peak - extend_input_len
+
+
+# A refused request is admitted next round as SGLang's one-token stub of an aborted request.
+_REFUSED = (False, None)
+
+
+def _refuse(req, reason: str) -> None:
     req.set_finish_with_abort(reason)
-    return False, None  # it is admitted next round as SGLang's one-token stub of an aborted request

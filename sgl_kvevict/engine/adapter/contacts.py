@@ -107,7 +107,7 @@ CONTACTS: tuple[Contact, ...] = (
     Contact(S, Kind.AFTER, "sglang.srt.managers.tp_worker.TpModelWorker.get_worker_info",
             "admission:length_limits", "the longest prompt accepted: what the pool holds once compressed", configured=True),
     Contact(S, Kind.AROUND, "sglang.srt.managers.schedule_policy.PrefillAdder._check_prefill_budget",
-            "admission:prefill_admission", "a prompt admitted by its compressed peak footprint", configured=True),
+            "admission:prefill_admission", "a prompt admitted by its compressed peak footprint (under pressure: once the pool cannot take it dense)", configured=True),
     Contact(S, Kind.AROUND, "sglang.srt.mem_cache.allocator.base.BaseTokenToKVPoolAllocator.max_new_tokens_for_memory",
             "admission:answer_clip", "the answer length allowed a prompt, by its compressed footprint", configured=True),
     Contact(S, Kind.AROUND, f"{_DECODE_GRAPH_RUNNER}.capture", "scheduler_hooks:capture_graph_variants",

@@ -330,7 +330,7 @@ class CompressedRadixCache(RadixCache):
         arena, wanted = self.arena, params.num_tokens
         freed = arena.release_slots(wanted)
         if self.defers and freed < wanted:
-            self._checkpoints_since_pressure = 0
+            self.felt_pressure()
             freed += self._compress_cold(wanted - freed)
         heap = [(self.order.get_priority(leaf), leaf) for leaf in self.evictable_leaves]
         heapq.heapify(heap)
@@ -345,6 +345,17 @@ class CompressedRadixCache(RadixCache):
             freed += arena.release_slots(wanted - freed)
         self.update_eviction_metrics(freed, start_time)
         return EvictResult(num_tokens_evicted=freed)
+
+    @property
+    def under_pressure(self) -> bool:
+        """Whether SGLang asked for room the pool did not have free within the last ``PRESSURE_CHECKPOINTS``
+        checkpoints: checkpoints then compress at once, and admission counts prompts compressed."""
+        return self._checkpoints_since_pressure < PRESSURE_CHECKPOINTS
+
+    def felt_pressure(self) -> None:
+        """SGLang needs room the pool does not have free: an ``evict`` that moves alone cannot satisfy, or a
+        prompt its admission would keep waiting dense (``admission.prefill_admission``)."""
+        self._checkpoints_since_pressure = 0
 
     def _compress_cold(self, wanted: float) -> int:
         """Compress unlocked dense nodes with a plan, coldest first in the eviction order, until ``wanted``
@@ -434,7 +445,7 @@ class CompressedRadixCache(RadixCache):
         next request for room: the next turn of a conversation then reads its history compressed, as under
         ``prefill``, instead of locking it dense again for the whole turn."""
         self.coordinator.on_request_end(req)
-        if self.defers and self._checkpoints_since_pressure < PRESSURE_CHECKPOINTS:
+        if self.defers and self.under_pressure:
             self._compress_cold(math.inf)  # every unlocked one
 
     def _insert_dense(self, req, end: int, split_prompt: bool = False) -> None:
@@ -492,9 +503,10 @@ class CompressedRadixCache(RadixCache):
         if decision.outcome is not Outcome.COMPRESS:
             return None
         if self.defers:
-            deferring = self._checkpoints_since_pressure >= PRESSURE_CHECKPOINTS
+            # A prompt admitted by its compressed footprint is compressed whole, however long its prefill.
+            at_once = self.under_pressure or request_record(req).admitted_compressed
             self._checkpoints_since_pressure += 1
-            if decision.split_node is None and deferring:
+            if decision.split_node is None and not at_once:
                 self._insert_deferred(req, ready, decision.own_start, end)
                 return None
             self.stats.count("compressed_at_checkpoint_under_pressure")
