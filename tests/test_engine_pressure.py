@@ -8,7 +8,6 @@ prompt is not compressed under it."""
 
 from __future__ import annotations
 
-import random
 import threading
 
 import pytest
@@ -32,11 +31,6 @@ BLOCK_FLAGS = ("--kv-evict-policy", "snapkv", "--kv-evict-budget", "0.25", "--kv
 block_server = client.module_server("pressure-blocks", *BLOCK_FLAGS)
 
 
-def random_prompt(length: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(5, 250) for _ in range(length)]
-
-
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir, tmp_path_factory):
     with client.checked_server(tiny_llama_dir, tmp_path_factory.mktemp("pressure"), *FLAGS) as running:
@@ -54,8 +48,8 @@ def chat(server, reference, prompt: list[int], rid: str, *, dense_tokens: bool) 
 
 
 def test_with_room_answers_are_dense_and_under_pressure_cold_prompts_are_compressed_not_evicted(server, reference):
-    first = chat(server, reference, random_prompt(PROMPT, seed=1), "first-1", dense_tokens=True)
-    second_prompt = first + random_prompt(20, seed=2)
+    first = chat(server, reference, client.random_prompt(PROMPT, seed=1), "first-1", dense_tokens=True)
+    second_prompt = first + client.random_prompt(20, seed=2)
     response = client.generate(server, second_prompt, MAX_NEW_TOKENS, rid="first-2")
     assert response["meta_info"]["cached_tokens"] >= len(first) - 1
     chat(server, reference, second_prompt, "first-2-again", dense_tokens=True)
@@ -64,12 +58,12 @@ def test_with_room_answers_are_dense_and_under_pressure_cold_prompts_are_compres
     assert stats["compressed_nodes"] == stats["nodes_compressed_under_pressure"] == 0
 
     # Five more conversations of 300 tokens do not fit beside it dense: the coldest prompts are compressed.
-    others = [chat(server, reference, random_prompt(PROMPT, seed=10 + k), f"other-{k}", dense_tokens=False) for k in range(5)]
+    others = [chat(server, reference, client.random_prompt(PROMPT, seed=10 + k), f"other-{k}", dense_tokens=False) for k in range(5)]
     stats = client.stats(server)
     assert stats["nodes_compressed_under_pressure"] >= 1 and stats["slots_freed_under_pressure"] > 0
     assert stats["compressed_nodes"] >= 1 and stats["compressed_nodes_evicted"] == 0
     for k, conversation in enumerate(others[-2:]):  # the latest conversations' next turns reuse their prompts
-        response = client.generate(server, conversation + random_prompt(10, seed=30 + k), MAX_NEW_TOKENS, rid=f"next-{k}")
+        response = client.generate(server, conversation + client.random_prompt(10, seed=30 + k), MAX_NEW_TOKENS, rid=f"next-{k}")
         assert response["meta_info"]["cached_tokens"] >= PROMPT
     after = client.assert_no_leak_after_flush(server)
     assert after["deferred_nodes"] == after["deferred_plan_bytes"] == 0
@@ -82,7 +76,7 @@ def test_a_prompt_the_pool_cannot_take_dense_is_admitted_compressed_beside_a_run
     blocks are compressed at their checkpoints, and it finishes while the first still decodes, whose prompt
     nothing compresses under it."""
     first_tokens = threading.Event()
-    long_answer = {"input_ids": random_prompt(1000, seed=40), "rid": "long",
+    long_answer = {"input_ids": client.random_prompt(1000, seed=40), "rid": "long",
                    "sampling_params": {"max_new_tokens": 600, "temperature": 0, "ignore_eos": True}}  # fmt: skip
     received = []
 
@@ -94,7 +88,7 @@ def test_a_prompt_the_pool_cannot_take_dense_is_admitted_compressed_beside_a_run
     try:
         assert first_tokens.wait(timeout=300)
         assert client.stats(block_server)["prompts_admitted_compressed"] == 0  # the first was admitted dense
-        client.generate(block_server, random_prompt(900, seed=41), 4, rid="squeezed")
+        client.generate(block_server, client.random_prompt(900, seed=41), 4, rid="squeezed")
         assert running.is_alive(), "the second prompt waited for the first request to finish"
         stats = client.stats(block_server)
         assert stats["prompts_admitted_compressed"] == 1

@@ -4,9 +4,8 @@ a conversation holds."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import sys
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import aiohttp

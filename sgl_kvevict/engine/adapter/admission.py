@@ -99,16 +99,13 @@ def prefill_admission(serving: ServingConfig):
             return original(adder, req, extend_input_len=extend_input_len, total_tokens=total_tokens, **kwargs)
         if serving.compress_when == PRESSURE:
             return _admit_under_pressure(original, adder, req, engine, extend_input_len=extend_input_len, total_tokens=total_tokens, **kwargs)
-        pool = adder.token_to_kv_pool_allocator.size
         footprint = engine.coordinator.footprint_of(req) if serving.compresses_while_prefilling else None
         if footprint is not None:
-            total_tokens = _compressed_total(req, engine, footprint, pool, extend_input_len, total_tokens)
-            if total_tokens is None:
-                return _REFUSED
-        elif served_footprint(serving, engine.coordinator.local_share) is not None and extend_input_len + 1 > pool:
-            _refuse(req, f"Input length ({extend_input_len} tokens) exceeds what the KV pool holds with this "
+            return _admit_compressed(original, adder, req, engine, footprint, extend_input_len=extend_input_len, total_tokens=total_tokens, **kwargs)
+        pool = adder.token_to_kv_pool_allocator.size
+        if served_footprint(serving, engine.coordinator.local_share) is not None and extend_input_len + 1 > pool:
+            return _refuse(req, f"Input length ({extend_input_len} tokens) exceeds what the KV pool holds with this "
                                 f"request's own eviction options, which keep a prompt dense while it is prefilled ({pool} tokens)")  # fmt: skip
-            return _REFUSED
         return original(adder, req, extend_input_len=extend_input_len, total_tokens=total_tokens, **kwargs)
 
     return admit_by_footprint
@@ -130,10 +127,7 @@ def _admit_under_pressure(original, adder, req, engine, *, extend_input_len: int
         if verdict[0]:
             return verdict
         tree.felt_pressure()
-    total_tokens = _compressed_total(req, engine, footprint, adder.token_to_kv_pool_allocator.size, extend_input_len, total_tokens)
-    if total_tokens is None:
-        return _REFUSED
-    verdict = original(adder, req, extend_input_len=extend_input_len, total_tokens=total_tokens, **kwargs)
+    verdict = _admit_compressed(original, adder, req, engine, footprint, extend_input_len=extend_input_len, total_tokens=total_tokens, **kwargs)
     record = request_record(req)
     if verdict[0] and not record.admitted_compressed:
         record.admitted_compressed = True
@@ -141,21 +135,18 @@ def _admit_under_pressure(original, adder, req, engine, *, extend_input_len: int
     return verdict
 
 
-def _compressed_total(req, engine, footprint: PrefillFootprint, pool: int, extend_input_len: int, total_tokens: int) -> Optional[int]:
-    """SGLang's ``total_tokens`` with the prompt counted by its compressed peak instead of its dense length;
-    None for a prompt that can never fit (finished with an error)."""
+def _admit_compressed(original, adder, req, engine, footprint: PrefillFootprint, *, extend_input_len: int, total_tokens: int, **kwargs):
+    """SGLang's check with the prompt counted by its compressed peak instead of its dense length; a prompt that
+    can never fit, its cached prefix included, is finished with an error instead."""
+    pool = adder.token_to_kv_pool_allocator.size
     peak = footprint.peak_slots(req.prefix_len, req.prefix_len + extend_input_len)
     held = engine.tree.path_slots(req.last_node)
     if held + peak > pool:
-        _refuse(req, f"Input length ({req.prefix_len + extend_input_len} tokens) needs {held + peak} KV "
-                     f"slots at its peak with its cached prefix ({held} of them); the KV pool holds {pool}")  # fmt: skip
-        return None
-    return total_tokens + peak - extend_input_len
+        return _refuse(req, f"Input length ({req.prefix_len + extend_input_len} tokens) needs {held + peak} KV "
+                            f"slots at its peak with its cached prefix ({held} of them); the KV pool holds {pool}")  # fmt: skip
+    return original(adder, req, extend_input_len=extend_input_len, total_tokens=total_tokens + peak - extend_input_len, **kwargs)
 
 
-# A refused request is admitted next round as SGLang's one-token stub of an aborted request.
-_REFUSED = (False, None)
-
-
-def _refuse(req, reason: str) -> None:
+def _refuse(req, reason: str):
     req.set_finish_with_abort(reason)
+    return False, None  # it is admitted next round as SGLang's one-token stub of an aborted request
