@@ -71,9 +71,11 @@ def stats(server: RunningServer) -> dict:
 
 
 def generate(
-    server: RunningServer, input_ids: list[int], max_new_tokens: int, rid: str | None = None, options: str | None = None
-) -> dict:
-    """Greedy ``/generate``; ``options``: the request's own eviction options (``--kv-evict-per-request``)."""
+    server: RunningServer, input_ids: list[int] | list[list[int]], max_new_tokens: int, rid: str | list[str] | None = None,
+    options: str | None = None,
+) -> dict | list[dict]:
+    """Greedy ``/generate`` (a batch: prompts and rids as lists, one reply each); ``options``: the request's own
+    eviction options (``--kv-evict-per-request``)."""
     payload = {"input_ids": input_ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}}
     if rid is not None:
         payload["rid"] = rid

@@ -4,7 +4,8 @@ tokens (the reference's, which evicts nothing) and nothing is compressed; when l
 the room, cold prompts are compressed in place instead of evicted, their next turns still reuse them, and
 a flush gives every slot, cell and plan back. Block scope with chunked prefill: a prompt the pool cannot take
 dense beside a running request is admitted at once by its compressed peak, and the running request's
-prompt is not compressed under it."""
+prompt is not compressed under it; prompts arriving together that the pool cannot take dense are
+compressed at their checkpoints from the first one on."""
 
 from __future__ import annotations
 
@@ -97,4 +98,22 @@ def test_a_prompt_the_pool_cannot_take_dense_is_admitted_compressed_beside_a_run
     finally:
         running.join(timeout=300)
     assert received and not running.is_alive()
+    client.assert_no_leak_after_flush(block_server)
+
+
+def test_prompts_arriving_together_that_the_pool_cannot_take_dense_are_compressed_from_the_first_on(block_server):
+    """Four 700-token prompts in one batch (2800 new tokens, pool 2200): the waiting queue alone exceeds the
+    free pool, so the tree is under pressure before the first is admitted, and every full block of every
+    prompt is compressed at its checkpoint. Weighed one prompt at a time (SGLang admits one 128-token chunk
+    per forward), the first prompts would be inserted dense and only compressed cold later."""
+    before = client.stats(block_server)
+    prompts = [client.random_prompt(700, seed=50 + k) for k in range(4)]
+    replies = client.generate(block_server, prompts, 4, rid=[f"together-{k}" for k in range(4)])
+    assert len(replies) == 4 and all(reply["meta_info"]["completion_tokens"] == 4 for reply in replies)
+    stats = client.stats(block_server)
+    grew = {name: stats[name] - before[name] for name in (
+        "pressure_from_waiting_queue", "compressed_at_checkpoint_under_pressure", "nodes_compressed_under_pressure")}  # fmt: skip
+    assert grew["pressure_from_waiting_queue"] >= 1
+    assert grew["compressed_at_checkpoint_under_pressure"] == 4 * (700 // 192), grew
+    assert grew["nodes_compressed_under_pressure"] == 0, grew
     client.assert_no_leak_after_flush(block_server)

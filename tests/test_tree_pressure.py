@@ -267,6 +267,29 @@ def test_a_prompt_admitted_compressed_has_every_block_compressed_though_the_pres
     harness.assert_ledger()
 
 
+def test_a_waiting_queue_whose_new_tokens_exceed_the_free_pool_puts_the_tree_under_pressure():
+    """``weigh_waiting`` (before SGLang forms a prefill batch): each waiting prompt counts what a match would
+    not reuse; the tree goes under pressure only once that exceeds what the pool has free, and the first
+    prompt then admitted is compressed at its checkpoint instead of being read dense (and the cached
+    conversation no request reads any more, at that request's release)."""
+    harness = pressure_harness(pool_slots=600)
+    conversation = chat_turn(harness, tokens(95, 150, first=95))
+    free = harness.allocator.available_size()
+    follow_ups = [harness.request(conversation + tokens(96 + turn, 40)) for turn in range(4)]
+    harness.tree.weigh_waiting(follow_ups)  # 4 x 40 new tokens: the history is cached
+    assert not harness.tree.under_pressure and harness.stats.pressure_from_waiting_queue == 0
+    assert 2 * 190 < free < 4 * 190
+    new_documents = [harness.request(tokens(100 + seed, 190, first=100 + seed)) for seed in range(4)]
+    harness.tree.weigh_waiting(new_documents[:2])  # 380 new tokens, under the pool's free room
+    assert not harness.tree.under_pressure
+    harness.tree.weigh_waiting(new_documents)
+    assert harness.tree.under_pressure and harness.stats_snapshot()["pressure_from_waiting_queue"] == 1
+    chat_turn(harness, tokens(100, 190, first=100))
+    assert harness.stats.compressed_at_checkpoint_under_pressure == 1 and harness.stats.nodes_compressed_under_pressure == 1
+    assert len(harness.compressed_nodes()) == 2 and harness.deferred_nodes() == []
+    harness.assert_ledger()
+
+
 def test_flush_drops_the_plans_and_returns_every_slot():
     harness = pressure_harness(pool_slots=300)
     for seed in range(3):

@@ -49,6 +49,7 @@ COUNTERS = {
     "slots_freed_under_pressure": "KV token slots those compressions gave back to SGLang's allocator.",
     "compressed_at_checkpoint_under_pressure": "Segments compressed at their checkpoint under --kv-evict-when pressure (in the 64 checkpoints after SGLang asked for room the pool did not have free).",
     "prompts_admitted_compressed": "Prompts SGLang admitted by their compressed footprint under --kv-evict-when pressure while the pool was full.",
+    "pressure_from_waiting_queue": "Times the waiting requests' new tokens exceeded the KV pool's free room and put the tree under pressure (--kv-evict-when pressure).",
     "arena_cells_moved": "Cells moved to give whole slots back to SGLang's allocator.",
     "chunked_prefills": "Requests whose prompt took more than one prefill forward (chunked prefill).",
     "chunked_prefills_aborted": "Requests released between two prefill forwards of their prompt (aborted between chunks).",

@@ -61,7 +61,9 @@ class EngineStats:
     ``compressed_at_checkpoint_under_pressure`` (segments stored compressed at their checkpoint: in the
     checkpoints after SGLang asked for room the pool did not have free, or diverging inside a compressed
     node), ``prompts_admitted_compressed`` (prompts SGLang admitted by their compressed footprint while the
-    pool was full: from the first one it could not take dense on). ``served_histogram`` maps "distinct
+    pool was full: from the first one it could not take dense on), ``pressure_from_waiting_queue`` (times the
+    waiting requests' new tokens exceeded the pool's free room and put the tree under pressure before any
+    of them was admitted). ``served_histogram`` maps "distinct
     requests a node served" to the number of nodes, over every node created since start.
     """
 
@@ -95,6 +97,7 @@ class EngineStats:
     slots_freed_under_pressure: int = 0
     compressed_at_checkpoint_under_pressure: int = 0
     prompts_admitted_compressed: int = 0
+    pressure_from_waiting_queue: int = 0
     served_histogram: Counter = field(default_factory=Counter, repr=False)
     # The model's global layers where it has local ones (``local_layers``), for the shares of the snapshot.
     global_layers: tuple[int, ...] = field(default=(), repr=False)

@@ -103,6 +103,15 @@ def atomic_prefix_length(
     return limit
 
 
+def cached_prefix_length(
+    walk: Walk, key_length: int, is_compressed: Callable[[Any], bool], may_end_at: Callable[[Any], bool]
+) -> int:
+    """How much of a key a match would reuse: what ``atomic_prefix_length`` lets it take of what the tree
+    holds (the walked nodes, and the matched part of a dense node it ends inside)."""
+    held = walk.covered + (walk.partial_matched if walk.partial is not None and not is_compressed(walk.partial) else 0)
+    return min(held, atomic_prefix_length(walk, key_length, is_compressed, may_end_at))
+
+
 def node_length(node: Any) -> int:
     return len(node.key)
 

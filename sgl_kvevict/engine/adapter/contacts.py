@@ -102,6 +102,8 @@ CONTACTS: tuple[Contact, ...] = (
             "scoring capture and segment attention on CUDA (FlashInfer ragged/paged kernels)"),
     Contact(S, Kind.AFTER, f"{_SCHEDULER}.process_batch_result", "scheduler_hooks:after_batch",
             "one piece of queued KVzip reconstruction between batches; a finished request's plans stored"),
+    Contact(S, Kind.BEFORE, f"{_SCHEDULER}.get_new_batch_prefill", "scheduler_hooks:weigh_waiting_queue",
+            "under pressure mode: a waiting queue whose new tokens exceed the pool's free room puts the tree under pressure"),
     Contact(S, Kind.AROUND, f"{_SCHEDULER}.get_next_batch_to_run", "scheduler_hooks:settle_before_next_batch",
             "overlap schedule: a batch whose checkpoints store compressed segments is processed before the next forms"),
     Contact(S, Kind.AFTER, "sglang.srt.managers.tp_worker.TpModelWorker.get_worker_info",

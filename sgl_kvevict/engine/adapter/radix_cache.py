@@ -61,6 +61,7 @@ import dataclasses
 import heapq
 import math
 import time
+from array import array
 from typing import Optional
 
 import torch
@@ -83,7 +84,7 @@ from sgl_kvevict.engine.paths import compressed_nodes, is_compressed, match_may_
 from sgl_kvevict.engine.records import RECORD_ATTR, NodeRecord, node_record, request_record
 from sgl_kvevict.engine.segments import CompressedSegment, SpareCells, Split
 from sgl_kvevict.engine.stats import EngineStats
-from sgl_kvevict.engine.tree_decisions import Outcome, Walk, atomic_prefix_length, decide_compression
+from sgl_kvevict.engine.tree_decisions import Outcome, Walk, atomic_prefix_length, cached_prefix_length, decide_compression
 from sgl_kvevict.local_layers import LocalLayers
 from sgl_kvevict.plan import CompressionPlan
 from sgl_kvevict.sharding import RankCounts
@@ -356,6 +357,25 @@ class CompressedRadixCache(RadixCache):
         """SGLang needs room the pool does not have free: an ``evict`` that moves alone cannot satisfy, or a
         prompt its admission would keep waiting dense (``admission.prefill_admission``)."""
         self._checkpoints_since_pressure = 0
+
+    def weigh_waiting(self, waiting: list) -> None:
+        """Before SGLang admits from its waiting queue (``scheduler_hooks.weigh_waiting_queue``): where the
+        waiting requests' new tokens (each prompt and output so far, less what a match would reuse) exceed
+        what the pool has free or can free by moves, stock would now evict cached prompts to serve them, so
+        the tree is under pressure before the first of them is admitted dense. Admitted a chunk at a time,
+        the queue otherwise reaches a prompt the pool cannot take only after the first ones, and the
+        prefixes they share with the rest, were prefilled and are read dense by their running requests."""
+        room = self.token_to_kv_pool_allocator.available_size() + self.arena.slots_reclaimable_by_moves
+        demand = 0
+        for req in waiting:
+            ids = array("q", req.origin_input_ids)
+            ids.extend(req.output_ids)
+            key = RadixKey(ids, req.extra_key, cache_salt=req.cache_salt)
+            demand += len(key) - cached_prefix_length(self._walk(key), len(key), is_compressed, match_may_end)
+            if demand > room:
+                self.felt_pressure()
+                self.stats.count("pressure_from_waiting_queue")
+                return
 
     def _compress_cold(self, wanted: float) -> int:
         """Compress unlocked dense nodes with a plan, coldest first in the eviction order, until ``wanted``

@@ -24,6 +24,15 @@ def after_batch(_result, scheduler, *args, **kwargs) -> None:
         engine.tree.checkpoint(req, up_to=len(req.origin_input_ids))
 
 
+def weigh_waiting_queue(scheduler, *args, **kwargs) -> None:
+    """Before SGLang forms a prefill batch, under ``--kv-evict-when pressure`` while the tree is not under
+    pressure yet: the waiting queue's demand for new KV against the pool's free room
+    (``CompressedRadixCache.weigh_waiting``)."""
+    engine: Engine = engine_of(scheduler.token_to_kv_pool_allocator)
+    if engine is not None and engine.tree.defers and not engine.tree.under_pressure and scheduler.waiting_queue:
+        engine.tree.weigh_waiting(scheduler.waiting_queue)
+
+
 def settle_before_next_batch(original, scheduler, *args, **kwargs):
     """SGLang's overlap loop forms batch N + 1 before it processes batch N's results. When N's checkpoints
     store compressed segments (or KVzip work is queued), process them first, as the serial loop does: N + 1
